@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv from requirements.txt when it is missing or older than requirements.txt.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) tools/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(PY) -m pip install --quiet ruff==0.17.5
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_loss.py
+
+clean:
+	rm -rf runs outputs .pytest_cache
