@@ -1,0 +1,136 @@
+"""Albumentations pipelines for segmentation: image and mask move together.
+
+Every pipeline is called as ``transform(image=uint8 (H, W, 3), mask=uint8 (H, W))`` and returns
+``{"image": float32 tensor (3, h, w) normalised with the ImageNet mean/std, "mask": int64 tensor
+(h, w)}``. Masks are only ever resized with nearest-neighbour interpolation and padded with the void
+label, so no label value is invented.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import albumentations as A
+import cv2
+import numpy as np
+import torch
+from albumentations.pytorch import ToTensorV2
+
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+VOID_LABEL = 255
+
+
+class SegmentationTransform:
+    """An ``A.Compose`` whose output mask is cast to ``int64`` (what ``F.cross_entropy`` expects).
+
+    Args:
+        transforms: albumentations transforms; the last ones should be ``Normalize`` and
+            ``ToTensorV2``.
+
+    Shape:
+        input ``image (H, W, 3)`` uint8, ``mask (H, W)`` uint8;
+        output ``image (3, h, w)`` float32, ``mask (h, w)`` int64.
+    """
+
+    def __init__(self, transforms: list[A.BasicTransform]) -> None:
+        self.compose = A.Compose(transforms)
+
+    def __call__(self, *, image: np.ndarray, mask: np.ndarray) -> dict[str, Any]:
+        out = self.compose(image=image, mask=mask)
+        return {"image": out["image"].float(), "mask": torch.as_tensor(out["mask"]).long()}
+
+    def __repr__(self) -> str:
+        return f"SegmentationTransform({self.compose!r})"
+
+
+def _normalise_and_tensor() -> list[A.BasicTransform]:
+    return [A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD), ToTensorV2()]
+
+
+def train_transform(
+    crop_size: int,
+    scale_range: tuple[float, float] = (0.5, 2.0),
+    hflip: bool = True,
+    color_jitter: bool = True,
+) -> SegmentationTransform:
+    """Training augmentation: random scale, pad, random crop, flip, light colour jitter.
+
+    The image is padded with 0 and the mask with 255 (void), so padding never counts as a class.
+
+    Args:
+        crop_size: side of the square output crop.
+        scale_range: range of the random scale factor (one factor for both sides).
+        hflip: random horizontal flip with probability 0.5.
+        color_jitter: light brightness/contrast/saturation/hue jitter with probability 0.5.
+
+    Returns:
+        A pipeline producing ``image (3, crop_size, crop_size)`` and
+        ``mask (crop_size, crop_size)``.
+    """
+    if crop_size < 1:
+        raise ValueError(f"Expected `crop_size` to be a positive integer, but got {crop_size}.")
+    low, high = scale_range
+    if not 0 < low <= high:
+        raise ValueError(f"Expected `scale_range` to be (low, high) with 0 < low <= high, but got "
+                         f"{scale_range}.")
+    steps: list[A.BasicTransform] = []
+    if (low, high) != (1.0, 1.0):
+        steps.append(A.RandomScale(scale_limit=(low - 1.0, high - 1.0),
+                                   interpolation=cv2.INTER_LINEAR,
+                                   mask_interpolation=cv2.INTER_NEAREST, p=1.0))
+    steps += [
+        A.PadIfNeeded(min_height=crop_size, min_width=crop_size, border_mode=cv2.BORDER_CONSTANT,
+                      fill=0, fill_mask=VOID_LABEL),
+        A.RandomCrop(height=crop_size, width=crop_size),
+    ]
+    if hflip:
+        steps.append(A.HorizontalFlip(p=0.5))
+    if color_jitter:
+        steps.append(A.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.02, p=0.5))
+    return SegmentationTransform(steps + _normalise_and_tensor())
+
+
+def _shrink_longest_side(array: np.ndarray, max_size: int, interpolation: int,
+                         **_: Any) -> np.ndarray:
+    """Resize so the longest side is at most ``max_size`` (never enlarges)."""
+    height, width = array.shape[:2]
+    scale = max_size / max(height, width)
+    if scale >= 1.0:
+        return array
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))  # cv2 wants (w, h)
+    return cv2.resize(array, size, interpolation=interpolation)
+
+
+def eval_transform(size: int | None, upscale: bool = False) -> SegmentationTransform:
+    """Deterministic evaluation pipeline giving every image the same ``(size, size)`` shape.
+
+    Images whose longest side exceeds ``size`` are shrunk to it (bilinear image, nearest mask);
+    then image and mask are padded at the bottom/right to ``size x size`` with 0 and 255 (void), so
+    the padding is excluded from every metric and ``out[:h, :w]`` recovers the resized image.
+
+    Args:
+        size: output side, or ``None`` for normalisation and conversion to tensors only.
+        upscale: also enlarge images whose longest side is below ``size`` (default: pad only, so
+            no label is duplicated by resizing).
+
+    Returns:
+        A pipeline producing ``image (3, size, size)`` and ``mask (size, size)``.
+    """
+    if size is None:
+        return SegmentationTransform(_normalise_and_tensor())
+    if size < 1:
+        raise ValueError(f"Expected `size` to be a positive integer or None, but got {size}.")
+    if upscale:
+        resize: A.BasicTransform = A.LongestMaxSize(max_size=size, interpolation=cv2.INTER_LINEAR,
+                                                    mask_interpolation=cv2.INTER_NEAREST)
+    else:
+        resize = A.Lambda(
+            image=partial(_shrink_longest_side, max_size=size, interpolation=cv2.INTER_LINEAR),
+            mask=partial(_shrink_longest_side, max_size=size, interpolation=cv2.INTER_NEAREST),
+            name="shrink_longest_side",
+        )
+    pad = A.PadIfNeeded(min_height=size, min_width=size, position="top_left",
+                        border_mode=cv2.BORDER_CONSTANT, fill=0, fill_mask=VOID_LABEL)
+    return SegmentationTransform([resize, pad, *_normalise_and_tensor()])

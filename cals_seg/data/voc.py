@@ -1,0 +1,286 @@
+"""PASCAL VOC 2012 semantic segmentation: layout, split files and a validating dataset.
+
+The on-disk layout is the unmodified VOC one (DESIGN.md section 6)::
+
+    VOCdevkit/VOC2012/JPEGImages/<id>.jpg
+    VOCdevkit/VOC2012/SegmentationClass/<id>.png      palette PNG, index = class, 255 = void
+    VOCdevkit/VOC2012/ImageSets/Segmentation/<split>.txt
+
+The embedded synthetic dataset (:mod:`cals_seg.data.synthetic`) is written in the same layout, so
+this module reads both.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from cals_seg.data.transforms import eval_transform
+
+VOC_CLASSES: tuple[str, ...] = (
+    "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair",
+    "cow", "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
+    "train", "tvmonitor",
+)  # fmt: skip
+
+IMAGE_DIR = "JPEGImages"
+MASK_DIR = "SegmentationClass"
+SPLIT_DIR = os.path.join("ImageSets", "Segmentation")
+
+
+def voc_palette(num_entries: int = 256) -> np.ndarray:
+    """The standard VOC colour map: the bits of the class index interleaved into R, G and B.
+
+    Bit ``3j`` of the index becomes bit ``7 - j`` of red, bit ``3j + 1`` of green and bit ``3j + 2``
+    of blue, so index 0 is black, 1 is dark red (128, 0, 0) and 255 (void) is (224, 224, 192).
+
+    Args:
+        num_entries: number of palette entries (256 for a full PNG palette).
+
+    Returns:
+        ``uint8`` array of shape ``(num_entries, 3)``.
+    """
+    index = np.arange(num_entries, dtype=np.int64)
+    palette = np.zeros((num_entries, 3), dtype=np.int64)
+    for bit in range(8):
+        for channel in range(3):
+            palette[:, channel] |= ((index >> (3 * bit + channel)) & 1) << (7 - bit)
+    return palette.astype(np.uint8)
+
+
+def resolve_voc_root(root: str | os.PathLike) -> Path:
+    """Find the ``VOC2012`` folder from any of the three usual roots.
+
+    Accepted: the folder that contains ``VOCdevkit``, the ``VOCdevkit`` folder itself, or the
+    ``VOC2012`` folder (anything that directly holds ``JPEGImages`` or ``ImageSets``).
+
+    Args:
+        root: one of the three folders above.
+
+    Returns:
+        The path of the folder holding ``JPEGImages``, ``SegmentationClass`` and ``ImageSets``.
+
+    Raises:
+        ValueError: when none of the three layouts is found under ``root``.
+    """
+    root = Path(root)
+    candidates = [root / "VOCdevkit" / "VOC2012", root / "VOC2012", root]
+    for candidate in candidates:
+        if (candidate / IMAGE_DIR).is_dir() or (candidate / "ImageSets").is_dir():
+            return candidate
+    tried = ", ".join(str(c) for c in candidates)
+    raise ValueError(
+        f"No VOC layout found under '{root}' (looked for JPEGImages/ or ImageSets/ in: {tried}). "
+        "Pass the folder containing VOCdevkit, VOCdevkit itself or VOC2012, or generate the "
+        "embedded dataset with `python tools/make_synthetic.py --root data/synthetic`."
+    )
+
+
+def read_split(root: str | os.PathLike, name: str) -> list[str]:
+    """Read the image ids of ``ImageSets/Segmentation/<name>.txt`` (one id per line).
+
+    Args:
+        root: VOC root (any form accepted by :func:`resolve_voc_root`).
+        name: split name, e.g. ``"train"`` or ``"val"``.
+
+    Returns:
+        The ids in file order; blank lines are skipped.
+
+    Raises:
+        ValueError: when the split file does not exist (the message lists the splits that do).
+    """
+    split_dir = resolve_voc_root(root) / SPLIT_DIR
+    path = split_dir / f"{name}.txt"
+    if not path.is_file():
+        available = sorted(p.stem for p in split_dir.glob("*.txt")) if split_dir.is_dir() else []
+        raise ValueError(
+            f"Split file '{path}' not found. Available splits: {available or 'none'}. "
+            "Use one of them, or restore the file from the VOC archive."
+        )
+    with open(path, encoding="utf-8") as f:
+        return [line.split()[0] for line in f if line.strip()]
+
+
+def paper_split(
+    root: str | os.PathLike, val_fraction: float = 0.2, seed: int = 0
+) -> dict[str, list[str]]:
+    """The paper's split: ``train.txt`` cut into train / val, the official ``val.txt`` as test.
+
+    A permutation from ``numpy.random.default_rng(seed)`` picks ``round(val_fraction * n)``
+    validation ids out of the ``n`` ids of ``train.txt``; both parts keep the file order. On VOC2012
+    this gives 1171 train / 293 val / 1449 test ids.
+
+    Args:
+        root: VOC root (any form accepted by :func:`resolve_voc_root`).
+        val_fraction: fraction of ``train.txt`` held out for validation, in ``[0, 1)``.
+        seed: seed of the permutation.
+
+    Returns:
+        ``{"train": [...], "val": [...], "test": [...]}``.
+
+    Raises:
+        ValueError: for a bad ``val_fraction`` or a missing split file.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"Expected `val_fraction` to be in [0, 1), but got {val_fraction}.")
+    pool = read_split(root, "train")
+    n_val = round(val_fraction * len(pool))
+    order = np.random.default_rng(seed).permutation(len(pool))
+    is_val = np.zeros(len(pool), dtype=bool)
+    is_val[order[:n_val]] = True
+    return {
+        "train": [i for i, v in zip(pool, is_val, strict=True) if not v],
+        "val": [i for i, v in zip(pool, is_val, strict=True) if v],
+        "test": read_split(root, "val"),
+    }
+
+
+def _open_fully(path: Path, what: str, sample_id: str) -> Image.Image:
+    """Open and decode a PIL image, turning every decoding failure into a ValueError."""
+    try:
+        image = Image.open(path)
+        # Decode now: a truncated file raises here (ImageFile.LOAD_TRUNCATED_IMAGES stays False).
+        image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise ValueError(
+            f"Cannot read {what} '{path}' ({type(err).__name__}: {err}). The file is unreadable or "
+            f"truncated: restore it from the original archive, or remove '{sample_id}' from the "
+            "split file."
+        ) from err
+    return image
+
+
+class VOCSegmentation(Dataset):
+    """VOC-layout segmentation dataset returning normalised image tensors and index masks.
+
+    File existence is checked for every id at construction (cheap ``os.path.exists``); the content
+    (decodability, mask values, sizes) is validated when a sample is loaded.
+
+    Args:
+        root: the folder containing ``VOCdevkit``, ``VOCdevkit`` itself, or ``VOC2012``.
+        ids: image ids, or a split name (``"train"``) to read from ``ImageSets/Segmentation``.
+        transform: callable ``transform(image=uint8 (H, W, 3), mask=uint8 (H, W)) -> dict`` with
+            ``"image"`` and ``"mask"`` (see :mod:`cals_seg.data.transforms`). ``None`` means
+            ``eval_transform(None)``: ImageNet normalisation and conversion to tensors only.
+        num_classes: valid labels are ``0 .. num_classes - 1``.
+        ignore_index: the void label kept as is in the masks (255 in VOC).
+
+    Shape:
+        ``sample["image"]``: ``(3, H, W)`` float32, normalised with the ImageNet mean/std.
+        ``sample["mask"]``: ``(H, W)`` int64, values in ``[0, num_classes)`` or ``ignore_index``.
+        ``sample["id"]``: ``str``.
+
+    Raises:
+        ValueError: at construction, for a bad root, a missing split file or ids whose image or
+            mask file is missing; at load time, for an unreadable image, an RGB (non-index) mask, a
+            mask value outside ``[0, num_classes)`` other than ``ignore_index``, or image and mask
+            of different sizes.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        ids: Sequence[str] | str,
+        transform: Callable[..., dict[str, Any]] | None = None,
+        num_classes: int = 21,
+        ignore_index: int = 255,
+    ) -> None:
+        if not isinstance(num_classes, int) or num_classes < 1:
+            raise ValueError(
+                f"Expected `num_classes` to be a positive integer, but got {num_classes}."
+            )
+        if not 0 <= ignore_index <= 255 or ignore_index < num_classes:
+            raise ValueError(
+                f"Expected `ignore_index` to be in [num_classes, 255] = [{num_classes}, 255], "
+                f"but got {ignore_index}."
+            )
+        self.root = resolve_voc_root(root)
+        self.ids = read_split(self.root, ids) if isinstance(ids, str) else [str(i) for i in ids]
+        self.transform = transform if transform is not None else eval_transform(None)
+        self.num_classes = num_classes
+        self.ignore_index = ignore_index
+        self._check_files_exist()
+
+    def image_path(self, sample_id: str) -> Path:
+        """Path of the JPEG image of ``sample_id``."""
+        return self.root / IMAGE_DIR / f"{sample_id}.jpg"
+
+    def mask_path(self, sample_id: str) -> Path:
+        """Path of the palette-PNG mask of ``sample_id``."""
+        return self.root / MASK_DIR / f"{sample_id}.png"
+
+    def _check_files_exist(self) -> None:
+        missing = [
+            str(path)
+            for sample_id in self.ids
+            for path in (self.image_path(sample_id), self.mask_path(sample_id))
+            if not os.path.exists(path)
+        ]
+        if missing:
+            shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+            raise ValueError(
+                f"{len(missing)} image/mask file(s) listed by the split are missing under "
+                f"'{self.root}': {shown}. Restore the files, or remove those ids from the split "
+                "file."
+            )
+
+    def load_image(self, sample_id: str) -> np.ndarray:
+        """Raw RGB image, not normalised (for plotting).
+
+        Returns:
+            ``uint8`` array of shape ``(H, W, 3)``.
+        """
+        image = _open_fully(self.image_path(sample_id), "image", sample_id)
+        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+
+    def load_mask(self, sample_id: str) -> np.ndarray:
+        """Validated label mask: the palette indices of the PNG (never its RGB colours).
+
+        Returns:
+            ``uint8`` array of shape ``(H, W)``; values in ``[0, num_classes)`` or ``ignore_index``.
+        """
+        path = self.mask_path(sample_id)
+        mask_image = _open_fully(path, "mask", sample_id)
+        if mask_image.mode not in ("P", "L"):
+            raise ValueError(
+                f"Mask '{path}' has mode {mask_image.mode}; expected a palette ('P') or grayscale "
+                "('L') PNG whose pixel values are class indices. Convert the colours to indices "
+                "(e.g. with the VOC palette) and save as a palette PNG."
+            )
+        mask = np.asarray(mask_image, dtype=np.uint8)  # mode P -> palette indices, not colours
+        values = np.unique(mask)
+        bad = values[(values >= self.num_classes) & (values != self.ignore_index)]
+        if bad.size:
+            raise ValueError(
+                f"Mask '{path}' contains values {bad.tolist()} outside [0, {self.num_classes}) "
+                f"that are not the void label {self.ignore_index}. Fix the mask, or set "
+                "`num_classes` / `ignore_index` to match the dataset."
+            )
+        return mask
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample_id = self.ids[index]
+        image = self.load_image(sample_id)
+        mask = self.load_mask(sample_id)
+        if image.shape[:2] != mask.shape:
+            raise ValueError(
+                f"Image '{self.image_path(sample_id)}' is {image.shape[1]}x{image.shape[0]} but "
+                f"mask '{self.mask_path(sample_id)}' is {mask.shape[1]}x{mask.shape[0]} (WxH). "
+                "They must match: re-export the mask at the image size, or remove the id."
+            )
+        out = self.transform(image=image, mask=mask)
+        return {
+            "image": torch.as_tensor(out["image"], dtype=torch.float32),
+            "mask": torch.as_tensor(out["mask"]).long(),
+            "id": sample_id,
+        }
