@@ -142,19 +142,25 @@ def paper_split(
     }
 
 
-def _open_fully(path: Path, what: str, sample_id: str) -> Image.Image:
-    """Open and decode a PIL image, turning every decoding failure into a ValueError."""
+def _read_pixels(path: Path, what: str, sample_id: str, rgb: bool) -> tuple[str, np.ndarray]:
+    """Decode an image file fully and close it; every decoding failure becomes a ValueError.
+
+    Returns:
+        The PIL mode of the file and its pixels as a writable ``uint8`` array: ``(H, W, 3)`` RGB
+        when ``rgb`` is True, otherwise the stored values (palette indices for mode ``P``).
+    """
     try:
-        image = Image.open(path)
-        # Decode now: a truncated file raises here (ImageFile.LOAD_TRUNCATED_IMAGES stays False).
-        image.load()
+        with Image.open(path) as image:
+            # Decode now: a truncated file raises here (ImageFile.LOAD_TRUNCATED_IMAGES stays
+            # False), not later inside a worker process.
+            image.load()
+            return image.mode, np.array(image.convert("RGB") if rgb else image, dtype=np.uint8)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise ValueError(
             f"Cannot read {what} '{path}' ({type(err).__name__}: {err}). The file is unreadable or "
             f"truncated: restore it from the original archive, or remove '{sample_id}' from the "
             "split file."
         ) from err
-    return image
 
 
 class VOCSegmentation(Dataset):
@@ -237,8 +243,7 @@ class VOCSegmentation(Dataset):
         Returns:
             ``uint8`` array of shape ``(H, W, 3)``.
         """
-        image = _open_fully(self.image_path(sample_id), "image", sample_id)
-        return np.asarray(image.convert("RGB"), dtype=np.uint8)
+        return _read_pixels(self.image_path(sample_id), "image", sample_id, rgb=True)[1]
 
     def load_mask(self, sample_id: str) -> np.ndarray:
         """Validated label mask: the palette indices of the PNG (never its RGB colours).
@@ -247,14 +252,13 @@ class VOCSegmentation(Dataset):
             ``uint8`` array of shape ``(H, W)``; values in ``[0, num_classes)`` or ``ignore_index``.
         """
         path = self.mask_path(sample_id)
-        mask_image = _open_fully(path, "mask", sample_id)
-        if mask_image.mode not in ("P", "L"):
+        mode, mask = _read_pixels(path, "mask", sample_id, rgb=False)  # P: indices, not colours
+        if mode not in ("P", "L"):
             raise ValueError(
-                f"Mask '{path}' has mode {mask_image.mode}; expected a palette ('P') or grayscale "
+                f"Mask '{path}' has mode {mode}; expected a palette ('P') or grayscale "
                 "('L') PNG whose pixel values are class indices. Convert the colours to indices "
                 "(e.g. with the VOC palette) and save as a palette PNG."
             )
-        mask = np.asarray(mask_image, dtype=np.uint8)  # mode P -> palette indices, not colours
         values = np.unique(mask)
         bad = values[(values >= self.num_classes) & (values != self.ignore_index)]
         if bad.size:
