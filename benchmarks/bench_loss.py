@@ -1,0 +1,177 @@
+"""Forward+backward time and peak memory of every loss, as ratios to F.cross_entropy.
+
+    python benchmarks/bench_loss.py [--shape 8 21 256 256] [--void 0.1] [--repeats 5] [--device cpu]
+
+Each loss runs on the same ``(N, K, H, W)`` logits with a fraction of void (255) pixels. Time is
+the median over ``--repeats`` forward+backward passes after one warm-up; ``F.cross_entropy`` is
+measured in the same run. Peak memory is measured in a fresh subprocess per loss: on CUDA with
+``torch.cuda.max_memory_allocated``; on CPU as the growth of the process' peak RSS over the
+state just before the pass (logits and target already allocated), which includes the allocator's
+behaviour and so is an upper bound on what the loss itself keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cals_seg.losses import LOSSES, build_loss  # noqa: E402
+
+NAMES = ["F.cross_entropy", *LOSSES]
+
+
+def make_inputs(shape: list[int], void: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n, k, *s = shape
+    # Logits with a realistic scale: some positions far beyond the margin of 10.
+    # Filled in place, so creating the inputs leaves no large freed temporaries behind.
+    logits = torch.empty(shape).normal_(0.0, 6.0, generator=g).to(device)
+    target = torch.randint(0, k, (n, *s), generator=g)
+    target.masked_fill_(torch.rand((n, *s), generator=g) < void, 255)
+    return logits, target.to(device)
+
+
+def make_fn(name: str, k: int):
+    if name == "F.cross_entropy":
+        return lambda x, y: F.cross_entropy(x, y, ignore_index=255)
+    loss = build_loss(name, k, ignore_index=255)
+    if name == "cals_alm":  # multipliers as after some training, so the penalty is active
+        loss.lambdas.fill_(0.5)
+        loss.rhos.fill_(2.0)
+    return loss
+
+
+def step(fn, logits: torch.Tensor, target: torch.Tensor) -> None:
+    x = logits.detach().requires_grad_(True)
+    fn(x, target).backward()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_one(name: str, logits, target, repeats: int, device: str) -> float:
+    fn = make_fn(name, logits.shape[1])
+    step(fn, logits, target)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        step(fn, logits, target)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def saved_for_backward(name: str, logits: torch.Tensor, target: torch.Tensor) -> float:
+    """MiB of distinct tensor storages the autograd graph keeps for backward, the input logits
+    excluded (every loss needs them or something of their size)."""
+    fn = make_fn(name, logits.shape[1])
+    x = logits.detach().requires_grad_(True)
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr != x.untyped_storage().data_ptr():
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn(x, target)
+    loss.backward()
+    return sum(seen.values()) / 2**20
+
+
+def peak_memory(name: str, args: argparse.Namespace) -> float:
+    """Peak extra memory (MiB) of one forward+backward, measured in this (fresh) process."""
+    logits, target = make_inputs(args.shape, args.void, args.device)
+    fn = make_fn(name, logits.shape[1])
+    x = logits.detach().requires_grad_(True)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn(x, target).backward()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _vm_kib("VmHWM")
+    fn(x, target).backward()
+    return (_vm_kib("VmHWM") - base) / 1024
+
+
+def _vm_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{key} not found in /proc/self/status (Linux only)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", type=int, nargs="+", default=[8, 21, 256, 256])
+    p.add_argument("--void", type=float, default=0.1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+
+    if args.memory_of:  # child process: one memory measurement
+        print(json.dumps({"mib": peak_memory(args.memory_of, args)}))
+        return
+
+    logits, target = make_inputs(args.shape, args.void, args.device)
+    logits_mib = logits.numel() * logits.element_size() / 2**20
+    times = {name: time_one(name, logits, target, args.repeats, args.device) for name in NAMES}
+    saved = {name: saved_for_backward(name, logits, target) for name in NAMES}
+    mems = {}
+    for name in NAMES:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--memory-of",
+            name,
+            "--device",
+            args.device,
+            "--void",
+            str(args.void),
+            "--shape",
+            *map(str, args.shape),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        mems[name] = json.loads(out.strip().splitlines()[-1])["mib"]
+
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(
+        f"# forward+backward on logits {tuple(args.shape)} float32, {args.void:.0%} void, "
+        f"{dev}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    print(
+        f"# logits tensor: {logits_mib:.0f} MiB; saved = kept for backward besides the logits; "
+        "peak = peak extra memory of one pass (fresh process)"
+    )
+    print("| loss | time (ms) | time / F.cross_entropy | saved (MiB) | peak (MiB) | peak / CE |")
+    print("|---|---:|---:|---:|---:|---:|")
+    ce_t, ce_m = times["F.cross_entropy"], mems["F.cross_entropy"]
+    for name in NAMES:
+        print(
+            f"| {name} | {times[name] * 1e3:.1f} | {times[name] / ce_t:.2f}x | "
+            f"{saved[name]:.0f} | {mems[name]:.0f} | {mems[name] / max(ce_m, 1e-9):.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Machinery shared by every loss: input checks and the valid-position mask.
+
+A reader who wants a loss formula can skip this file: it only enforces the common contract
+(logits ``(N, K, *S)``, targets ``(N, *S)``, means over valid positions only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class SegLoss(nn.Module):
+    """Base class: a criterion on logits ``(N, K, *S)`` and targets ``(N, *S)``.
+
+    Subclasses implement :meth:`_forward` and may store detached loss terms in ``self.terms``
+    (a dict of 0-dim tensors, e.g. ``{"ce": ..., "penalty": ...}``) for logging; no ``.item()``
+    is called inside the loss, so logging costs no device synchronisation unless it is read.
+
+    Args:
+        num_classes: K.
+        ignore_index: target value of void positions; excluded from every mean.
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int = -100) -> None:
+        super().__init__()
+        if not isinstance(num_classes, int) or num_classes < 2:
+            raise ValueError(
+                f"Expected `num_classes` to be an integer >= 2, but got {num_classes!r}."
+            )
+        self.num_classes = num_classes
+        self.ignore_index = ignore_index
+        self.terms: dict[str, Tensor] = {}
+
+    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+        """Scalar loss.
+
+        Shape:
+            logits: ``(N, K, *S)`` floating point, any number of spatial dims (zero included).
+            target: ``(N, *S)`` integer class indices in ``[0, K)`` or ``ignore_index``.
+        """
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the criterion computes in float32 under autocast
+        logits3, target2, valid = check_and_flatten(
+            logits, target, self.num_classes, self.ignore_index
+        )
+        return self._forward(logits3, target2, valid)
+
+    def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+        """Loss on flattened inputs: logits ``(N, K, S)``, target ``(N, S)``, valid ``(N, S)``."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"num_classes={self.num_classes}, ignore_index={self.ignore_index}"
+
+
+def check_and_flatten(
+    logits: Tensor, target: Tensor, num_classes: int, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate the loss contract and flatten the spatial dims.
+
+    Returns:
+        ``logits (N, K, S)``, ``target (N, S)`` (void positions keep ``ignore_index``, as
+        ``F.cross_entropy`` expects), and the boolean ``valid (N, S)`` mask. ``S = 1`` for
+        ``(N, K)`` input.
+
+    Raises:
+        ValueError: non-floating logits, wrong K, logits/target shape mismatch, non-integer
+            target, or target values outside ``[0, K)`` other than ``ignore_index``.
+    """
+    if not torch.is_tensor(logits) or not logits.is_floating_point():
+        dtype = logits.dtype if torch.is_tensor(logits) else type(logits).__name__
+        raise ValueError(f"Expected `logits` to be a floating point tensor, but got {dtype}.")
+    if logits.dim() < 2:
+        raise ValueError(
+            f"Expected `logits` of shape (N, K, *S), but got shape {tuple(logits.shape)}."
+        )
+    if logits.shape[1] != num_classes:
+        raise ValueError(
+            f"Expected `logits` with {num_classes} classes in dim 1, but got shape "
+            f"{tuple(logits.shape)}."
+        )
+    expected = logits.shape[:1] + logits.shape[2:]
+    if target.shape != expected:
+        raise ValueError(
+            f"Expected `target` of shape {tuple(expected)} to match logits {tuple(logits.shape)} "
+            f"(N, K, *S) -> (N, *S), but got {tuple(target.shape)}."
+        )
+    if target.is_floating_point() or target.dtype == torch.bool or target.is_complex():
+        raise ValueError(
+            f"Expected `target` to hold integer class indices, but got {target.dtype}."
+        )
+    n = logits.shape[0]
+    logits3 = logits.reshape(n, num_classes, -1)
+    target2 = target.reshape(n, -1).long()
+    valid = target2 != ignore_index
+    bad = valid & ((target2 < 0) | (target2 >= num_classes))
+    if bool(bad.any()):
+        values = torch.unique(target2[bad])[:10].tolist()
+        raise ValueError(
+            f"`target` holds values {values} outside [0, {num_classes}) that are not "
+            f"ignore_index={ignore_index}; fix the labels or set ignore_index."
+        )
+    return logits3, target2, valid
+
+
+def masked_mean(values: Tensor, valid: Tensor) -> Tensor:
+    """Mean of ``values (N, S)`` over ``valid`` positions; 0 (with zero gradient) if none."""
+    total = values.masked_fill(~valid, 0.0).sum()
+    return total / valid.sum().clamp(min=1)

@@ -1,0 +1,301 @@
+"""Class Adaptive Label Smoothing: CALS-ALM and CALS-HR (Liu et al., CVPR 2023).
+
+Both add a class-wise penalty on the normalised logit distances ``z_ik = d_ik / m - 1``
+(``d_ik = max_j l_ij - l_ik``) to the cross-entropy, and re-estimate their per-class multipliers
+on the validation set after every epoch with the same protocol, visible in the training loop::
+
+    for epoch in range(epochs):
+        train_one_epoch(model, criterion, ...)
+        with torch.no_grad():
+            for x, y in val_loader:
+                criterion.observe(model(x), y)      # O(K) float64 sums, valid positions only
+        stats = criterion.update_multipliers(epoch)  # all-reduced first under torch.distributed
+
+The multipliers are buffers: saved by ``state_dict()``, moved by ``.to(device)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..distributed import all_reduce_sum_
+from ._base import SegLoss, check_and_flatten
+from ._functional import ce_sum, class_penalty, normalised_constraint
+from .penalties import Penalty, PenaltyFn, get_penalty
+
+
+class _ClassAdaptiveLoss(SegLoss):
+    """Shared machinery: margin, per-class ``lambdas``, validation sums and their reset."""
+
+    def __init__(
+        self, num_classes: int, margin: float, lambda_init: float, ignore_index: int
+    ) -> None:
+        super().__init__(num_classes, ignore_index)
+        if margin <= 0:
+            raise ValueError(f"Expected `margin` > 0, but got {margin}.")
+        if lambda_init < 0:
+            raise ValueError(f"Expected `lambda_init` >= 0, but got {lambda_init}.")
+        self.margin = float(margin)
+        k = num_classes
+        self.register_buffer("lambdas", torch.full((k,), float(lambda_init), dtype=torch.float64))
+        self.register_buffer("_count", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def _per_class(self, values: Tensor, like: Tensor) -> Tensor:
+        """``(K,)`` float64 buffer -> ``(1, K, 1)`` in the dtype of the logits."""
+        return values.to(dtype=like.dtype).view(1, -1, 1)
+
+    def _sums(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def _reduce_and_reset(self) -> tuple[list[Tensor], int]:
+        """All-reduce the validation sums (no-op without torch.distributed), return them and n,
+        and zero the accumulators."""
+        sums = [s.clone() for s in self._sums()]
+        count = self._count.clone()
+        all_reduce_sum_([*sums, count])
+        n = int(count.item())
+        for s in self._sums():
+            s.zero_()
+        self._count.zero_()
+        if n == 0:
+            raise RuntimeError(
+                "update_multipliers() found no observed validation positions: call "
+                "criterion.observe(logits, target) on the validation batches first."
+            )
+        return sums, n
+
+    @torch.no_grad()
+    def observe(self, logits: Tensor, target: Tensor) -> None:
+        """Accumulate the validation statistics of one batch (no gradient, valid positions only).
+
+        Shape:
+            logits: ``(N, K, *S)``; target: ``(N, *S)``.
+        """
+        logits3, _, valid = check_and_flatten(logits, target, self.num_classes, self.ignore_index)
+        if logits3.dtype in (torch.float16, torch.bfloat16):
+            logits3 = logits3.float()
+        z, _ = normalised_constraint(logits3, self.margin)
+        self._observe(z, valid.unsqueeze(1))
+        self._count += valid.sum()
+
+    def _observe(self, z: Tensor, valid: Tensor) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _masked_class_sum(values: Tensor, valid: Tensor) -> Tensor:
+        """Per-class ``sum_{i in V} values_ik`` in float64; values ``(N, K, S)``, valid ``(N, 1, S)``."""
+        return values.masked_fill_(~valid, 0.0).sum(dim=(0, 2), dtype=torch.float64)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, margin={self.margin}"
+
+
+class CALSALMLoss(_ClassAdaptiveLoss):
+    """CALS-ALM: cross-entropy plus a class-wise augmented-Lagrangian penalty (paper Alg. 2).
+
+    Training loss on a batch (means over valid positions ``V`` only)::
+
+        loss = CE(l, y) + (1 / (|V| K)) * sum_{i in V} sum_k P(z_ik; rho_k, lambda_k)
+
+    After epoch ``j`` (0-based), from the statistics streamed by :meth:`observe` over the
+    ``n`` valid validation positions::
+
+        lambda_k <- clip(mean_i P'(z_ik; rho_k, lambda_k), lambda_min, lambda_max)
+        zbar_k   =  mean_i z_ik
+        if (j + 1) % rho_period == 0 and a previous zbar exists:
+            rho_k <- gamma * rho_k  if zbar_k > tau * max(0, zbar_prev_k)
+            rho_k <- clip(rho_k, rho_min, rho_max)
+        zbar_prev <- zbar
+
+    Args:
+        num_classes: K.
+        margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text).
+        penalty: ``"phr"`` (default), ``"p2"``, ``"p3"``, a :class:`Penalty`, or an elementwise
+            callable ``P(z, rho, lam)`` (derivative by autograd).
+        lambda_init, rho_init: initial multipliers and penalty parameters (1e-6 and 1).
+        gamma: rho growth factor (1.2). tau: improvement ratio (0.9).
+        rho_period: epochs between rho updates (10).
+        lambda_min, lambda_max, rho_min, rho_max: safeguarding intervals.
+        ignore_index: void label.
+
+    Shape:
+        logits: ``(N, K, *S)`` (half precision is computed in float32); target: ``(N, *S)``.
+
+    Buffers (in ``state_dict``): ``lambdas (K,)``, ``rhos (K,)``, ``zbar_prev (K,)`` float64 and
+    ``has_prev`` (bool). The validation sums are O(K) float64 and not persistent.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        margin: float = 10.0,
+        penalty: str | Penalty | PenaltyFn = "phr",
+        lambda_init: float = 1e-6,
+        rho_init: float = 1.0,
+        gamma: float = 1.2,
+        tau: float = 0.9,
+        rho_period: int = 10,
+        lambda_min: float = 1e-6,
+        lambda_max: float = 1e6,
+        rho_min: float = 1.0,
+        rho_max: float = 10.0,
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__(num_classes, margin, lambda_init, ignore_index)
+        if rho_init <= 0:
+            raise ValueError(f"Expected `rho_init` > 0, but got {rho_init}.")
+        if not isinstance(rho_period, int) or rho_period < 1:
+            raise ValueError(
+                f"Expected `rho_period` to be a positive integer, but got {rho_period!r}."
+            )
+        if not (0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max):
+            raise ValueError("Expected 0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max.")
+        self.penalty = get_penalty(penalty)
+        self.gamma, self.tau, self.rho_period = float(gamma), float(tau), rho_period
+        self.lambda_min, self.lambda_max = float(lambda_min), float(lambda_max)
+        self.rho_min, self.rho_max = float(rho_min), float(rho_max)
+        k = num_classes
+        self.register_buffer("rhos", torch.full((k,), float(rho_init), dtype=torch.float64))
+        self.register_buffer("zbar_prev", torch.zeros(k, dtype=torch.float64))
+        self.register_buffer("has_prev", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("_sum_grad", torch.zeros(k, dtype=torch.float64), persistent=False)
+        self.register_buffer("_sum_z", torch.zeros(k, dtype=torch.float64), persistent=False)
+
+    def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+        ce = ce_sum(logits, target, self.ignore_index) / valid.sum().clamp(min=1)
+        lam, rho = self._per_class(self.lambdas, logits), self._per_class(self.rhos, logits)
+        value, derivative = self.penalty.value, self.penalty.derivative
+        pen = class_penalty(
+            logits,
+            valid,
+            self.margin,
+            lambda z: value(z, rho, lam),
+            lambda z: derivative(z, rho, lam),
+        )
+        self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
+        return ce + pen
+
+    def _sums(self) -> list[Tensor]:
+        return [self._sum_grad, self._sum_z]
+
+    def _observe(self, z: Tensor, valid: Tensor) -> None:
+        lam, rho = self._per_class(self.lambdas, z), self._per_class(self.rhos, z)
+        self._sum_z += self._masked_class_sum(z, valid)  # before P', which may work in place
+        self._sum_grad += self._masked_class_sum(self.penalty.derivative(z, rho, lam), valid)
+
+    @torch.no_grad()
+    def update_multipliers(self, epoch: int) -> dict[str, list[float]]:
+        """Apply the lambda and rho rules after epoch ``epoch`` (0-based) and reset the sums.
+
+        Returns:
+            ``{"lambda": [K], "rho": [K], "constraint": [K]}`` after the update (constraint is
+            this epoch's mean normalised constraint zbar).
+        """
+        (sum_grad, sum_z), n = self._reduce_and_reset()
+        self.lambdas.copy_((sum_grad / n).clamp_(self.lambda_min, self.lambda_max))
+        zbar = sum_z / n
+        if (epoch + 1) % self.rho_period == 0 and bool(self.has_prev):
+            worse = zbar > self.tau * self.zbar_prev.clamp(min=0.0)
+            grown = torch.where(worse, self.rhos * self.gamma, self.rhos)
+            self.rhos.copy_(grown.clamp_(self.rho_min, self.rho_max))
+        self.zbar_prev.copy_(zbar)
+        self.has_prev.fill_(True)
+        return {**self.multipliers(), "constraint": zbar.tolist()}
+
+    def multipliers(self) -> dict[str, list[float]]:
+        """Current per-class ``lambda`` and ``rho`` as lists (for logging)."""
+        return {"lambda": self.lambdas.tolist(), "rho": self.rhos.tolist()}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, penalty={self.penalty.name}"
+
+
+class CALSHRLoss(_ClassAdaptiveLoss):
+    """CALS-HR: class-wise hinge penalties with heuristically scheduled weights (paper eq. 11).
+
+    Training loss: ``CE + (1/(|V| K)) sum_{i in V} sum_k lambda_k relu(d_ik - m)``.
+    After each epoch, with ``P_k`` the mean of ``relu(d_ik - m)`` over the valid validation
+    positions (the unweighted class-k penalty)::
+
+        lambda_k <- mu * lambda_k   if P_k(j+1) > tau P_k(j)
+                    lambda_k / mu   if P_k(j)   > tau P_k(j+1)
+                    lambda_k        otherwise          (and after the first epoch)
+
+    Args:
+        num_classes: K.
+        margin: m (10 vision, 6 text).
+        mu, tau: schedule factors (paper: 1.1 and 1.1).
+        lambda_init: initial weights (0.1, the MbLS weight the heuristic starts from).
+        lambda_min, lambda_max: safeguarding interval.
+        ignore_index: void label.
+
+    Shape:
+        logits: ``(N, K, *S)``; target: ``(N, *S)``.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        margin: float = 10.0,
+        mu: float = 1.1,
+        tau: float = 1.1,
+        lambda_init: float = 0.1,
+        lambda_min: float = 1e-6,
+        lambda_max: float = 1e6,
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__(num_classes, margin, lambda_init, ignore_index)
+        if mu <= 1 or tau <= 0:
+            raise ValueError(f"Expected `mu` > 1 and `tau` > 0, but got mu={mu}, tau={tau}.")
+        self.mu, self.tau = float(mu), float(tau)
+        self.lambda_min, self.lambda_max = float(lambda_min), float(lambda_max)
+        k = num_classes
+        self.register_buffer("penalty_prev", torch.zeros(k, dtype=torch.float64))
+        self.register_buffer("has_prev", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("_sum_pen", torch.zeros(k, dtype=torch.float64), persistent=False)
+
+    def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+        ce = ce_sum(logits, target, self.ignore_index) / valid.sum().clamp(min=1)
+        # lambda_k relu(d - m) = lambda_k m relu(z); derivative in z: lambda_k m [z > 0].
+        w = self._per_class(self.lambdas, logits) * self.margin
+        pen = class_penalty(
+            logits,
+            valid,
+            self.margin,
+            lambda z: z.clamp_(min=0.0).mul_(w),
+            lambda z: (z > 0).to(z.dtype).mul_(w),
+        )
+        self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
+        return ce + pen
+
+    def _sums(self) -> list[Tensor]:
+        return [self._sum_pen]
+
+    def _observe(self, z: Tensor, valid: Tensor) -> None:
+        self._sum_pen += self._masked_class_sum(z.clamp_(min=0.0).mul_(self.margin), valid)
+
+    @torch.no_grad()
+    def update_multipliers(self, epoch: int) -> dict[str, list[float]]:
+        """Apply the heuristic rule after epoch ``epoch`` (0-based) and reset the sums.
+
+        Returns:
+            ``{"lambda": [K], "penalty": [K]}`` (penalty: this epoch's mean class penalty P_k).
+        """
+        (sum_pen,), n = self._reduce_and_reset()
+        pen = sum_pen / n
+        if bool(self.has_prev):
+            prev, lam = self.penalty_prev, self.lambdas
+            new = torch.where(
+                pen > self.tau * prev,
+                lam * self.mu,
+                torch.where(prev > self.tau * pen, lam / self.mu, lam),
+            )
+            self.lambdas.copy_(new.clamp_(self.lambda_min, self.lambda_max))
+        self.penalty_prev.copy_(pen)
+        self.has_prev.fill_(True)
+        return {**self.multipliers(), "penalty": pen.tolist()}
+
+    def multipliers(self) -> dict[str, list[float]]:
+        """Current per-class ``lambda`` as a list (for logging)."""
+        return {"lambda": self.lambdas.tolist()}
