@@ -84,7 +84,7 @@ class _ClassAdaptiveLoss(SegLoss):
 
     @staticmethod
     def _masked_class_sum(values: Tensor, valid: Tensor) -> Tensor:
-        """Per-class ``sum_{i in V} values_ik`` in float64; values ``(N, K, S)``, valid ``(N, 1, S)``."""
+        """Per-class sum over valid positions, float64. values (N, K, S), valid (N, 1, S)."""
         return values.masked_fill_(~valid, 0.0).sum(dim=(0, 2), dtype=torch.float64)
 
     def extra_repr(self) -> str:
