@@ -1,0 +1,33 @@
+"""Helper to run a function on N CPU processes with the gloo backend (for tests)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world: int = 2, *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; raises if any fails.
+    ``fn`` must be a module-level function (it is pickled)."""
+    mp.spawn(_worker, args=(world, _free_port(), fn, args), nprocs=world, join=True)

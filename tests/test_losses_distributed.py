@@ -1,0 +1,59 @@
+"""observe/update over a validation set split across 2 gloo ranks equals one process."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from cals_seg.losses import CALSALMLoss, CALSHRLoss
+
+from ._dist import run_distributed
+
+K, IGN = 4, 255
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(6):
+        x = torch.randn(2, K, 5, 5, generator=g, dtype=torch.float64) * 15
+        y = torch.randint(0, K, (2, 5, 5), generator=g)
+        y[torch.rand(2, 5, 5, generator=g) < 0.2] = IGN
+        out.append((x, y))
+    return out
+
+
+def _run(criteria, batches, rank=0, world=1):
+    results = []
+    for epoch in range(3):
+        for i, (x, y) in enumerate(batches):
+            if i % world == rank:
+                for c in criteria:
+                    c.observe(x * (1 + epoch), y)
+        results.append([c.update_multipliers(epoch) for c in criteria])
+    return results
+
+
+def _criteria():
+    return [CALSALMLoss(K, ignore_index=IGN, rho_period=1), CALSHRLoss(K, ignore_index=IGN)]
+
+
+def _rank_fn(rank, world, path):
+    res = _run(_criteria(), _batches(), rank, world)
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(res, f)
+
+
+def test_two_ranks_equal_one_process(tmp_path):
+    path = str(tmp_path / "res")
+    run_distributed(_rank_fn, 2, path)
+    single = _run(_criteria(), _batches())
+    for rank in range(2):
+        with open(f"{path}.{rank}") as f:
+            got = json.load(f)
+        for epoch_got, epoch_ref in zip(got, single, strict=True):
+            for a, b in zip(epoch_got, epoch_ref, strict=True):
+                for key in b:
+                    torch.testing.assert_close(torch.tensor(a[key]), torch.tensor(b[key]),
+                                               rtol=1e-12, atol=0)
