@@ -1,0 +1,240 @@
+"""Machinery shared by the meters: argument and input checks, exact binning, DDP reduction.
+
+A reader who wants a metric's definition opens ``calibration.py`` or ``segmentation.py``; this
+file holds what both need and can be skipped on a first read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from fractions import Fraction
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from cals_seg.distributed import all_reduce_sum_, is_distributed
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# Fine confidence histogram used by the adaptive ECE (see ``fine_cell``).
+FINE_UNIFORM_LOG2 = 16  # uniform cells of width 2^-16 below the tail
+FINE_TAIL_LOG2 = 12  # the tail [1 - 2^-12, 1) ...
+FINE_ULP_LOG2 = 24  # ... is resolved in steps of 2^-24, the float32 spacing just below 1
+_TAIL_START = 1.0 - 2.0**-FINE_TAIL_LOG2
+_NUM_UNIFORM = 2**FINE_UNIFORM_LOG2 - 2 ** (FINE_UNIFORM_LOG2 - FINE_TAIL_LOG2)  # cells below tail
+_NUM_TAIL = 2 ** (FINE_ULP_LOG2 - FINE_TAIL_LOG2)  # one cell per 2^-24 step in the tail
+NUM_FINE_CELLS = _NUM_UNIFORM + _NUM_TAIL + 1  # + one cell for a confidence of exactly 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (one message formula: "Expected `x` to be ..., but got ...").
+# --------------------------------------------------------------------------------------------
+
+
+def check_int_arg(name: str, value: object, minimum: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is a Python ``int`` (not bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"Expected `{name}` to be {what}, but got {value!r}.")
+
+
+def check_ignore_index(value: object) -> None:
+    """Raise ``ValueError`` unless ``ignore_index`` is a Python ``int``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"Expected `ignore_index` to be an integer, but got {value!r}.")
+
+
+def _is_integer_tensor(t: Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def _check_labels(target: Tensor, num_classes: int, ignore_index: int) -> None:
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        values = torch.unique(target[bad]).tolist()
+        shown = values[:10]
+        more = f" (and {len(values) - 10} more)" if len(values) > 10 else ""
+        raise ValueError(
+            f"Expected `target` values in [0, {num_classes}) or `ignore_index`={ignore_index}, "
+            f"but got {int(bad.sum())} positions with values {shown}{more}."
+        )
+
+
+def prepare_logits(
+    logits: Tensor, target: Tensor, num_classes: int, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check ``logits`` / ``target`` and flatten the spatial dimensions.
+
+    float16 / bfloat16 logits are upcast to float32; float32 and float64 are used as they are.
+
+    Shape:
+        - logits: ``(N, K, *S)``, any number of spatial dims (zero included).
+        - target: ``(N, *S)``, integer class indices or ``ignore_index``.
+        - returns: logits ``(N, K, P)``, target ``(N, P)`` (int64), valid mask ``(N, P)`` with
+          ``P = prod(S)`` (1 when there are no spatial dims).
+
+    Raises:
+        ValueError: on a non-floating ``logits``, a non-integer ``target``, mismatched shapes, a
+            wrong class dimension, or labels outside ``[0, K)`` other than ``ignore_index``.
+    """
+    if not isinstance(logits, Tensor) or not logits.is_floating_point():
+        got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
+        raise ValueError(
+            f"Expected `logits` to be a floating point tensor of shape (N, K, *S), but got {got}."
+        )
+    if logits.dim() < 2 or logits.shape[1] != num_classes:
+        raise ValueError(
+            f"Expected `logits` of shape (N, K={num_classes}, *S), but got {tuple(logits.shape)}."
+        )
+    n, k = logits.shape[:2]
+    spatial = tuple(logits.shape[2:])
+    _check_target(target, (n, *spatial), f"`logits` of shape {tuple(logits.shape)}")
+    _check_labels(target, num_classes, ignore_index)
+    if logits.dtype in _LOW_PRECISION:
+        logits = logits.float()
+    p = math.prod(spatial)
+    target = target.reshape(n, p).long()
+    return logits.reshape(n, k, p), target, target != ignore_index
+
+
+def prepare_predictions(
+    preds: Tensor, target: Tensor, num_classes: int, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check integer predictions ``(N, *S)`` against ``target`` ``(N, *S)``; flatten both.
+
+    Returns predictions ``(N, P)``, target ``(N, P)`` and the valid mask ``(N, P)``, all int64 /
+    bool.
+    """
+    if preds.dim() < 1 or not _is_integer_tensor(preds):
+        raise ValueError(
+            "Expected `preds` to be floating logits (N, K, *S) or integer class indices (N, *S), "
+            f"but got {preds.dtype} of shape {tuple(preds.shape)}."
+        )
+    _check_target(target, tuple(preds.shape), f"`preds` of shape {tuple(preds.shape)}")
+    _check_labels(target, num_classes, ignore_index)
+    bad = (preds < 0) | (preds >= num_classes)
+    if bool(bad.any()):
+        values = torch.unique(preds[bad]).tolist()[:10]
+        raise ValueError(
+            f"Expected `preds` values in [0, {num_classes}), but got {int(bad.sum())} positions "
+            f"with values {values}."
+        )
+    n, p = preds.shape[0], math.prod(preds.shape[1:])
+    target = target.reshape(n, p).long()
+    return preds.reshape(n, p).long(), target, target != ignore_index
+
+
+def _check_target(target: Tensor, shape: tuple[int, ...], against: str) -> None:
+    if not isinstance(target, Tensor) or not _is_integer_tensor(target):
+        got = target.dtype if isinstance(target, Tensor) else type(target).__name__
+        raise ValueError(f"Expected `target` to be an integer tensor, but got {got}.")
+    if tuple(target.shape) != shape:
+        raise ValueError(
+            f"Expected `target` of shape (N, *S) = {shape} to match {against}, but got "
+            f"{tuple(target.shape)}."
+        )
+
+
+def check_finite(logits: Tensor, maxima: Tensor) -> None:
+    """Raise ``ValueError`` if ``logits`` holds NaN or +-inf.
+
+    Cheap path: NaN and +inf show in the per-position maximum (already computed by the caller),
+    -inf in the per-position minimum; the full count is only taken when something is wrong.
+
+    Shape:
+        - logits: ``(N, K, P)``; maxima: ``(N, P)``.
+    """
+    ok = torch.isfinite(maxima) & torch.isfinite(logits.amin(dim=1))
+    if not bool(ok.all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise ValueError(
+            f"Expected `logits` to be finite, but got {bad} non-finite values (NaN or inf)."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Binning.
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _edge_thresholds(n_bins: int, dtype: torch.dtype) -> tuple[float, ...]:
+    """For b = 1..n-1, the largest value of ``dtype`` that is <= b / n (as exact rationals)."""
+    out = []
+    for b in range(1, n_bins):
+        exact = Fraction(b, n_bins)
+        if dtype == torch.float64:
+            v = b / n_bins
+            if Fraction(v) > exact:
+                v = math.nextafter(v, 0.0)
+        else:  # float32
+            v32 = np.float32(b / n_bins)
+            if Fraction(float(v32)) > exact:
+                v32 = np.nextafter(v32, np.float32(0.0))
+            v = float(v32)
+        out.append(v)
+    return tuple(out)
+
+
+def bin_index(x: Tensor, n_bins: int) -> Tensor:
+    """Equal-width bin of each value: ``clip(ceil(x * n) - 1, 0, n - 1)``, evaluated exactly.
+
+    Membership is ``(b/n, (b+1)/n]``; 0 falls in bin 0 and 1.0 in bin ``n - 1``. The edges are
+    compared as exact rationals: the boundaries passed to ``torch.bucketize`` are, per edge
+    ``b/n``, the largest float of ``x.dtype`` not above it, so ``x > t_b`` iff ``x > b/n`` and a
+    float32 value is binned as its exact float64 value would be (no rounding of ``x * n``).
+
+    Shape:
+        - x: any shape, float32 or float64, values in [0, 1].
+        - returns: same shape, int32.
+    """
+    if n_bins == 1:
+        return torch.zeros(x.shape, dtype=torch.int32, device=x.device)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    thresholds = torch.tensor(_edge_thresholds(n_bins, dtype), dtype=dtype, device=x.device)
+    return torch.bucketize(x.to(dtype), thresholds, out_int32=True)
+
+
+def fine_cell(conf: Tensor) -> Tensor:
+    """Cell of the fine confidence histogram (``NUM_FINE_CELLS`` cells, increasing with ``conf``).
+
+    Cells ``[i 2^-16, (i+1) 2^-16)`` below ``1 - 2^-12``; above it one cell per ``2^-24`` step
+    ``[1 - j 2^-24, 1 - (j-1) 2^-24)`` -- every float32 value in that tail has its own cell,
+    which is where the softmax of segmentation logits saturates -- and a last cell that holds
+    exactly 1.0. All arithmetic is exact (power-of-two scalings; ``1 - c`` is exact for
+    ``c >= 1/2``).
+
+    Shape:
+        - conf: any shape, float32 or float64 in [0, 1].
+        - returns: same shape, int64.
+    """
+    uniform = torch.floor(conf * 2.0**FINE_UNIFORM_LOG2)
+    steps_below_one = torch.ceil((1.0 - conf) * 2.0**FINE_ULP_LOG2)
+    tail = (_NUM_UNIFORM + _NUM_TAIL) - steps_below_one
+    return torch.where(conf >= _TAIL_START, tail, uniform).long()
+
+
+# --------------------------------------------------------------------------------------------
+# DDP.
+# --------------------------------------------------------------------------------------------
+
+
+def sum_over_ranks(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of ``tensors`` summed over all ranks (plain copies when not distributed).
+
+    The inputs are never modified. Tensors of one dtype are flattened into one buffer, so the
+    whole sync is one ``all_reduce`` per dtype (int64 counts and float64 sums: two calls).
+    Every rank must call this (it is a collective).
+    """
+    if not is_distributed():
+        return [t.clone() for t in tensors]
+    out: list[Tensor | None] = [None] * len(tensors)
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        all_reduce_sum_([flat])
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx]), strict=True):
+            out[i] = piece.view(tensors[i].shape)
+    return out  # type: ignore[return-value]

@@ -1,0 +1,357 @@
+"""Streaming pixel-level calibration metrics (DESIGN.md section 3).
+
+``_calibration_update`` turns one batch into sufficient statistics (counts and sums),
+``_calibration_compute`` turns accumulated statistics into metric values, and
+``CalibrationMeter`` only stores the statistics as buffers. Every statistic is a sum, so the
+state never grows with the number of pixels and DDP sync is a sum over ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from cals_seg.metrics._functional import (
+    NUM_FINE_CELLS,
+    bin_index,
+    check_finite,
+    check_ignore_index,
+    check_int_arg,
+    fine_cell,
+    prepare_logits,
+    sum_over_ranks,
+)
+
+# Per-image values whose sums over images are kept (``<name>_image_mean`` in ``compute``).
+IMAGE_KEYS = ("ece", "mce", "acc", "nll", "brier", "cwce")
+
+
+def _bincount(index: Tensor, size: int, weights: Tensor | None = None) -> Tensor:
+    """``bincount`` of a flat index whose value ``size`` marks positions to drop."""
+    w = None if weights is None else weights.reshape(-1)
+    return torch.bincount(index.reshape(-1), weights=w, minlength=size + 1)[:size]
+
+
+def _calibration_update(
+    logits: Tensor,
+    target: Tensor,
+    num_classes: int,
+    n_bins: int = 15,
+    ignore_index: int = -100,
+    classwise: bool = True,
+) -> dict[str, Tensor]:
+    """Sufficient statistics of one batch (sums over its valid positions).
+
+    With ``p = softmax(logits)`` (``torch.softmax`` in float32, or float64 for float64 logits),
+    top-label confidence ``c = max_k p_k``, prediction ``argmax_k logits_k``, correctness
+    ``a = [pred == y]`` and ``bin(x) = clip(ceil(x n) - 1, 0, n - 1)`` computed exactly:
+
+    - ``bin_count / bin_correct / bin_conf``: per bin, sum of 1, a, c.
+    - ``nll_sum``: sum of ``-log softmax(l)_y = (max_j l_j - l_y) - log c``. This is the
+      log-sum-exp form of ``log_softmax`` (``sum_j exp(l_j - max) = 1 / c``), evaluated in
+      float64 from float32 ``l`` and ``c``; ``c >= 1/K``, so unlike ``-log p_y`` it stays finite
+      when ``p_y`` underflows.
+    - ``brier_sum``: sum of ``sum_k (p_k - [y == k])^2 = (1 - p_y)^2 + sum_{k != y} p_k^2``
+      (this form has no cancellation when ``p_y`` is close to 1).
+    - ``fine_count / fine_correct / fine_conf``: the fine histogram of ``c`` (``fine_cell``).
+    - ``cw_prob / cw_hits`` (classwise): per class k and bin b, the sum of ``p_k`` over positions
+      with ``bin(p_k) = b``, and the number of those positions with ``y == k``.
+    - ``image_sums``: per-image ECE, MCE, accuracy, NLL, Brier and CWCE (``IMAGE_KEYS``) summed
+      over the images of the batch that have a valid position; ``num_images`` counts those.
+
+    Everything is vectorised with flat ``bincount`` s over ``N * n_bins`` (top label),
+    ``N * K * n_bins`` (classwise) and ``NUM_FINE_CELLS`` cells. Temporaries of size
+    ``(N, K, *S)``: the probabilities (float32); classwise adds an int32 cell index and a float64
+    copy of the probabilities (bincount weights must be float64 for float64 sums).
+
+    Shape:
+        - logits: ``(N, K, *S)`` floating (float16 / bfloat16 are upcast to float32).
+        - target: ``(N, *S)`` integer, ``ignore_index`` marks void positions.
+    """
+    x, y, valid = prepare_logits(logits, target, num_classes, ignore_index)
+    n, k, _ = x.shape
+    f64 = torch.float64
+    maxima, pred = x.max(dim=1)
+    check_finite(x, maxima)
+    y = torch.where(valid, y, 0)
+    correct = (pred == y) & valid
+    p = torch.softmax(x, dim=1)
+    conf = p.gather(1, pred.unsqueeze(1)).squeeze(1)
+    p_y = p.gather(1, y.unsqueeze(1)).squeeze(1)
+    l_y = x.gather(1, y.unsqueeze(1)).squeeze(1)
+    conf64 = conf.to(f64)
+    vmask = valid.to(f64)
+    nll = (maxima.to(f64) - l_y.to(f64) - conf64.log()) * vmask
+
+    # Top-label bins per image: cell = image * n_bins + bin; count and correct in one bincount.
+    image = torch.arange(n, device=x.device).unsqueeze(1)
+    cell = torch.where(valid, image * n_bins + bin_index(conf, n_bins), n * n_bins)
+    hits = _bincount(2 * cell + correct, 2 * n * n_bins).view(n, n_bins, 2)
+    conf_nb = _bincount(cell, n * n_bins, conf64).view(n, n_bins)
+    count_nb = hits.sum(dim=2)
+    correct_nb = hits[..., 1]
+
+    # Fine histogram of the confidences (adaptive ECE).
+    fcell = torch.where(valid, fine_cell(conf), NUM_FINE_CELLS)
+    fhits = _bincount(2 * fcell + correct, 2 * NUM_FINE_CELLS).view(NUM_FINE_CELLS, 2)
+
+    stats: dict[str, Tensor] = {
+        "bin_count": count_nb.sum(dim=0),
+        "bin_correct": correct_nb.sum(dim=0),
+        "bin_conf": conf_nb.sum(dim=0),
+        "fine_count": fhits.sum(dim=1),
+        "fine_correct": fhits[:, 1].clone(),
+        "fine_conf": _bincount(fcell, NUM_FINE_CELLS, conf64),
+    }
+
+    cwce_n = torch.zeros(n, dtype=f64, device=x.device)
+    count_n = count_nb.sum(dim=1)
+    denom = count_n.clamp(min=1).to(f64)
+    if classwise:
+        # Cell of (image, class, bin(p_k)) for every class of every position: int32, in place.
+        cells = n * k * n_bins
+        index_dtype = torch.int32 if cells < 2**31 - 1 else torch.int64
+        cw = bin_index(p, n_bins).to(index_dtype)
+        offsets = torch.arange(n * k, device=x.device, dtype=index_dtype).view(n, k, 1)
+        cw.add_(offsets * n_bins).masked_fill_(~valid.unsqueeze(1), cells)
+        prob_nkb = _bincount(cw, cells, p.to(f64)).view(n, k, n_bins)
+        del cw
+        ycell = (image * k + y) * n_bins + bin_index(p_y, n_bins)
+        hits_nkb = _bincount(torch.where(valid, ycell, cells), cells).view(n, k, n_bins)
+        stats["cw_prob"] = prob_nkb.sum(dim=0)
+        stats["cw_hits"] = hits_nkb.sum(dim=0)
+        cwce_n = (hits_nkb - prob_nkb).abs().sum(dim=2).mean(dim=1) / denom
+
+    # Brier last: it overwrites p in place.
+    p.scatter_(1, y.unsqueeze(1), 0.0).square_()
+    brier = ((1.0 - p_y.to(f64)).square() + p.sum(dim=1).to(f64)) * vmask
+    del p
+    nll_n, brier_n = nll.sum(dim=1), brier.sum(dim=1)
+    stats["nll_sum"] = nll_n.sum()
+    stats["brier_sum"] = brier_n.sum()
+
+    # Per-image values (images without a valid position are skipped).
+    gap_nb = (correct_nb - conf_nb).abs()
+    per_bin = gap_nb / count_nb.clamp(min=1)
+    per_image = torch.stack(
+        [
+            gap_nb.sum(dim=1) / denom,
+            per_bin.amax(dim=1),
+            correct_nb.sum(dim=1) / denom,
+            nll_n / denom,
+            brier_n / denom,
+            cwce_n,
+        ],
+        dim=1,
+    )
+    has = count_n > 0
+    stats["image_sums"] = (per_image * has.unsqueeze(1)).sum(dim=0)
+    stats["num_images"] = has.sum()
+    return stats
+
+
+def _adaptive_ece(count: Tensor, correct: Tensor, conf: Tensor, n_bins: int) -> float:
+    """Adaptive ECE from the fine histogram: equal-mass bins with boundary cells split pro rata.
+
+    The sorted confidences are the cells in order. ``array_split`` sizes give the bin
+    boundaries ``P_0 = 0 < ... < P_n = m`` in sorted position; the sum of a quantity over the
+    first ``x`` sorted samples is interpolated linearly inside the cell that holds position
+    ``x``. A bin's sums are differences of these cumulative functions at its two boundaries.
+    """
+    m = int(count.sum())
+    q, r = divmod(m, n_bins)
+    sizes = torch.tensor([q + 1] * r + [q] * (n_bins - r), dtype=torch.int64)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)])
+    # Pad a last cell (count 1, sums 0) so that position m is inside a cell.
+    cnt = torch.cat([count.cpu(), torch.ones(1, dtype=torch.int64)])
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), cnt.cumsum(0)[:-1]])
+    cell = torch.searchsorted(starts, bounds, right=True) - 1
+    frac = (bounds - starts[cell]).double() / cnt[cell].double()
+
+    def cumulative(values: Tensor) -> Tensor:
+        v = torch.cat([values.cpu().double(), torch.zeros(1, dtype=torch.float64)])
+        before = torch.cat([torch.zeros(1, dtype=torch.float64), v.cumsum(0)[:-1]])
+        return before[cell] + frac * v[cell]
+
+    acc_sums = cumulative(correct).diff()
+    conf_sums = cumulative(conf).diff()
+    return float((acc_sums - conf_sums).abs().sum() / m)
+
+
+def _ratio(num: Tensor, den: int) -> float | None:
+    return float(num) / den if den > 0 else None
+
+
+def _calibration_compute(states: dict[str, Tensor], n_bins: int) -> dict[str, Any]:
+    """Metric values from accumulated statistics (see ``CalibrationMeter.compute``)."""
+    s = {name: t.cpu() for name, t in states.items()}
+    count = int(s["bin_count"].sum())
+    bin_count, bin_correct, bin_conf = s["bin_count"], s["bin_correct"].double(), s["bin_conf"]
+    gap = (bin_correct - bin_conf).abs()
+    nonempty = bin_count > 0
+    safe = bin_count.clamp(min=1).double()
+    out: dict[str, Any] = {
+        "count": count,
+        "ece": _ratio(gap.sum(), count),
+        "aece": None,
+        "mce": float((gap / safe)[nonempty].max()) if count else None,
+        "cwce": None,
+        "classwise_ece": None,
+        "nll": _ratio(s["nll_sum"], count),
+        "brier": _ratio(s["brier_sum"], count),
+        "acc": _ratio(bin_correct.sum(), count),
+        "conf": _ratio(bin_conf.sum(), count),
+    }
+    if count:
+        out["aece"] = _adaptive_ece(s["fine_count"], s["fine_correct"], s["fine_conf"], n_bins)
+    if "cw_prob" in s and count:
+        per_class = (s["cw_hits"].double() - s["cw_prob"]).abs().sum(dim=1) / count
+        out["classwise_ece"] = per_class.tolist()
+        out["cwce"] = float(per_class.mean())
+    num_images = int(s["num_images"])
+    out["num_images"] = num_images
+    for i, key in enumerate(IMAGE_KEYS):
+        value = _ratio(s["image_sums"][i], num_images)
+        out[f"{key}_image_mean"] = None if key == "cwce" and "cw_prob" not in s else value
+    out["reliability"] = {
+        "bin_edges": [b / n_bins for b in range(n_bins + 1)],
+        "count": bin_count.tolist(),
+        "confidence": torch.where(nonempty, bin_conf / safe, 0.0).tolist(),
+        "accuracy": torch.where(nonempty, bin_correct / safe, 0.0).tolist(),
+    }
+    return out
+
+
+class CalibrationMeter(nn.Module):
+    """Pixel-level calibration metrics with O(K * n_bins + fine_bins) state, exact over DDP.
+
+    Definitions (DESIGN.md section 3), over the valid positions ``i`` (``y_i != ignore_index``),
+    ``m`` of them, with ``p = softmax(l)``, ``c_i = max_k p_ik``, ``a_i = [argmax_k l_ik == y_i]``
+    and ``n = n_bins`` equal-width bins ``(b/n, (b+1)/n]`` (0 in the first bin, 1.0 in the last;
+    a float32 confidence is binned by its exact value):
+
+    - ``ece  = sum_b |B_b| / m * |acc(B_b) - conf(B_b)|``; ``mce = max_{b: B_b != {}}
+      |acc(B_b) - conf(B_b)|``.
+    - ``aece``: sort the ``c_i``, split them into ``n`` bins with ``numpy.array_split`` sizes,
+      same weighted sum. Streamed: a fine histogram of ``c`` (cells of width 2^-16 below
+      ``1 - 2^-12``, one cell per float32 value in ``[1 - 2^-12, 1)``, one cell for exactly 1.0;
+      each holds a count, a correct count and a confidence sum) is cut at the ``array_split``
+      positions, a cell that straddles a cut being split pro rata. Only these ``n - 1`` boundary
+      cells differ from the sort, by their spread in confidence (at most 2^-16, none in the
+      saturated tail) and by which of their tied / near-tied samples are correct. Against the
+      exact sort (ties split by position) the tests measure at most 2e-6 absolute on 1e6
+      random pixels, with 40% of confidences exactly 1.0, and with most confidences within
+      1e-5 of 1 (requirement: 1e-4).
+    - ``cwce``: for each class k the ECE of ``p_k`` against ``[y == k]`` over all valid positions
+      with the same bins, ``sum_b |sum_{i in B_kb} ([y_i == k] - p_ik)| / m``; mean over all K.
+    - ``nll = mean_i -log softmax(l_i)_{y_i}`` (log-sum-exp form, finite when ``p_y``
+      underflows); ``brier = mean_i sum_k (p_ik - [y_i == k])^2`` (sum over the K classes, mean
+      over positions, so it lies in [0, 2]); ``acc = mean_i a_i``; ``conf = mean_i c_i``.
+    - ``<metric>_image_mean``: the metric computed on each image (one of the N items of a batch)
+      and averaged over images with at least one valid position (the paper's protocol), for
+      ece, mce, acc, nll, brier and cwce.
+
+    Probabilities are ``torch.softmax`` in float32 (float16 / bfloat16 logits are upcast; float64
+    logits stay float64). Counts are int64 and sums float64, so nothing saturates at 2^24.
+
+    State (registered buffers, independent of the number of pixels): int64 ``bin_count``,
+    ``bin_correct`` (n), ``fine_count``, ``fine_correct`` (F), ``num_images``; float64
+    ``bin_conf`` (n), ``fine_conf`` (F), ``nll_sum``, ``brier_sum``, ``image_sums`` (6); with
+    ``classwise`` also ``cw_hits`` (int64) and ``cw_prob`` (float64), ``(K, n)`` each. Here
+    ``F = NUM_FINE_CELLS = 69617``, so the state is ``8 * (3n + 3F + 9 + 2Kn)`` bytes: 1.68 MB
+    for K = 21, n = 15.
+
+    DDP: ``compute`` sums copies of the states over ranks (one ``all_reduce`` for the int64 and
+    one for the float64 states) and must be called on every rank; the buffers are left as they
+    are, so ``compute`` can be called repeatedly and ``update`` continued afterwards.
+
+    Args:
+        num_classes: K >= 2.
+        n_bins: number of equal-width bins (and of adaptive bins), >= 1.
+        ignore_index: target value of void positions (255 in VOC).
+        classwise: also accumulate the class-wise ECE (costs a pass over ``(N, K, *S)``).
+
+    Shape:
+        - logits: ``(N, K, *S)`` floating, any number of spatial dims (``(N, K)`` is allowed).
+        - target: ``(N, *S)`` integer.
+
+    Example:
+        >>> meter = CalibrationMeter(num_classes=21, ignore_index=255)
+        >>> meter.update(torch.randn(2, 21, 8, 8), torch.randint(0, 21, (2, 8, 8)))
+        >>> sorted(meter.compute())[:3]
+        ['acc', 'acc_image_mean', 'aece']
+    """
+
+    def __init__(
+        self, num_classes: int, n_bins: int = 15, ignore_index: int = -100, classwise: bool = True
+    ) -> None:
+        super().__init__()
+        check_int_arg("num_classes", num_classes, 2)
+        check_int_arg("n_bins", n_bins, 1)
+        check_ignore_index(ignore_index)
+        if not isinstance(classwise, bool):
+            raise ValueError(f"Expected `classwise` to be a bool, but got {classwise!r}.")
+        self.num_classes, self.n_bins = num_classes, n_bins
+        self.ignore_index, self.classwise = ignore_index, classwise
+        i64, f64 = torch.int64, torch.float64
+        shapes = {
+            "bin_count": ((n_bins,), i64),
+            "bin_correct": ((n_bins,), i64),
+            "bin_conf": ((n_bins,), f64),
+            "fine_count": ((NUM_FINE_CELLS,), i64),
+            "fine_correct": ((NUM_FINE_CELLS,), i64),
+            "fine_conf": ((NUM_FINE_CELLS,), f64),
+            "nll_sum": ((), f64),
+            "brier_sum": ((), f64),
+            "image_sums": ((len(IMAGE_KEYS),), f64),
+            "num_images": ((), i64),
+        }
+        if classwise:
+            shapes["cw_prob"] = ((num_classes, n_bins), f64)
+            shapes["cw_hits"] = ((num_classes, n_bins), i64)
+        for name, (shape, dtype) in shapes.items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+        self._state_names = tuple(shapes)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_classes={self.num_classes}, n_bins={self.n_bins}, "
+            f"ignore_index={self.ignore_index}, classwise={self.classwise}"
+        )
+
+    def reset(self) -> None:
+        """Zero every state."""
+        for name in self._state_names:
+            getattr(self, name).zero_()
+
+    @torch.no_grad()
+    def update(self, logits: Tensor, target: Tensor) -> None:
+        """Add one batch. See the class docstring for shapes; raises ``ValueError`` on bad input.
+
+        The softmax is applied here: pass logits, never probabilities.
+        """
+        stats = _calibration_update(
+            logits, target, self.num_classes, self.n_bins, self.ignore_index, self.classwise
+        )
+        for name, value in stats.items():
+            getattr(self, name).add_(value)
+
+    def synced_states(self) -> dict[str, Tensor]:
+        """Copies of the states summed over all DDP ranks (plain copies without DDP)."""
+        names = self._state_names
+        return dict(zip(names, sum_over_ranks([getattr(self, n) for n in names]), strict=True))
+
+    @torch.no_grad()
+    def compute(self) -> dict[str, Any]:
+        """Metric values over everything seen (on every rank), as a JSON-serialisable dict.
+
+        Keys: ``count`` (valid positions), ``ece``, ``aece``, ``mce``, ``cwce`` (None when
+        ``classwise=False``), ``classwise_ece`` (list of K, or None), ``nll``, ``brier``, ``acc``,
+        ``conf``, ``num_images``, ``{ece, mce, acc, nll, brier, cwce}_image_mean``, and
+        ``reliability = {"bin_edges": n + 1 floats, "count": n ints, "confidence": n floats,
+        "accuracy": n floats}`` (mean confidence / accuracy per bin, 0.0 for empty bins).
+        Values are Python floats, or None when no valid position was seen.
+        """
+        return _calibration_compute(self.synced_states(), self.n_bins)
