@@ -308,12 +308,15 @@ def plot_multiplier_curves(
 
 
 def _train_terms(entry: Mapping, prefix: str) -> dict[str, float]:
-    """Numeric ``<prefix>*`` keys of one history entry; a nested ``{"train": {...}}`` counts too."""
-    out = {k: v for k, v in entry.items() if k.startswith(prefix) and _is_number(v)}
-    nested = entry.get(prefix.rstrip("_"))
-    if isinstance(nested, Mapping):
-        out.update({f"{prefix}{k}": v for k, v in nested.items() if _is_number(v)})
-    return out
+    """Numeric ``<prefix>*`` loss keys of one history entry (throughput, time and lr dropped)."""
+    return {
+        k: v
+        for k, v in entry.items()
+        if k.startswith(prefix)
+        and _is_number(v)
+        and k[len(prefix) :] not in ("lr", "time")
+        and not k.endswith(("_per_s", "_time"))
+    }
 
 
 def plot_training_curves(
@@ -325,8 +328,8 @@ def plot_training_curves(
     """Training loss terms and validation metrics over epochs, one panel each.
 
     The first panel holds every numeric ``train_prefix*`` key (e.g. ``train_loss``,
-    ``train_ce``, ``train_penalty``; a nested ``"train": {...}`` dict is read the same way), on
-    a log axis when all values are positive. Then one panel per key of ``keys`` that appears in
+    ``train_ce``, ``train_penalty``; not ``*_lr``, ``*_time``, ``*_per_s``), on a log axis when
+    all values are positive. Then one panel per key of ``keys`` that appears in
     the history; absent keys are skipped.
 
     Args:

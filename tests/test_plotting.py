@@ -51,6 +51,7 @@ def _history(epochs: int = 6, k: int = 8, cals: bool = True) -> list[dict]:
     out = []
     for e in range(epochs):
         entry = {"epoch": e, "train_loss": 1.0 / (e + 1), "val_ece": 0.1 - 0.01 * e}
+        entry |= {"train_penalty": -0.01, "train_images_per_s": 900.0, "train_time": 3.0}
         entry["val_miou"] = 0.1 * e
         if cals:
             entry["lambda"] = (10.0 ** rng.uniform(-6, 1, k)).tolist()
@@ -129,6 +130,7 @@ def test_multiplier_curves_without_lambda_writes_nothing(tmp_path):
 
 def test_training_curves(tmp_path):
     history = _history(cals=False)
+    assert set(plotting._train_terms(history[0], "train_")) == {"train_loss", "train_penalty"}
     assert plot_training_curves(history, tmp_path / "curves.png", keys=("val_ece", "absent"))
     _check_png(tmp_path / "curves.png")
     assert not plot_training_curves([{"epoch": 0}], tmp_path / "none.png")
