@@ -1,0 +1,229 @@
+"""Run configuration: dataclasses with defaults, YAML loading that rejects unknown keys, and
+``--set key=value`` overrides.
+
+Only ``tools/`` and this module know about the config object; library classes take plain
+keyword arguments. A YAML file mirrors :class:`Config`::
+
+    name: synthetic_cals_alm
+    data: {name: synthetic, root: data/synthetic, num_classes: 11}
+    loss: {name: cals_alm, params: {margin: 10.0}}
+    train: {epochs: 30, batch_size: 8}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class DataConfig:
+    """Dataset and loading. ``name``: ``voc`` (a VOC2012 tree at ``root``), ``synthetic`` (the
+    embedded dataset in VOC layout, generated at ``root`` when missing)."""
+
+    name: str = "synthetic"
+    root: str = "data/synthetic"
+    num_classes: int = 11
+    ignore_index: int = 255
+    crop_size: int = 64
+    scale_range: list[float] = field(default_factory=lambda: [0.75, 1.5])
+    eval_size: int | None = None
+    val_fraction: float = 0.2
+    split_seed: int = 0
+    num_workers: int = 0
+    synthetic: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    """smp model. ``encoder_weights``: ``imagenet``, ``null`` (random init) or a local file;
+    ``params``: further keyword arguments of the smp architecture (e.g.
+    ``encoder_output_stride: 16``, ``decoder_channels: 128``)."""
+
+    arch: str = "deeplabv3"
+    encoder_name: str = "resnet18"
+    encoder_weights: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LossConfig:
+    """Criterion: a name of ``cals_seg.losses.LOSSES`` and its keyword parameters."""
+
+    name: str = "ce"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer (``adamw`` or ``sgd``) and learning-rate schedule (``cosine``, ``multistep``,
+    ``constant``; stepped once per epoch)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    momentum: float = 0.9
+    schedule: str = "cosine"
+    milestones: list[int] = field(default_factory=list)
+    gamma: float = 0.1
+
+
+@dataclass
+class TrainConfig:
+    """Training loop. ``best_metric`` is a validation metric (``miou``, ``ece``, ``acc``,
+    ``nll`` ...) and ``best_mode`` ``max`` or ``min``."""
+
+    epochs: int = 30
+    batch_size: int = 8
+    seed: int = 0
+    device: str = "auto"
+    amp: str = "none"
+    grad_clip: float | None = None
+    best_metric: str = "miou"
+    best_mode: str = "max"
+    threads: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation: calibration bins, temperature scaling, number of calibration maps."""
+
+    batch_size: int = 8
+    n_bins: int = 15
+    temperature_scaling: bool = True
+    num_maps: int = 4
+
+
+@dataclass
+class Config:
+    """A whole run. The resolved config is written to ``<output_dir>/<name>/config.yaml``."""
+
+    name: str = "run"
+    output_dir: str = "runs"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not match :class:`Config`."""
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """Return ``value`` converted to ``tp`` (int -> float only) or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(value, arg, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}: expected {tp}, got {value!r}.")
+    if tp is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}.")
+        (item,) = typing.get_args(tp)
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}.")
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{where}: expected true/false, got {value!r}.")
+    if tp in (int, float, str) and (not isinstance(value, tp) or isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}.")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key(s) {unknown}; valid keys are {names}.")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{where}.{name}" if where else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value or {}, key)
+        else:
+            kwargs[name] = _check_type(value, tp, key)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build a :class:`Config`, rejecting unknown keys (the valid ones are listed) and values
+    of the wrong type."""
+    return _build(Config, data, "")
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {k!r} is not a section.")
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config and apply ``key.sub=value`` overrides (values parsed as YAML).
+
+    Raises:
+        ConfigError: missing file, invalid YAML, unknown key or wrong type, naming the file.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"Config file {p} does not exist.")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{p}: invalid YAML: {err}") from err
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.epochs=5.")
+        key, raw = item.split("=", 1)
+        _set(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return config_from_dict(data)
+    except ConfigError as err:
+        raise ConfigError(f"{path or 'config'}: {err}") from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict (for YAML output and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

@@ -1,0 +1,158 @@
+"""Evaluate a segmentation checkpoint: metrics before/after temperature scaling, plots, and
+per-image calibration maps.
+
+    python tools/eval_seg.py runs/<name>/config.yaml --checkpoint runs/<name>/checkpoint_best.pt \
+        [--split test] [--out DIR] [--num-maps 4] [--set key=value ...]
+
+Writes DIR/metrics.json (every metric of both meters, pooled and per-image, pre- and post-TS
+with T), DIR/reliability_{pre,post}_ts.png, DIR/lambda_curves.png when the run has multipliers,
+and DIR/maps/<id>.png (image, ground truth, prediction, confidence, errors, confidence on errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from cals_seg import plotting  # noqa: E402
+from cals_seg.config import ConfigError, load_config  # noqa: E402
+from cals_seg.data.transforms import eval_transform  # noqa: E402
+from cals_seg.data.voc import voc_palette  # noqa: E402
+from cals_seg.engine import load_checkpoint  # noqa: E402
+from cals_seg.models.segmentation import WeightsUnavailableError  # noqa: E402
+from cals_seg.tasks import build_segmentation_task  # noqa: E402
+from cals_seg.trainer import Task, _json_safe, _read_history, calibrated_test, resolve_device  # noqa: E402
+
+
+@torch.no_grad()
+def calibration_maps(
+    model: torch.nn.Module,
+    dataset,
+    ids: list[str],
+    out_dir: Path,
+    device: torch.device,
+    class_names: list[str],
+    ignore_index: int,
+    temperature: float = 1.0,
+) -> list[Path]:
+    """One six-panel PNG per image id, at the image's own resolution (no resizing)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    to_tensor = eval_transform(None)
+    written = []
+    for sample_id in ids:
+        image, mask = dataset.load_image(sample_id), dataset.load_mask(sample_id)
+        x = to_tensor(image=image, mask=mask)["image"].unsqueeze(0).to(device)
+        h, w = x.shape[-2:]
+        pad_h, pad_w = (-h) % 16, (-w) % 16  # smp encoders need sizes divisible by 16 or 32
+        logits = model(F.pad(x, (0, pad_w, 0, pad_h)))[..., :h, :w].float() / temperature
+        conf, pred = logits.softmax(dim=1).max(dim=1)
+        path = out_dir / f"{sample_id}.png"
+        plotting.plot_calibration_map(
+            image,
+            mask,
+            pred[0].cpu().numpy(),
+            conf[0].cpu().numpy(),
+            path,
+            class_names=class_names,
+            ignore_index=ignore_index,
+            palette=voc_palette(),
+            title=sample_id,
+        )
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("config", help="YAML config (e.g. the run's config.yaml)")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint_best.pt or _last.pt")
+    parser.add_argument("--split", default="test", choices=["train", "val", "test"])
+    parser.add_argument("--out", default=None, help="output folder (default: <run>/eval_<split>)")
+    parser.add_argument(
+        "--num-maps",
+        type=int,
+        default=None,
+        help="calibration maps for the first N images (default: eval.num_maps)",
+    )
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.set)
+        task = build_segmentation_task(cfg)
+        ckpt = load_checkpoint(args.checkpoint)
+        if ckpt.get("num_classes") != task.num_classes:
+            raise ValueError(
+                f"{args.checkpoint} was trained with {ckpt.get('num_classes')} "
+                f"classes, but {args.config} has data.num_classes="
+                f"{task.num_classes}; use the config the run was trained with."
+            )
+        task.model.load_state_dict(ckpt["model"])
+    except (ConfigError, ValueError, FileNotFoundError, WeightsUnavailableError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    device = resolve_device(cfg.train.device)
+    model = task.model.to(device)
+    split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
+    if args.split == "train":  # evaluate the training images without augmentation
+        split_set.transform = task.val_set.transform
+    eval_task = Task(
+        task.train_set,
+        task.val_set,
+        split_set,
+        model,
+        task.num_classes,
+        task.ignore_index,
+        task.class_names,
+    )
+    result = calibrated_test(model, eval_task, cfg, device, progress=cfg.train.progress)
+    result.update(checkpoint=str(args.checkpoint), epoch=ckpt.get("epoch"), split=args.split)
+
+    run_dir = Path(args.checkpoint).resolve().parent
+    out = Path(args.out) if args.out else run_dir / f"eval_{args.split}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(_json_safe(result), indent=1))
+    for key in ("pre_ts", "post_ts"):
+        if result.get(key):
+            title = f"{cfg.name} {args.split}, {key.replace('_', '-')}"
+            if key == "post_ts":
+                title += f" (T = {result['temperature']:.2f})"
+            plotting.plot_reliability_diagram(
+                result[key]["reliability"],
+                out / f"reliability_{key}.png",
+                title=title,
+                ece=result[key]["ece"],
+            )
+    plotting.plot_multiplier_curves(
+        _read_history(run_dir / "history.jsonl"), out / "lambda_curves.png", task.class_names
+    )
+    num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
+    maps = calibration_maps(
+        model,
+        split_set,
+        split_set.ids[:num_maps],
+        out / "maps",
+        device,
+        task.class_names,
+        task.ignore_index,
+    )
+    pre, post = result["pre_ts"], result["post_ts"]
+    line = f"{args.split}: ECE {pre['ece']:.4f}  AECE {pre['aece']:.4f}  mIoU {pre['miou']:.4f}"
+    if post is not None:
+        line += f"  | post-TS ECE {post['ece']:.4f} (T = {result['temperature']:.3f})"
+    print(line)
+    print(f"wrote {out / 'metrics.json'} and {len(maps)} calibration maps in {out / 'maps'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
