@@ -50,16 +50,26 @@ def _is_integer_tensor(t: Tensor) -> bool:
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
-def _check_labels(target: Tensor, num_classes: int, ignore_index: int) -> None:
-    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
-    if bool(bad.any()):
-        values = torch.unique(target[bad]).tolist()
-        shown = values[:10]
-        more = f" (and {len(values) - 10} more)" if len(values) > 10 else ""
-        raise ValueError(
-            f"Expected `target` values in [0, {num_classes}) or `ignore_index`={ignore_index}, "
-            f"but got {int(bad.sum())} positions with values {shown}{more}."
-        )
+def _labels(target: Tensor, num_classes: int, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """Valid mask and labels with void positions set to 0, after a range check.
+
+    The check is one ``aminmax`` of the labels with void positions zeroed; the positions and
+    values at fault are only looked up when it fails.
+    """
+    target = target.long()
+    valid = target != ignore_index
+    labels = torch.where(valid, target, 0)
+    if labels.numel():
+        low, high = torch.aminmax(labels)
+        if int(low) < 0 or int(high) >= num_classes:
+            bad = valid & ((target < 0) | (target >= num_classes))
+            values = torch.unique(target[bad]).tolist()
+            more = f" (and {len(values) - 10} more)" if len(values) > 10 else ""
+            raise ValueError(
+                f"Expected `target` values in [0, {num_classes}) or `ignore_index`={ignore_index}"
+                f", but got {int(bad.sum())} positions with values {values[:10]}{more}."
+            )
+    return labels, valid
 
 
 def prepare_logits(
@@ -72,8 +82,8 @@ def prepare_logits(
     Shape:
         - logits: ``(N, K, *S)``, any number of spatial dims (zero included).
         - target: ``(N, *S)``, integer class indices or ``ignore_index``.
-        - returns: logits ``(N, K, P)``, target ``(N, P)`` (int64), valid mask ``(N, P)`` with
-          ``P = prod(S)`` (1 when there are no spatial dims).
+        - returns: logits ``(N, K, P)``, labels ``(N, P)`` (int64, 0 at void positions) and the
+          valid mask ``(N, P)``, with ``P = prod(S)`` (1 when there are no spatial dims).
 
     Raises:
         ValueError: on a non-floating ``logits``, a non-integer ``target``, mismatched shapes, a
@@ -91,12 +101,11 @@ def prepare_logits(
     n, k = logits.shape[:2]
     spatial = tuple(logits.shape[2:])
     _check_target(target, (n, *spatial), f"`logits` of shape {tuple(logits.shape)}")
-    _check_labels(target, num_classes, ignore_index)
     if logits.dtype in _LOW_PRECISION:
         logits = logits.float()
     p = math.prod(spatial)
-    target = target.reshape(n, p).long()
-    return logits.reshape(n, k, p), target, target != ignore_index
+    labels, valid = _labels(target.reshape(n, p), num_classes, ignore_index)
+    return logits.reshape(n, k, p), labels, valid
 
 
 def prepare_predictions(
@@ -104,8 +113,8 @@ def prepare_predictions(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Check integer predictions ``(N, *S)`` against ``target`` ``(N, *S)``; flatten both.
 
-    Returns predictions ``(N, P)``, target ``(N, P)`` and the valid mask ``(N, P)``, all int64 /
-    bool.
+    Returns predictions ``(N, P)``, labels ``(N, P)`` (0 at void positions), both int64, and
+    the valid mask ``(N, P)``.
     """
     if preds.dim() < 1 or not _is_integer_tensor(preds):
         raise ValueError(
@@ -113,7 +122,6 @@ def prepare_predictions(
             f"but got {preds.dtype} of shape {tuple(preds.shape)}."
         )
     _check_target(target, tuple(preds.shape), f"`preds` of shape {tuple(preds.shape)}")
-    _check_labels(target, num_classes, ignore_index)
     bad = (preds < 0) | (preds >= num_classes)
     if bool(bad.any()):
         values = torch.unique(preds[bad]).tolist()[:10]
@@ -122,8 +130,8 @@ def prepare_predictions(
             f"with values {values}."
         )
     n, p = preds.shape[0], math.prod(preds.shape[1:])
-    target = target.reshape(n, p).long()
-    return preds.reshape(n, p).long(), target, target != ignore_index
+    labels, valid = _labels(target.reshape(n, p), num_classes, ignore_index)
+    return preds.reshape(n, p).long(), labels, valid
 
 
 def _check_target(target: Tensor, shape: tuple[int, ...], against: str) -> None:
@@ -137,21 +145,44 @@ def _check_target(target: Tensor, shape: tuple[int, ...], against: str) -> None:
         )
 
 
+def max_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-position maximum over classes and the first index that attains it.
+
+    Same result as ``logits.max(dim=1)``, about twice as fast on CPU: ``amax`` over the class
+    dimension is vectorised along the positions, while ``max`` with indices is not. The first
+    maximal index is recovered as ``K - max_k ([l_k == max] * (K - k))`` on uint8 (bool and uint8
+    temporaries of ``(N, K, P)`` bytes). NaN positions give the out-of-range index K, so call
+    ``check_finite`` before using the indices.
+
+    Shape:
+        - logits: ``(N, K, P)``; returns maxima ``(N, P)`` and int64 indices ``(N, P)``.
+    """
+    k = logits.shape[1]
+    if k > 255:
+        return logits.max(dim=1)
+    maxima = logits.amax(dim=1)
+    weights = torch.arange(k, 0, -1, dtype=torch.uint8, device=logits.device).view(1, k, 1)
+    hit = (logits == maxima.unsqueeze(1)) * weights
+    return maxima, k - hit.amax(dim=1).long()
+
+
 def check_finite(logits: Tensor, maxima: Tensor) -> None:
     """Raise ``ValueError`` if ``logits`` holds NaN or +-inf.
 
     Cheap path: NaN and +inf show in the per-position maximum (already computed by the caller),
-    -inf in the per-position minimum; the full count is only taken when something is wrong.
+    -inf in the per-position minimum, and any of them makes the sum of both non-finite; the
+    full count is only taken when that sum is not finite (it can also overflow on huge but
+    finite logits, which then pass).
 
     Shape:
         - logits: ``(N, K, P)``; maxima: ``(N, P)``.
     """
-    ok = torch.isfinite(maxima) & torch.isfinite(logits.amin(dim=1))
-    if not bool(ok.all()):
+    if not bool(torch.isfinite((maxima + logits.amin(dim=1)).sum())):
         bad = int((~torch.isfinite(logits)).sum())
-        raise ValueError(
-            f"Expected `logits` to be finite, but got {bad} non-finite values (NaN or inf)."
-        )
+        if bad:
+            raise ValueError(
+                f"Expected `logits` to be finite, but got {bad} non-finite values (NaN or inf)."
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,10 +212,11 @@ def _edge_thresholds(n_bins: int, dtype: torch.dtype) -> tuple[float, ...]:
 def bin_index(x: Tensor, n_bins: int) -> Tensor:
     """Equal-width bin of each value: ``clip(ceil(x * n) - 1, 0, n - 1)``, evaluated exactly.
 
-    Membership is ``(b/n, (b+1)/n]``; 0 falls in bin 0 and 1.0 in bin ``n - 1``. The edges are
-    compared as exact rationals: the boundaries passed to ``torch.bucketize`` are, per edge
-    ``b/n``, the largest float of ``x.dtype`` not above it, so ``x > t_b`` iff ``x > b/n`` and a
-    float32 value is binned as its exact float64 value would be (no rounding of ``x * n``).
+    Membership is ``(b/n, (b+1)/n]``; 0 falls in bin 0 and 1.0 in bin ``n - 1``. A float32 value
+    is binned as its exact value: ``x * n`` is formed in float64, where it is exact (24 + 29 bits
+    fit in 53 for ``n < 2^29``), so no rounding can move it across an integer. float64 values go
+    through ``torch.bucketize`` with, per edge ``b/n``, the largest float64 not above it (so
+    ``x > t_b`` iff ``x > b/n`` as exact rationals); slower, used only for float64 logits.
 
     Shape:
         - x: any shape, float32 or float64, values in [0, 1].
@@ -192,6 +224,9 @@ def bin_index(x: Tensor, n_bins: int) -> Tensor:
     """
     if n_bins == 1:
         return torch.zeros(x.shape, dtype=torch.int32, device=x.device)
+    if x.dtype != torch.float64 and n_bins < 2**29:
+        t = x.to(torch.float64)  # one float64 temporary, updated in place
+        return t.mul_(n_bins).ceil_().to(torch.int32).clamp_(min=1).sub_(1)
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     thresholds = torch.tensor(_edge_thresholds(n_bins, dtype), dtype=dtype, device=x.device)
     return torch.bucketize(x.to(dtype), thresholds, out_int32=True)
@@ -210,9 +245,10 @@ def fine_cell(conf: Tensor) -> Tensor:
         - conf: any shape, float32 or float64 in [0, 1].
         - returns: same shape, int64.
     """
-    uniform = torch.floor(conf * 2.0**FINE_UNIFORM_LOG2)
-    steps_below_one = torch.ceil((1.0 - conf) * 2.0**FINE_ULP_LOG2)
-    tail = (_NUM_UNIFORM + _NUM_TAIL) - steps_below_one
+    # Both branches are >= 0 and truncation towards zero is floor: the tail cell is
+    # floor(L - (1 - c) 2^24) = L - ceil((1 - c) 2^24), exact for float32 and float64 alike.
+    uniform = conf * 2.0**FINE_UNIFORM_LOG2
+    tail = (1.0 - conf).mul_(-(2.0**FINE_ULP_LOG2)).add_(_NUM_UNIFORM + _NUM_TAIL)
     return torch.where(conf >= _TAIL_START, tail, uniform).long()
 
 

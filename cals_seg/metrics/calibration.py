@@ -20,6 +20,7 @@ from cals_seg.metrics._functional import (
     check_ignore_index,
     check_int_arg,
     fine_cell,
+    max_argmax,
     prepare_logits,
     sum_over_ranks,
 )
@@ -31,7 +32,8 @@ IMAGE_KEYS = ("ece", "mce", "acc", "nll", "brier", "cwce")
 def _bincount(index: Tensor, size: int, weights: Tensor | None = None) -> Tensor:
     """``bincount`` of a flat index whose value ``size`` marks positions to drop."""
     w = None if weights is None else weights.reshape(-1)
-    return torch.bincount(index.reshape(-1), weights=w, minlength=size + 1)[:size]
+    out = torch.bincount(index.reshape(-1), weights=w, minlength=size + 1)[:size]
+    return out if w is None else out.to(w.dtype)  # (empty input gives int64 even with weights)
 
 
 def _calibration_update(
@@ -49,12 +51,15 @@ def _calibration_update(
     ``a = [pred == y]`` and ``bin(x) = clip(ceil(x n) - 1, 0, n - 1)`` computed exactly:
 
     - ``bin_count / bin_correct / bin_conf``: per bin, sum of 1, a, c.
-    - ``nll_sum``: sum of ``-log softmax(l)_y = (max_j l_j - l_y) - log c``. This is the
-      log-sum-exp form of ``log_softmax`` (``sum_j exp(l_j - max) = 1 / c``), evaluated in
-      float64 from float32 ``l`` and ``c``; ``c >= 1/K``, so unlike ``-log p_y`` it stays finite
-      when ``p_y`` underflows.
-    - ``brier_sum``: sum of ``sum_k (p_k - [y == k])^2 = (1 - p_y)^2 + sum_{k != y} p_k^2``
-      (this form has no cancellation when ``p_y`` is close to 1).
+    - ``nll_sum``: sum of ``-log softmax(l)_y = (max_j l_j - l_y) + log1p(r / c)``, the
+      log-sum-exp form of ``log_softmax`` with the arg-max term taken out:
+      ``sum_{j != pred} exp(l_j - max) = r / c`` where ``r = sum_{j != pred} p_j``. Evaluated in
+      float64 from float32 ``l``, ``r`` and ``c``; unlike ``-log p_y`` it stays finite when
+      ``p_y`` underflows, and unlike ``log(sum_j ...)`` in float32 it keeps its relative
+      precision when ``p_y`` is within 1e-7 of 1.
+    - ``brier_sum``: sum of ``sum_k (p_k - [y == k])^2 = (1 - p_y)^2 + sum_{k != y} p_k^2``,
+      with ``sum_{k != y} p_k^2`` from ``sum_{j != pred} p_j^2`` (no cancellation when ``p_y``
+      is close to 1).
     - ``fine_count / fine_correct / fine_conf``: the fine histogram of ``c`` (``fine_cell``).
     - ``cw_prob / cw_hits`` (classwise): per class k and bin b, the sum of ``p_k`` over positions
       with ``bin(p_k) = b``, and the number of those positions with ``y == k``.
@@ -73,17 +78,16 @@ def _calibration_update(
     x, y, valid = prepare_logits(logits, target, num_classes, ignore_index)
     n, k, _ = x.shape
     f64 = torch.float64
-    maxima, pred = x.max(dim=1)
+    maxima, pred = max_argmax(x)
     check_finite(x, maxima)
-    y = torch.where(valid, y, 0)
     correct = (pred == y) & valid
-    p = torch.softmax(x, dim=1)
-    conf = p.gather(1, pred.unsqueeze(1)).squeeze(1)
+    # (N, K) and (N, K, 1, ...) both take torch's contiguous last-dimension softmax kernel.
+    p = torch.softmax(x.view(n, k), dim=1).view(n, k, 1) if x.shape[2] == 1 else x.softmax(dim=1)
+    conf = p.amax(dim=1)  # = p[pred] exactly: exp(0) = 1 is the largest numerator
     p_y = p.gather(1, y.unsqueeze(1)).squeeze(1)
     l_y = x.gather(1, y.unsqueeze(1)).squeeze(1)
     conf64 = conf.to(f64)
     vmask = valid.to(f64)
-    nll = (maxima.to(f64) - l_y.to(f64) - conf64.log()) * vmask
 
     # Top-label bins per image: cell = image * n_bins + bin; count and correct in one bincount.
     image = torch.arange(n, device=x.device).unsqueeze(1)
@@ -124,10 +128,16 @@ def _calibration_update(
         stats["cw_hits"] = hits_nkb.sum(dim=0)
         cwce_n = (hits_nkb - prob_nkb).abs().sum(dim=2).mean(dim=1) / denom
 
-    # Brier last: it overwrites p in place.
-    p.scatter_(1, y.unsqueeze(1), 0.0).square_()
-    brier = ((1.0 - p_y.to(f64)).square() + p.sum(dim=1).to(f64)) * vmask
-    del p
+    # NLL and Brier last: they overwrite p in place with q = p, q_pred = 0.
+    q = p.scatter_(1, pred.unsqueeze(1), 0.0)
+    rest = q.sum(dim=1).to(f64)  # sum_{j != pred} p_j = (s - 1) / s with s = 1 / c
+    rest_sq = q.mul_(q).sum(dim=1).to(f64)  # sum_{j != pred} p_j^2
+    del p, q
+    l_y64, p_y64 = l_y.to(f64), p_y.to(f64)
+    nll = (maxima.to(f64) - l_y64 + torch.log1p(rest / conf64)) * vmask
+    wrong = (pred != y).to(f64)
+    miss = 1.0 - p_y64
+    brier = (miss * miss + rest_sq + wrong * (conf64 * conf64 - p_y64 * p_y64)) * vmask
     nll_n, brier_n = nll.sum(dim=1), brier.sum(dim=1)
     stats["nll_sum"] = nll_n.sum()
     stats["brier_sum"] = brier_n.sum()
@@ -246,9 +256,10 @@ class CalibrationMeter(nn.Module):
       1e-5 of 1 (requirement: 1e-4).
     - ``cwce``: for each class k the ECE of ``p_k`` against ``[y == k]`` over all valid positions
       with the same bins, ``sum_b |sum_{i in B_kb} ([y_i == k] - p_ik)| / m``; mean over all K.
-    - ``nll = mean_i -log softmax(l_i)_{y_i}`` (log-sum-exp form, finite when ``p_y``
-      underflows); ``brier = mean_i sum_k (p_ik - [y_i == k])^2`` (sum over the K classes, mean
-      over positions, so it lies in [0, 2]); ``acc = mean_i a_i``; ``conf = mean_i c_i``.
+    - ``nll = mean_i -log softmax(l_i)_{y_i}`` (log-sum-exp form: finite when ``p_y``
+      underflows, accurate when it saturates); ``brier = mean_i sum_k (p_ik - [y_i == k])^2``
+      (sum over the K classes, mean over positions, so it lies in [0, 2]); ``acc = mean_i a_i``;
+      ``conf = mean_i c_i``.
     - ``<metric>_image_mean``: the metric computed on each image (one of the N items of a batch)
       and averaged over images with at least one valid position (the paper's protocol), for
       ece, mce, acc, nll, brier and cwce.

@@ -16,6 +16,7 @@ from cals_seg.metrics._functional import (
     check_finite,
     check_ignore_index,
     check_int_arg,
+    max_argmax,
     prepare_logits,
     prepare_predictions,
     sum_over_ranks,
@@ -38,7 +39,7 @@ def _confusion_update(
     """
     if isinstance(logits_or_preds, Tensor) and logits_or_preds.is_floating_point():
         x, y, valid = prepare_logits(logits_or_preds, target, num_classes, ignore_index)
-        maxima, pred = x.max(dim=1)
+        maxima, pred = max_argmax(x)
         check_finite(x, maxima)
     else:
         pred, y, valid = prepare_predictions(logits_or_preds, target, num_classes, ignore_index)
