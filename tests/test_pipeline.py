@@ -1,0 +1,190 @@
+"""End-to-end segmentation pipeline on a tiny embedded dataset: artefacts, resume, eval_seg."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cals_seg import trainer as trainer_mod
+from cals_seg.config import ConfigError, load_config
+from cals_seg.engine import NonFiniteLossError, load_checkpoint, seed_everything, train_one_epoch
+from cals_seg.tasks import build_segmentation_task
+from cals_seg.trainer import fit
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _overrides(tmp: Path, name: str, epochs: int = 2) -> list[str]:
+    return [
+        f"name={name}", f"output_dir={tmp / 'runs'}", f"data.root={tmp / 'data'}",
+        "data.synthetic={num_train: 20, num_test: 6, image_size: 32}", "data.crop_size=32",
+        f"train.epochs={epochs}", "train.batch_size=4", "eval.batch_size=4", "train.progress=false",
+        "train.threads=1", "eval.num_maps=2", "loss.params={margin: 3.0}",
+        "model.params={encoder_output_stride: 16, decoder_channels: 32}",
+    ]
+
+
+def _run(tmp: Path, name: str, epochs: int = 2, resume: Path | None = None):
+    cfg = load_config(CONFIG, _overrides(tmp, name, epochs))
+    seed_everything(cfg.train.seed)
+    return cfg, fit(cfg, build_segmentation_task(cfg), resume=resume)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    cfg, test = _run(tmp, "straight")
+    return tmp, cfg, test
+
+
+def test_run_directory_has_every_artefact(straight):
+    tmp, cfg, test = straight
+    run = cfg.run_dir
+    for name in ("config.yaml", "history.jsonl", "checkpoint_last.pt", "checkpoint_best.pt",
+                 "test_metrics.json", "plots/reliability_pre_ts.png",
+                 "plots/reliability_post_ts.png", "plots/lambda_curves.png",
+                 "plots/training_curves.png"):
+        assert (run / name).is_file() and (run / name).stat().st_size > 0, name
+    history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [0, 1]
+    for h in history:
+        assert len(h["lambda"]) == len(h["rho"]) == 11
+        assert {"train_loss", "train_ce", "train_penalty", "val_ece", "val_miou", "lr"} <= set(h)
+    metrics = json.loads((run / "test_metrics.json").read_text())
+    assert metrics["temperature"] > 0 and metrics["checkpoint"] == "checkpoint_best.pt"
+    assert {"ece", "aece", "cwce", "miou", "ece_image_mean"} <= set(metrics["pre_ts"])
+    # temperature scaling never changes the arg-max
+    assert metrics["post_ts"]["acc"] == metrics["pre_ts"]["acc"]
+    assert metrics["post_ts"]["miou"] == metrics["pre_ts"]["miou"]
+    # the resolved config is written and loads back to the same values
+    assert load_config(run / "config.yaml") == cfg
+    # the criterion state (multipliers) is in the checkpoint
+    ckpt = load_checkpoint(run / "checkpoint_last.pt")
+    assert torch.allclose(ckpt["criterion"]["lambdas"], torch.tensor(history[-1]["lambda"],
+                                                                   dtype=torch.float64))
+
+
+def test_resume_reaches_the_same_result(straight, tmp_path, monkeypatch):
+    _, cfg_a, test_a = straight
+    real = trainer_mod.train_one_epoch
+    calls = {"n": 0}
+
+    def crash_on_second_epoch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # the job is killed during epoch 2
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "train_one_epoch", crash_on_second_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, "straight")  # same name, other output_dir: same config otherwise
+    monkeypatch.setattr(trainer_mod, "train_one_epoch", real)
+    run_b = tmp_path / "runs" / "straight"
+    assert load_checkpoint(run_b / "checkpoint_last.pt")["epoch"] == 0
+    _, test_b = _run(tmp_path, "straight", resume=run_b)
+
+    hist_a = [json.loads(x) for x in (cfg_a.run_dir / "history.jsonl").read_text().splitlines()]
+    hist_b = [json.loads(x) for x in (run_b / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in hist_b] == [0, 1]
+    for a, b in zip(hist_a, hist_b, strict=True):
+        torch.testing.assert_close(torch.tensor(b["lambda"]), torch.tensor(a["lambda"]),
+                                   rtol=1e-5, atol=1e-9)
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
+    assert test_b["pre_ts"]["ece"] == pytest.approx(test_a["pre_ts"]["ece"], rel=1e-4, abs=1e-6)
+
+
+def test_eval_seg_reproduces_test_metrics(straight, capsys):
+    _, cfg, test = straight
+    out = cfg.run_dir / "eval_again"
+    rc = _tool("eval_seg").main([str(cfg.run_dir / "config.yaml"), "--checkpoint",
+                                 str(cfg.run_dir / "checkpoint_best.pt"), "--out", str(out)])
+    assert rc == 0
+    got = json.loads((out / "metrics.json").read_text())
+    ref = json.loads((cfg.run_dir / "test_metrics.json").read_text())
+    assert got["temperature"] == pytest.approx(ref["temperature"], rel=1e-9)
+    for key in ("pre_ts", "post_ts"):
+        for metric in ("ece", "aece", "cwce", "nll", "brier", "miou", "ece_image_mean"):
+            assert got[key][metric] == pytest.approx(ref[key][metric], rel=1e-9, abs=1e-12)
+    assert len(list((out / "maps").glob("*.png"))) == 2
+    assert (out / "reliability_pre_ts.png").is_file() and (out / "lambda_curves.png").is_file()
+
+
+def test_eval_seg_rejects_checkpoint_of_other_class_count(straight, capsys):
+    _, cfg, _ = straight
+    ckpt = load_checkpoint(cfg.run_dir / "checkpoint_best.pt")
+    ckpt["num_classes"] = 21
+    bad = cfg.run_dir / "other_classes.pt"
+    torch.save(ckpt, bad)
+    rc = _tool("eval_seg").main([str(cfg.run_dir / "config.yaml"), "--checkpoint", str(bad)])
+    assert rc == 2
+    assert "21 classes" in capsys.readouterr().err
+
+
+def test_existing_run_is_not_overwritten(straight):
+    tmp, _, _ = straight
+    with pytest.raises(FileExistsError, match="--resume"):
+        _run(tmp, "straight")
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(straight, tmp_path, monkeypatch):
+    real = trainer_mod.train_one_epoch
+    calls = {"n": 0}
+
+    def nan_on_second_epoch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise NonFiniteLossError("the loss is nan")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "train_one_epoch", nan_on_second_epoch)
+    with pytest.raises(NonFiniteLossError):
+        _run(tmp_path, "nan")
+    ckpt = load_checkpoint(tmp_path / "runs" / "nan" / "checkpoint_last.pt")
+    assert ckpt["epoch"] == 0 and all(torch.isfinite(v).all() for v in ckpt["model"].values()
+                                      if v.is_floating_point())
+    assert not list((tmp_path / "runs" / "nan").glob(".*.tmp"))
+
+
+def test_train_one_epoch_raises_on_non_finite_loss():
+    model = torch.nn.Conv2d(3, 4, 1)
+    torch.nn.init.constant_(model.weight, float("nan"))
+    before = model.bias.detach().clone()
+    loader = [(torch.randn(2, 3, 4, 4), torch.randint(0, 4, (2, 4, 4)))]
+    from cals_seg.losses import build_loss
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NonFiniteLossError, match="nan"):
+        train_one_epoch(model, build_loss("ce", 4), loader, opt, torch.device("cpu"),
+                        progress=False)
+    assert torch.equal(model.bias, before)  # no step was taken
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['epoch'\]; valid keys are"):
+        load_config(CONFIG, ["train.epoch=3"])
+    with pytest.raises(ConfigError, match="train.epochs: expected int"):
+        load_config(CONFIG, ["train.epochs=three"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  colour: red\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: data: unknown key"):
+        load_config(bad)
+
+
+def test_train_seg_cli_reports_bad_config(tmp_path, capsys):
+    rc = _tool("train_seg").main([str(CONFIG), "--set", "loss.name=dice"])
+    assert rc == 2
+    assert "valid names are" in capsys.readouterr().err
