@@ -13,6 +13,7 @@ keyword arguments. A YAML file mirrors :class:`Config`::
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -119,6 +120,21 @@ class Config:
         return Path(self.output_dir) / self.name
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, but ``1e-6`` is a float (YAML 1.1 demands ``1.0e-6``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"""),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 class ConfigError(ValueError):
     """A config file or override that does not match :class:`Config`."""
 
@@ -205,14 +221,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         if not p.is_file():
             raise ConfigError(f"Config file {p} does not exist.")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = _yaml_load(p.read_text()) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"{p}: invalid YAML: {err}") from err
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.epochs=5.")
         key, raw = item.split("=", 1)
-        _set(data, key.strip(), yaml.safe_load(raw))
+        _set(data, key.strip(), _yaml_load(raw))
     try:
         return config_from_dict(data)
     except ConfigError as err:

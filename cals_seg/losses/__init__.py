@@ -6,6 +6,7 @@ positions from every mean and returns a scalar, so it is a drop-in for ``F.cross
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from ._base import SegLoss
@@ -38,17 +39,14 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
     if name not in LOSSES:
         raise ValueError(f"Unknown loss {name!r}; valid names are {sorted(LOSSES)}.")
     cls = LOSSES[name]
-    try:
-        return cls(num_classes=num_classes, ignore_index=ignore_index, **params)
-    except TypeError as err:
-        import inspect
 
-        valid = [
-            p for p in inspect.signature(cls).parameters if p not in ("num_classes", "ignore_index")
-        ]
-        raise ValueError(
-            f"Invalid parameters {params} for loss {name!r}; it takes {valid}."
-        ) from err
+    accepted = [
+        p for p in inspect.signature(cls).parameters if p not in ("num_classes", "ignore_index")
+    ]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"Unknown parameter(s) {unknown} for loss {name!r}; it takes {accepted}.")
+    return cls(num_classes=num_classes, ignore_index=ignore_index, **params)
 
 
 __all__ = [
