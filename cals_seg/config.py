@@ -78,7 +78,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     """Training loop. ``best_metric`` is a validation metric (``miou``, ``ece``, ``acc``,
-    ``nll`` ...) and ``best_mode`` ``max`` or ``min``."""
+    ``nll`` ...) and ``best_mode`` ``max`` or ``min``. ``amp``: ``none``, ``bf16`` or ``fp16``
+    (CUDA only; the criterion and the meters compute in float32). ``sync_bn``: SyncBatchNorm
+    under torch.distributed. ``compile``: ``torch.compile`` the model."""
 
     epochs: int = 30
     batch_size: int = 8
@@ -90,6 +92,9 @@ class TrainConfig:
     best_mode: str = "max"
     threads: int | None = None
     progress: bool = True
+    sync_bn: bool = False
+    channels_last: bool = False
+    compile: bool = False
 
 
 @dataclass
