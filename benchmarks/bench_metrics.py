@@ -1,0 +1,201 @@
+"""Throughput and peak memory of the streaming meters against torchmetrics, on CPU.
+
+    python benchmarks/bench_metrics.py [--pixels 1e7 1e8] [--batch 8 21 512 512] [--threads 1]
+    python benchmarks/bench_metrics.py --quick
+
+Each configuration streams VOC-sized batches of 21-class logits (8 x 21 x 512 x 512 = 2.1e6
+pixels, 5% void) through update() until the pixel budget is reached, then calls compute():
+
+- ``ours cw=False``: ``CalibrationMeter(classwise=False)`` + ``SegmentationMeter``
+- ``ours cw=True``:  ``CalibrationMeter(classwise=True)`` + ``SegmentationMeter``
+- ``torchmetrics``:  ``MulticlassCalibrationError(num_classes=21, n_bins=15, norm="l1")`` +
+  ``MulticlassJaccardIndex(num_classes=21)`` (both with ``ignore_index=255``), fed
+  ``softmax(logits)`` of the same batches (the softmax is timed on both sides; our meters take
+  logits and apply it themselves).
+
+torchmetrics is NOT a dependency of cals_seg; when it is not installed its column is skipped
+(``pip install torchmetrics==1.9.0`` to add it).
+
+Every configuration runs in a fresh subprocess. Two batches are generated up front and reused
+in turn, so generation is excluded from the time and costs the same memory everywhere. Time
+covers one warm-up update on a batch plus a reset excluded, then all updates and the final
+compute(). Peak memory is the child's ``ru_maxrss`` (the whole process: Python, torch, the two
+pre-generated batches, the meter states and temporaries); "above setup" is its growth after the
+batches exist (warm-up included), i.e. what the metrics themselves add at their high-water mark:
+update temporaries and states for ours, plus the stored per-pixel values for torchmetrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+CONFIGS = ["ours cw=False", "ours cw=True", "torchmetrics"]
+VOID = 255
+TM_LIMIT_GB = 12.0  # skip torchmetrics where its estimated memory is above this
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def make_batches(shape: list[int], count: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Logits informative on ~70% of the positions (so confidences spread over the bins)."""
+    g = torch.Generator().manual_seed(0)
+    n, k, h, w = shape
+    out = []
+    for _ in range(count):
+        target = torch.randint(0, k, (n, h, w), generator=g)
+        logits = torch.empty(shape).normal_(0.0, 2.0, generator=g)
+        boost = (torch.rand(n, h, w, generator=g) < 0.7).float() * 4.0
+        logits.scatter_add_(1, target.unsqueeze(1), boost.unsqueeze(1))
+        target.masked_fill_(torch.rand(n, h, w, generator=g) < 0.05, VOID)
+        out.append((logits, target))
+    return out
+
+
+def make_pair(config: str, k: int):
+    """(update(logits, target), compute(), reset()) of one configuration."""
+    if config.startswith("ours"):
+        from cals_seg.metrics import CalibrationMeter, SegmentationMeter
+
+        cal = CalibrationMeter(k, n_bins=15, ignore_index=VOID, classwise=config.endswith("True"))
+        seg = SegmentationMeter(k, ignore_index=VOID)
+
+        def update(x: torch.Tensor, y: torch.Tensor) -> None:
+            cal.update(x, y)
+            seg.update(x, y)
+
+        return update, lambda: (cal.compute()["ece"], seg.compute()["miou"]), (cal, seg)
+    from torchmetrics.classification import MulticlassCalibrationError, MulticlassJaccardIndex
+
+    ce = MulticlassCalibrationError(num_classes=k, n_bins=15, norm="l1", ignore_index=VOID)
+    ji = MulticlassJaccardIndex(num_classes=k, ignore_index=VOID)
+
+    def update_tm(x: torch.Tensor, y: torch.Tensor) -> None:
+        p = torch.softmax(x, dim=1)
+        ce.update(p, y)
+        ji.update(p, y)
+
+    return update_tm, lambda: (float(ce.compute()), float(ji.compute())), (ce, ji)
+
+
+def child(config: str, pixels: float, shape: list[int]) -> dict:
+    """One configuration in this (fresh) process; returns timings and memory as a dict."""
+    batches = make_batches(shape)
+    per_batch = shape[0] * shape[2] * shape[3]
+    steps = max(1, math.ceil(pixels / per_batch))
+    setup = _maxrss_mb()  # Python + torch + the two batches
+    update, compute, meters = make_pair(config, shape[1])
+    update(*batches[0])  # warm-up (lazy initialisation, not timed), then start from empty states
+    for m in meters:
+        m.reset()
+    start = time.perf_counter()
+    for i in range(steps):
+        update(*batches[i % len(batches)])
+    values = compute()
+    seconds = time.perf_counter() - start
+    peak = _maxrss_mb()
+    return {"config": config, "pixels": steps * per_batch, "seconds": seconds,
+            "setup_mb": setup, "peak_mb": peak, "values": values}
+
+
+def tm_estimate_gb(pixels: float, shape: list[int]) -> float:
+    """torchmetrics keeps a float32 confidence and a float32 accuracy per valid pixel and
+    concatenates them at compute() (x2), plus the batches and per-batch temporaries."""
+    batch = shape[0] * shape[1] * shape[2] * shape[3] * 4
+    return (pixels * 8 * 2 + 6 * batch) / 1e9
+
+
+def run_child(config: str, pixels: float, shape: list[int], threads: int | None) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--pixels", str(pixels),
+           "--batch", *map(str, shape)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pixels", type=float, nargs="+", default=[1e7, 1e8])
+    ap.add_argument("--batch", type=int, nargs=4, default=[8, 21, 512, 512],
+                    metavar=("N", "K", "H", "W"))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads in every child (default: torch's default)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 2e6 and 8e6 pixels in batches of 4x21x256x256")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child:
+        print(json.dumps(child(args.child, args.pixels[0], args.batch)))
+        return
+    if args.quick:
+        args.pixels, args.batch = [2e6, 8e6], [4, 21, 256, 256]
+
+    have_tm = importlib.util.find_spec("torchmetrics") is not None
+    print(f"torch {torch.__version__}, threads per child: {args.threads or torch.get_num_threads()}"
+          f", batch {'x'.join(map(str, args.batch))}, CPU")
+    if not have_tm:
+        print("torchmetrics is not installed (it is not a dependency of cals_seg): its column is "
+              "skipped. `pip install torchmetrics==1.9.0` to compare.")
+    rows: dict[tuple[float, str], dict | str] = {}
+    for pixels in args.pixels:
+        for config in CONFIGS:
+            if config == "torchmetrics":
+                if not have_tm:
+                    rows[pixels, config] = "skipped: torchmetrics not installed"
+                    continue
+                gb = tm_estimate_gb(pixels, args.batch)
+                if gb > TM_LIMIT_GB:
+                    rows[pixels, config] = f"skipped: would need ~{gb:.0f} GB (> {TM_LIMIT_GB})"
+                    continue
+            rows[pixels, config] = r = run_child(config, pixels, args.batch, args.threads)
+            print(f"  {config:14s} {r['pixels']:.3g} px: {r['seconds']:.2f} s, "
+                  f"peak {r['peak_mb']:.0f} MB", flush=True)
+
+    print("\n| pixels | configuration | time (s) | Mpx/s | time / torchmetrics | peak RSS (MB) "
+          "| above setup (MB) |")
+    print("|---|---|---|---|---|---|---|")
+    for (pixels, config), r in rows.items():
+        if isinstance(r, str):
+            print(f"| {pixels:.0e} | {config} | {r} | | | | |")
+            continue
+        tm = rows.get((pixels, "torchmetrics"))
+        ratio = f"{r['seconds'] / tm['seconds']:.2f}" if isinstance(tm, dict) else "n/a"
+        print(f"| {r['pixels']:.3g} | {config} | {r['seconds']:.2f} | "
+              f"{r['pixels'] / r['seconds'] / 1e6:.2f} | {ratio} | {r['peak_mb']:.0f} | "
+              f"{r['peak_mb'] - r['setup_mb']:.0f} |")
+
+    if len(args.pixels) >= 2:
+        lo, hi = min(args.pixels), max(args.pixels)
+        print(f"\nPeak RSS at {hi:.0e} / at {lo:.0e} pixels:")
+        for config in CONFIGS:
+            a, b = rows.get((lo, config)), rows.get((hi, config))
+            if isinstance(a, dict) and isinstance(b, dict):
+                print(f"- {config}: {b['peak_mb'] / a['peak_mb']:.3f} "
+                      f"({a['peak_mb']:.0f} -> {b['peak_mb']:.0f} MB)")
+    lo = min(args.pixels)
+    tm = rows.get((lo, "torchmetrics"))
+    if isinstance(tm, dict):
+        off, on = rows[lo, "ours cw=False"], rows[lo, "ours cw=True"]
+        print(f"\nAt {lo:.0e} pixels: cw=False / torchmetrics = "
+              f"{off['seconds'] / tm['seconds']:.2f} (requirement <= 1), cw=True / torchmetrics "
+              f"= {on['seconds'] / tm['seconds']:.2f} (requirement <= 2).")
+
+
+if __name__ == "__main__":
+    main()
