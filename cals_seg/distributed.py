@@ -7,10 +7,12 @@ initialised, so library code can call them unconditionally.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Sampler
 
 
 def is_distributed() -> bool:
@@ -43,3 +45,86 @@ def all_reduce_sum_(tensors: Iterable[torch.Tensor]) -> None:
         return
     for t in tensors:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def init_from_env() -> torch.device:
+    """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the
+    environment) and return this process' device.
+
+    NCCL on CUDA (one GPU per process, ``cuda:LOCAL_RANK``), gloo on CPU. A plain
+    ``python tools/...`` launch returns ``cuda`` (or ``cpu``) and starts nothing.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world <= 1:
+        return torch.device("cuda" if cuda else "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+
+
+def cleanup() -> None:
+    """Leave the process group (if any)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op when not distributed)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def check_identical(tensor: torch.Tensor, what: str) -> None:
+    """Raise if ``tensor`` differs between ranks (e.g. the CALS multipliers after an update)."""
+    if not is_distributed():
+        return
+    reference = tensor.detach().clone()
+    dist.broadcast(reference, src=0)
+    if not torch.equal(reference, tensor.detach()):
+        raise RuntimeError(f"{what} differs between rank 0 and rank {get_rank()}.")
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    """Evaluation batches of a sequential pass, dealt round-robin to the ranks.
+
+    Rank ``r`` of ``W`` gets batches ``r, r + W, ...`` of ``[0, B), [B, 2B), ...``: every sample is
+    seen exactly once (no padding duplicates as with ``DistributedSampler``), and each batch has
+    the same composition as in a single-process run, so logits and therefore every metric are
+    the same as one process up to the order of the float64 sums.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.rank = get_rank() if rank is None else rank
+        self.world_size = get_world_size() if world_size is None else world_size
+
+    def _batches(self) -> range:
+        num_batches = (self.num_samples + self.batch_size - 1) // self.batch_size
+        return range(self.rank, num_batches, self.world_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for b in self._batches():
+            start = b * self.batch_size
+            yield list(range(start, min(start + self.batch_size, self.num_samples)))
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running statistics) to every rank, so evaluation and
+    checkpoints use one set of statistics. No-op when not distributed."""
+    if not is_distributed():
+        return
+    for buf in module.buffers():
+        dist.broadcast(buf, src=0)

@@ -18,9 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 from tqdm import tqdm
 
+from .distributed import (
+    ShardedBatchSampler,
+    all_reduce_sum_,
+    get_rank,
+    is_distributed,
+    is_main_process,
+)
 from .metrics import CalibrationMeter, SegmentationMeter
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,26 +57,32 @@ def _reseed_transform(dataset: Dataset, seed: int) -> None:
 
 def _worker_init(worker_id: int) -> None:
     info = get_worker_info()
-    _reseed_transform(info.dataset, info.seed)
+    _reseed_transform(info.dataset, info.seed + 7919 * get_rank())
 
 
 def make_loader(
-    dataset: Dataset, batch_size: int, train: bool, num_workers: int = 0, sampler: Any = None
+    dataset: Dataset, batch_size: int, train: bool, num_workers: int = 0, seed: int = 0
 ) -> DataLoader:
     """A DataLoader whose randomness is a function of :func:`seed_epoch`'s (seed, epoch) only,
-    so a resumed run sees the same batches and augmentations as an uninterrupted one."""
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=train and sampler is None,
-        sampler=sampler,
-        drop_last=train,
+    so a resumed run sees the same batches and augmentations as an uninterrupted one.
+
+    Under torch.distributed, training uses a ``DistributedSampler`` (``batch_size`` per
+    process) and evaluation a :class:`ShardedBatchSampler` (each sample exactly once).
+    """
+    common = dict(
         num_workers=num_workers,
         worker_init_fn=_worker_init,
         generator=torch.Generator(),
         pin_memory=torch.cuda.is_available(),
-        persistent_workers=False,
     )
+    if is_distributed() and train:
+        sampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **common)
+    if is_distributed():
+        return DataLoader(
+            dataset, batch_sampler=ShardedBatchSampler(len(dataset), batch_size), **common
+        )
+    return DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=train, **common)
 
 
 def seed_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
@@ -79,7 +92,7 @@ def seed_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
     if hasattr(loader.sampler, "set_epoch"):
         loader.sampler.set_epoch(epoch)
     if loader.num_workers == 0:
-        _reseed_transform(loader.dataset, epoch_seed)
+        _reseed_transform(loader.dataset, epoch_seed * 7919 + get_rank())
 
 
 # ----------------------------------------------------------------------------- train / eval
@@ -111,6 +124,7 @@ def train_one_epoch(
     model.train()
     sums: dict[str, Tensor] = {}
     seen, start = 0, time.perf_counter()
+    progress = progress and is_main_process()
     bar = tqdm(loader, desc=desc, leave=False, disable=not progress, dynamic_ncols=True)
     for step, batch in enumerate(bar):
         inputs, target = unpack_batch(batch)
@@ -119,9 +133,11 @@ def train_one_epoch(
         with _autocast(device, amp):
             logits = model(inputs)
         loss = criterion(logits, target)
-        if not torch.isfinite(loss):
+        check = loss.detach().clone()
+        all_reduce_sum_([check])  # a NaN on any rank stops every rank at the same step
+        if not torch.isfinite(check):
             raise NonFiniteLossError(
-                f"{desc}: the loss is {loss.item()} at step {step}; stopping. The last good "
+                f"{desc}: the loss is {check.item()} at step {step}; stopping. The last good "
                 "checkpoint is left intact: lower the learning rate, enable grad_clip, or check "
                 "the labels."
             )
@@ -149,8 +165,15 @@ def train_one_epoch(
                 | {"img/s": f"{seen / elapsed:.1f}"}
             )
     elapsed = time.perf_counter() - start
-    out = {k: float(v) / max(seen, 1) for k, v in sums.items()}
-    out.update(images_per_s=seen / elapsed if elapsed > 0 else 0.0, time=elapsed)
+    keys = sorted(sums)
+    totals = torch.stack(
+        [torch.as_tensor(sums[k], dtype=torch.float64, device=device) for k in keys]
+        + [torch.tensor(seen, dtype=torch.float64, device=device)]
+    )
+    all_reduce_sum_([totals])  # means over every rank's samples
+    seen_all = float(totals[-1])
+    out = {k: float(v) / max(seen_all, 1.0) for k, v in zip(keys, totals[:-1], strict=True)}
+    out.update(images_per_s=seen_all / elapsed if elapsed > 0 else 0.0, time=elapsed)
     return out
 
 
@@ -166,6 +189,7 @@ def predict(
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield ``(logits / T, target)`` per batch in float32 (model in eval mode)."""
     model.eval()
+    progress = progress and is_main_process()
     for batch in tqdm(loader, desc=desc, leave=False, disable=not progress, dynamic_ncols=True):
         inputs, target = unpack_batch(batch)
         with _autocast(device, amp):

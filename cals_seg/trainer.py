@@ -22,6 +22,13 @@ from torch.utils.data import Dataset
 
 from . import plotting
 from .config import Config, config_to_dict, save_config
+from .distributed import (
+    barrier,
+    broadcast_buffers,
+    check_identical,
+    is_distributed,
+    is_main_process,
+)
 from .engine import (
     evaluate,
     load_checkpoint,
@@ -55,9 +62,11 @@ class Task:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when available, else CPU."""
+    """``auto`` -> this process' GPU under torchrun, CUDA when available, else CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
     return torch.device(name)
 
 
@@ -196,8 +205,18 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             "another name (--set name=...)."
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-
+    main = is_main_process()
     model = task.model.to(device)
+    if t.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if is_distributed() and t.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    train_model: nn.Module = model
+    if is_distributed():
+        ids = [device.index] if device.type == "cuda" else None
+        train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if t.compile:
+        train_model = torch.compile(train_model)
     criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params).to(
         device
     )
@@ -206,7 +225,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if t.amp == "fp16" and device.type == "cuda" else None
     train_loader = make_loader(
-        task.train_set, t.batch_size, train=True, num_workers=cfg.data.num_workers
+        task.train_set, t.batch_size, train=True, num_workers=cfg.data.num_workers, seed=t.seed
     )
     val_loader = make_loader(
         task.val_set, cfg.eval.batch_size, train=False, num_workers=cfg.data.num_workers
@@ -214,7 +233,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     if len(train_loader) == 0:
         raise ValueError(
             f"The training split has {len(task.train_set)} samples, fewer than "
-            f"train.batch_size={t.batch_size}."
+            f"train.batch_size={t.batch_size} per process."
         )
 
     start_epoch, best_score = 0, None
@@ -233,10 +252,11 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             scaler.load_state_dict(ckpt["scaler"])
         start_epoch, best_score = ckpt["epoch"] + 1, ckpt["best_score"]
         set_rng_state(ckpt["rng"])
-        # Lines written after the checkpoint (a crash in between) would be repeated: drop them.
-        kept = [h for h in _read_history(history_path) if h["epoch"] < start_epoch]
-        history_path.write_text("".join(json.dumps(h) + "\n" for h in kept))
-    save_config(cfg, run_dir / "config.yaml")
+        if main:  # lines written after the checkpoint (a crash in between) would repeat
+            kept = [h for h in _read_history(history_path) if h["epoch"] < start_epoch]
+            history_path.write_text("".join(json.dumps(h) + "\n" for h in kept))
+    if main:
+        save_config(cfg, run_dir / "config.yaml")
 
     sign = 1.0 if t.best_mode == "max" else -1.0
     for epoch in range(start_epoch, t.epochs):
@@ -256,6 +276,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             desc=f"epoch {epoch + 1}/{t.epochs}",
         )
         scheduler.step()
+        broadcast_buffers(model)  # every rank validates (and rank 0 saves) rank 0's BN stats
         val = evaluate(
             model,
             val_loader,
@@ -270,6 +291,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             desc="val",
         )
         multipliers = criterion.update_multipliers(epoch) if adaptive else {}
+        if adaptive:
+            check_identical(criterion.lambdas, "the CALS multipliers")
         if t.best_metric not in val:
             raise ValueError(
                 f"train.best_metric={t.best_metric!r} is not a validation metric; "
@@ -292,9 +315,6 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             "config": config_to_dict(cfg),
             "rng": rng_state(),
         }
-        if improved:
-            save_checkpoint(state, best_path)
-        save_checkpoint(state, last_path)
         record = {
             "epoch": epoch,
             "lr": lr,
@@ -304,18 +324,25 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             "best": improved,
             "time": time.perf_counter() - start,
         }
-        with history_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        lam = (
-            f"  mean lambda {sum(multipliers['lambda']) / k:.3g}" if "lambda" in multipliers else ""
-        )
-        print(
-            f"epoch {epoch + 1:3d}/{t.epochs}  loss {train_stats['loss']:.4f}  "
-            f"val ece {val['ece']:.4f}  {t.best_metric} {score:.4f}{lam}  "
-            f"{'*' if improved else ' '} {record['time']:.1f}s",
-            flush=True,
-        )
+        if main:
+            if improved:
+                save_checkpoint(state, best_path)
+            save_checkpoint(state, last_path)
+            with history_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            lam = (
+                f"  mean lambda {sum(multipliers['lambda']) / k:.3g}"
+                if "lambda" in multipliers
+                else ""
+            )
+            print(
+                f"epoch {epoch + 1:3d}/{t.epochs}  loss {train_stats['loss']:.4f}  "
+                f"val ece {val['ece']:.4f}  {t.best_metric} {score:.4f}{lam}  "
+                f"{'*' if improved else ' '} {record['time']:.1f}s",
+                flush=True,
+            )
 
+    barrier()  # rank 0 has written checkpoint_best.pt
     best = load_checkpoint(best_path, map_location=device)
     model.load_state_dict(best["model"])
     test = calibrated_test(model, task, cfg, device, progress=t.progress)
@@ -325,8 +352,9 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         best_metric=t.best_metric,
         best_score=best["best_score"],
     )
-    (run_dir / "test_metrics.json").write_text(json.dumps(_json_safe(test), indent=1))
-    plot_run(run_dir, _read_history(history_path), test, task.class_names)
+    if main:
+        (run_dir / "test_metrics.json").write_text(json.dumps(_json_safe(test), indent=1))
+        plot_run(run_dir, _read_history(history_path), test, task.class_names)
     return test
 
 

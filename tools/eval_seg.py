@@ -25,6 +25,7 @@ from cals_seg import plotting  # noqa: E402
 from cals_seg.config import ConfigError, load_config  # noqa: E402
 from cals_seg.data.transforms import eval_transform  # noqa: E402
 from cals_seg.data.voc import voc_palette  # noqa: E402
+from cals_seg.distributed import cleanup, init_from_env, is_main_process  # noqa: E402
 from cals_seg.engine import load_checkpoint  # noqa: E402
 from cals_seg.models.segmentation import WeightsUnavailableError  # noqa: E402
 from cals_seg.tasks import build_segmentation_task  # noqa: E402
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = calibrated_test(model, eval_task, cfg, device, progress=cfg.train.progress)
     result.update(checkpoint=str(args.checkpoint), epoch=ckpt.get("epoch"), split=args.split)
+    if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
+        return 0
 
     run_dir = Path(args.checkpoint).resolve().parent
     out = Path(args.out) if args.out else run_dir / f"eval_{args.split}"
@@ -155,4 +158,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    init_from_env()  # joins the process group under torchrun; nothing otherwise
+    try:
+        code = main()
+    finally:
+        cleanup()
+    sys.exit(code)

@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cals_seg.config import ConfigError, load_config  # noqa: E402
+from cals_seg.distributed import cleanup, init_from_env, is_main_process  # noqa: E402
 from cals_seg.engine import NonFiniteLossError, seed_everything  # noqa: E402
 from cals_seg.models.segmentation import WeightsUnavailableError  # noqa: E402
 from cals_seg.tasks import build_segmentation_task  # noqa: E402
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if not is_main_process():
+        return 0
     pre, post = test["pre_ts"], test["post_ts"]
     line = f"test (best epoch {test['epoch'] + 1}): ECE {pre['ece']:.4f}  mIoU {pre['miou']:.4f}"
     if post is not None:
@@ -69,4 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    init_from_env()  # joins the process group under torchrun; nothing otherwise
+    try:
+        code = main()
+    finally:
+        cleanup()
+    sys.exit(code)

@@ -1,0 +1,73 @@
+"""torchrun on CPU (gloo, 2 processes): eval_seg equals one process; train_seg writes once and
+keeps identical multipliers on both ranks (the trainer checks it every epoch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cals_seg.config import load_config
+from cals_seg.engine import seed_everything
+from cals_seg.tasks import build_segmentation_task
+from cals_seg.trainer import fit
+
+from .test_pipeline import CONFIG, ROOT, _overrides
+
+
+def _torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(ROOT / "tools" / script), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    # odd-sized val/test splits, so the shards are unequal and a padding duplicate would show
+    sets = _overrides(tmp, "single", epochs=1) + [
+        "data.synthetic={num_train: 23, num_test: 7, image_size: 32}", "eval.batch_size=2"]
+    cfg = load_config(CONFIG, sets)
+    seed_everything(cfg.train.seed)
+    fit(cfg, build_segmentation_task(cfg))
+    return tmp, cfg, sets
+
+
+def test_eval_seg_under_torchrun_equals_one_process(single_run):
+    tmp, cfg, _ = single_run
+    ckpt = str(cfg.run_dir / "checkpoint_best.pt")
+    conf = str(cfg.run_dir / "config.yaml")
+    subprocess.run([sys.executable, str(ROOT / "tools" / "eval_seg.py"), conf, "--checkpoint",
+                    ckpt, "--out", str(tmp / "one")], check=True, cwd=ROOT,
+                   capture_output=True)
+    _torchrun("eval_seg.py", conf, "--checkpoint", ckpt, "--out", str(tmp / "two"))
+    one = json.loads((tmp / "one" / "metrics.json").read_text())
+    two = json.loads((tmp / "two" / "metrics.json").read_text())
+    assert two["pre_ts"]["count"] == one["pre_ts"]["count"]
+    assert two["pre_ts"]["num_images"] == one["pre_ts"]["num_images"] == 7
+    assert two["temperature"] == pytest.approx(one["temperature"], rel=1e-9)
+    for key in ("pre_ts", "post_ts"):
+        for metric, value in one[key].items():
+            if isinstance(value, float):
+                assert two[key][metric] == pytest.approx(value, rel=1e-9, abs=1e-12), metric
+            elif isinstance(value, int):
+                assert two[key][metric] == value, metric
+
+
+def test_train_seg_under_torchrun(single_run):
+    tmp, _, sets = single_run
+    sets = [s for s in sets if not s.startswith(("name=", "train.epochs="))]
+    out = _torchrun("train_seg.py", str(CONFIG), "--set", *sets, "name=ddp", "train.epochs=2")
+    run = tmp / "runs" / "ddp"
+    history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [0, 1]  # written once, by rank 0
+    assert all(len(h["lambda"]) == 11 for h in history)
+    assert (run / "test_metrics.json").is_file() and (run / "checkpoint_best.pt").is_file()
+    assert out.stdout.count("run directory:") == 1  # only rank 0 reports
