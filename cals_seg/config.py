@@ -26,7 +26,27 @@ import yaml
 @dataclass
 class DataConfig:
     """Dataset and loading. ``name``: ``voc`` (a VOC2012 tree at ``root``), ``synthetic`` (the
-    embedded dataset in VOC layout, generated at ``root`` when missing)."""
+    embedded dataset in VOC layout, generated at ``root`` when missing).
+
+    Classification (``tools/train_cls.py``; ``ignore_index`` must be -100 there): ``imagefolder``
+    (``root/{train,val,test}/<class>/*``), ``split_files`` (``<path> <label>`` lists named by
+    ``split_files``), ``tiny_imagenet``, ``imagenet``, ``imagenet_lt``, ``synthetic_cls`` (the
+    embedded long-tailed image set, generated at ``root`` when missing); text: ``20news``,
+    ``synthetic_text``. ``eval_size`` is the shorter side images are resized to before the
+    centre crop of ``image_size`` (``None``: ``image_size``); ``val_fraction`` is the part of
+    ImageNet's official val used as validation (the rest is the test set); ``synthetic`` holds
+    the keyword arguments of the embedded generators. Fields used by classification and text:
+
+    - ``image_size``: input side; ``crop_scale``: area range of the training
+      ``RandomResizedCrop``; ``color_jitter``: brightness/contrast/saturation strength (0: off);
+      ``random_erasing``: probability of erasing a random rectangle (0: off).
+    - ``val_per_class``: Tiny-ImageNet images per class held out of train as validation.
+    - ``split_files``: ``{train, val, test}`` list files (relative to ``root`` or absolute).
+    - ``val_count``: 20 Newsgroups documents held out of train as validation.
+    - ``max_len``: tokens kept per document (padded with ``<pad>``); ``min_freq`` and
+      ``vocab_size``: the vocabulary (training split only, ``<pad>`` and ``<unk>`` included);
+      ``text_strip``: what is removed from a post, a subset of ``[headers, quotes, signature]``.
+    """
 
     name: str = "synthetic"
     root: str = "data/synthetic"
@@ -39,18 +59,37 @@ class DataConfig:
     split_seed: int = 0
     num_workers: int = 0
     synthetic: dict[str, Any] = field(default_factory=dict)
+    image_size: int = 224
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    color_jitter: float = 0.4
+    random_erasing: float = 0.0
+    val_per_class: int = 50
+    split_files: dict[str, Any] = field(default_factory=dict)
+    val_count: int = 900
+    max_len: int = 1000
+    min_freq: int = 1
+    vocab_size: int | None = 20000
+    text_strip: list[str] = field(default_factory=lambda: ["headers", "quotes", "signature"])
 
 
 @dataclass
 class ModelConfig:
     """smp model. ``encoder_weights``: ``imagenet``, ``null`` (random init) or a local file;
     ``params``: further keyword arguments of the smp architecture (e.g.
-    ``encoder_output_stride: 16``, ``decoder_channels: 128``)."""
+    ``encoder_output_stride: 16``, ``decoder_channels: 128``).
+
+    Classification: ``arch: timm`` with the timm model name in ``encoder_name`` (``resnet50``,
+    ``swinv2_tiny_window8_256``) and ``encoder_weights`` ``imagenet`` / ``null`` / a local file
+    of the whole classifier; ``params`` go to ``timm.create_model``. Text: ``arch: gpcn``
+    (Global Pooling CNN, ``params`` go to its constructor), ``embed_dim`` the word-vector length
+    and ``glove_path`` a GloVe ``.txt`` file (``null``: random, trainable embeddings)."""
 
     arch: str = "deeplabv3"
     encoder_name: str = "resnet18"
     encoder_weights: str | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    embed_dim: int = 100
+    glove_path: str | None = None
 
 
 @dataclass
