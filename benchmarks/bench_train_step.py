@@ -1,0 +1,93 @@
+"""Images/s of a DeepLabV3 training step with CE and with CALS-ALM, measured in the same run.
+
+    python benchmarks/bench_train_step.py [--size 128] [--batch 8] [--classes 21] [--steps 6]
+        [--encoder resnet18] [--device cpu|cuda] [--amp none|bf16|fp16] [--channels-last]
+
+One step = forward, loss, backward, AdamW step, on random images and labels with 10% void. The
+two criteria alternate step by step (after warm-up) so that drift of the machine (other load,
+clocks) affects both alike; the median step time of each is reported with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cals_seg.losses import build_loss  # noqa: E402
+from cals_seg.models import build_segmentation_model  # noqa: E402
+
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--size", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--classes", type=int, default=21)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per criterion")
+    p.add_argument("--encoder", default="resnet18")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"])
+    p.add_argument("--channels-last", action="store_true")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = build_segmentation_model("deeplabv3", args.encoder, None, args.classes).to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cuda") if args.amp == "fp16" else None
+    x = torch.randn(args.batch, 3, args.size, args.size, device=device)
+    y = torch.randint(0, args.classes, (args.batch, args.size, args.size), device=device)
+    y[torch.rand(y.shape, device=device) < 0.1] = 255
+    criteria = {"ce": build_loss("ce", args.classes, ignore_index=255).to(device),
+                "cals_alm": build_loss("cals_alm", args.classes, ignore_index=255).to(device)}
+    criteria["cals_alm"].lambdas.fill_(0.5)  # an active penalty, as after some epochs
+
+    def step(criterion) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dtype = AMP.get(args.amp, torch.bfloat16)
+        with torch.autocast(device.type, dtype=dtype, enabled=args.amp != "none"):
+            logits = model(x)
+        loss = criterion(logits, y)
+        opt.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for c in criteria.values():  # warm-up
+        step(c)
+        step(c)
+    times: dict[str, list[float]] = {name: [] for name in criteria}
+    for _ in range(args.steps):
+        for name, c in criteria.items():
+            times[name].append(step(c))
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"# DeepLabV3-{args.encoder}, batch {args.batch} x 3 x {args.size} x {args.size}, "
+          f"{args.classes} classes, {dev}, {torch.get_num_threads()} threads, amp={args.amp}, "
+          f"channels_last={args.channels_last}, torch {torch.__version__}")
+    print("| criterion | step (ms, median) | images/s | time / CE |")
+    print("|---|---:|---:|---:|")
+    ce = statistics.median(times["ce"])
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med * 1e3:.0f} | {args.batch / med:.1f} | {med / ce:.3f}x |")
+
+
+if __name__ == "__main__":
+    main()
