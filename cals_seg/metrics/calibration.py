@@ -77,30 +77,31 @@ def _calibration_update(
     """
     x, y, valid = prepare_logits(logits, target, num_classes, ignore_index)
     n, k, _ = x.shape
-    f64 = torch.float64
+    f64, i32 = torch.float64, torch.int32
+    invalid = ~valid
     maxima, pred = max_argmax(x)
     check_finite(x, maxima)
-    correct = (pred == y) & valid
+    correct = (pred == y).logical_and_(valid)
     # (N, K) and (N, K, 1, ...) both take torch's contiguous last-dimension softmax kernel.
     p = torch.softmax(x.view(n, k), dim=1).view(n, k, 1) if x.shape[2] == 1 else x.softmax(dim=1)
     conf = p.amax(dim=1)  # = p[pred] exactly: exp(0) = 1 is the largest numerator
     p_y = p.gather(1, y.unsqueeze(1)).squeeze(1)
-    l_y = x.gather(1, y.unsqueeze(1)).squeeze(1)
+    nll = maxima.to(f64).sub_(x.gather(1, y.unsqueeze(1)).squeeze(1))  # max_j l_j - l_y
     conf64 = conf.to(f64)
-    vmask = valid.to(f64)
+    # (In-place arithmetic throughout: fewer short-lived (N, *S) buffers for the allocator.)
 
     # Top-label bins per image: cell = image * n_bins + bin; count and correct in one bincount.
-    image = torch.arange(n, device=x.device).unsqueeze(1)
-    cell = torch.where(valid, image * n_bins + bin_index(conf, n_bins), n * n_bins)
-    hits = _bincount(2 * cell + correct, 2 * n * n_bins).view(n, n_bins, 2)
+    first_cell = torch.arange(0, n * n_bins, n_bins, device=x.device, dtype=i32).unsqueeze(1)
+    cell = bin_index(conf, n_bins).add_(first_cell).masked_fill_(invalid, n * n_bins)
+    hits = _bincount(cell.mul(2).add_(correct), 2 * n * n_bins).view(n, n_bins, 2)
     conf_nb = _bincount(cell, n * n_bins, conf64).view(n, n_bins)
+    del cell
     count_nb = hits.sum(dim=2)
     correct_nb = hits[..., 1]
 
     # Fine histogram of the confidences (adaptive ECE).
-    fcell = torch.where(valid, fine_cell(conf), NUM_FINE_CELLS)
-    fhits = _bincount(2 * fcell + correct, 2 * NUM_FINE_CELLS).view(NUM_FINE_CELLS, 2)
-
+    fcell = fine_cell(conf).masked_fill_(invalid, NUM_FINE_CELLS)
+    fhits = _bincount(fcell.mul(2).add_(correct), 2 * NUM_FINE_CELLS).view(NUM_FINE_CELLS, 2)
     stats: dict[str, Tensor] = {
         "bin_count": count_nb.sum(dim=0),
         "bin_correct": correct_nb.sum(dim=0),
@@ -109,6 +110,7 @@ def _calibration_update(
         "fine_correct": fhits[:, 1].clone(),
         "fine_conf": _bincount(fcell, NUM_FINE_CELLS, conf64),
     }
+    del fcell
 
     cwce_n = torch.zeros(n, dtype=f64, device=x.device)
     count_n = count_nb.sum(dim=1)
@@ -116,28 +118,30 @@ def _calibration_update(
     if classwise:
         # Cell of (image, class, bin(p_k)) for every class of every position: int32, in place.
         cells = n * k * n_bins
-        index_dtype = torch.int32 if cells < 2**31 - 1 else torch.int64
-        cw = bin_index(p, n_bins).to(index_dtype)
-        offsets = torch.arange(n * k, device=x.device, dtype=index_dtype).view(n, k, 1)
-        cw.add_(offsets * n_bins).masked_fill_(~valid.unsqueeze(1), cells)
+        idt = i32 if cells < 2**31 - 1 else torch.int64
+        first = torch.arange(0, cells, n_bins, device=x.device, dtype=idt).view(n, k, 1)
+        cw = bin_index(p, n_bins).to(idt).add_(first).masked_fill_(invalid.unsqueeze(1), cells)
         prob_nkb = _bincount(cw, cells, p.to(f64)).view(n, k, n_bins)
         del cw
-        ycell = (image * k + y) * n_bins + bin_index(p_y, n_bins)
-        hits_nkb = _bincount(torch.where(valid, ycell, cells), cells).view(n, k, n_bins)
+        ycell = y.mul(n_bins).add_(first.view(n, k)[:, :1]).add_(bin_index(p_y, n_bins))
+        hits_nkb = _bincount(ycell.masked_fill_(invalid, cells), cells).view(n, k, n_bins)
+        del ycell
         stats["cw_prob"] = prob_nkb.sum(dim=0)
         stats["cw_hits"] = hits_nkb.sum(dim=0)
         cwce_n = (hits_nkb - prob_nkb).abs().sum(dim=2).mean(dim=1) / denom
 
     # NLL and Brier last: they overwrite p in place with q = p, q_pred = 0.
     q = p.scatter_(1, pred.unsqueeze(1), 0.0)
-    rest = q.sum(dim=1).to(f64)  # sum_{j != pred} p_j = (s - 1) / s with s = 1 / c
-    rest_sq = q.mul_(q).sum(dim=1).to(f64)  # sum_{j != pred} p_j^2
+    rest = q.sum(dim=1)  # r = sum_{j != pred} p_j = (s - 1) / s with s = 1 / c
+    rest_sq = q.mul_(q).sum(dim=1)  # sum_{j != pred} p_j^2
     del p, q
-    l_y64, p_y64 = l_y.to(f64), p_y.to(f64)
-    nll = (maxima.to(f64) - l_y64 + torch.log1p(rest / conf64)) * vmask
-    wrong = (pred != y).to(f64)
-    miss = 1.0 - p_y64
-    brier = (miss * miss + rest_sq + wrong * (conf64 * conf64 - p_y64 * p_y64)) * vmask
+    nll.add_(rest.to(f64).div_(conf64).log1p_()).masked_fill_(invalid, 0.0)
+    # sum_{k != y} p_k^2 = sum_{j != pred} p_j^2 + c^2 - p_y^2 (the last two cancel exactly
+    # when pred == y, where c = p_y).
+    p_y64 = p_y.to(f64)
+    brier = torch.sub(1.0, p_y64)
+    brier.mul_(brier).add_(rest_sq).addcmul_(conf64, conf64).addcmul_(p_y64, p_y64, value=-1.0)
+    brier.masked_fill_(invalid, 0.0)
     nll_n, brier_n = nll.sum(dim=1), brier.sum(dim=1)
     stats["nll_sum"] = nll_n.sum()
     stats["brier_sum"] = brier_n.sum()

@@ -44,7 +44,7 @@ def _confusion_update(
     else:
         pred, y, valid = prepare_predictions(logits_or_preds, target, num_classes, ignore_index)
     size = num_classes * num_classes
-    index = torch.where(valid, y * num_classes + pred, size)
+    index = y.mul(num_classes).add_(pred).masked_fill_(~valid, size)
     counts = torch.bincount(index.reshape(-1), minlength=size + 1)[:size]
     return counts.view(num_classes, num_classes)
 
