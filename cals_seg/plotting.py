@@ -504,3 +504,37 @@ def plot_calibration_map(
     if title:
         fig.suptitle(title)
     _save(fig, path)
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def plot_method_scatter(
+    points: Sequence[tuple[str, float, float, float, float]],
+    path: PathLike,
+    xlabel: str = "mIoU (%)",
+    ylabel: str = "ECE (%)",
+    title: str = "",
+) -> None:
+    """Calibration against discriminative performance, one marker per method (paper Fig. 1).
+
+    Args:
+        points: ``(name, x, y, x_std, y_std)`` per method (std 0 for a single seed); values
+            are drawn as given (pass percentages for percent axes).
+        path: output PNG.
+        xlabel, ylabel, title: axis labels and title.
+    """
+    if not points:
+        raise ValueError("Expected at least one method to plot, but got none.")
+    fig = _figure(5.2, 4.0)
+    ax = fig.subplots()
+    cmap = colormaps["tab10"]
+    for i, (name, x, y, sx, sy) in enumerate(points):
+        ax.errorbar(x, y, xerr=sx or None, yerr=sy or None, fmt="o", ms=7, capsize=3,
+                    color=cmap(i % 10), label=name)
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, ls=":", alpha=0.6)
+    ax.set_title(title or f"{ylabel} vs {xlabel} (lower right is better)", fontsize=10)
+    _save(fig, path)

@@ -1,0 +1,43 @@
+"""tools/compare.py on tiny runs: table with mean/std over seeds, failed runs reported, reuse."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+from .test_pipeline import ROOT, _overrides
+
+
+def _compare():
+    spec = importlib.util.spec_from_file_location("compare", ROOT / "tools" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
+    sets = [s for s in _overrides(tmp_path, "x", epochs=1)
+            if not s.startswith(("name=", "output_dir=", "loss.params="))]
+    bad = tmp_path / "broken.yaml"
+    bad.write_text((ROOT / "configs" / "synthetic_deeplabv3_mbls.yaml").read_text()
+                   .replace("name: synthetic_deeplabv3_mbls", "name: broken")
+                   .replace("margin: 10.0", "margin: -1.0"))
+    configs = [str(ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"),
+               str(ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"), str(bad)]
+    out = tmp_path / "cmp"
+    compare = _compare()
+    rc = compare.main([*configs, "--out", str(out), "--seeds", "0", "1", "--set", *sets])
+    assert rc == 1  # one method failed on every seed
+    text = (out / "results.md").read_text()
+    assert "| ce | 2 |" in text and "| cals_alm | 2 |" in text and " ± " in text
+    assert "Failed runs" in text and "mbls, seed 0" in text and "margin" in text
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert [r["method"] for r in rows] == ["ce", "cals_alm", "mbls"]
+    assert float(rows[0]["ece_mean"]) > 0 and rows[2]["failed"] == "2"
+    for name in ("ece_vs_score.png", "reliability_grid.png", "lambda_curves_cals_alm.png"):
+        assert (out / name).stat().st_size > 0
+    assert not (out / "lambda_curves_ce.png").exists()
+    # a second call reuses the finished runs
+    capsys.readouterr()
+    compare.main(configs[:2] + ["--out", str(out), "--seeds", "0", "1", "--set", *sets])
+    assert capsys.readouterr().out.count("reusing") == 4

@@ -1,0 +1,225 @@
+"""Compare calibration methods: train (or reuse) one run per config and seed, then tabulate.
+
+    python tools/compare.py configs/synthetic_deeplabv3_*.yaml --out runs/compare \
+        [--seeds 0 1 2] [--set train.epochs=20 ...]
+
+Each config is one method (its ``loss``). Runs go to ``OUT/runs/<config name>_seed<s>`` and are
+reused when their ``test_metrics.json`` exists, so an interrupted comparison continues where it
+stopped. Segmentation configs are trained with ``tools/train_seg.py``, others with
+``tools/train_cls.py``. Writes:
+
+    OUT/results.md, OUT/results.csv   one row per method: mean (and std over seeds) of mIoU or
+                                      accuracy, ECE, AECE, CWCE, NLL, per-image ECE, post-TS ECE, T;
+                                      the best value per column in bold; failed runs listed
+    OUT/ece_vs_score.png              ECE against mIoU / accuracy (the paper's Figure 1)
+    OUT/reliability_grid.png          one reliability diagram per method (first seed)
+    OUT/lambda_curves_<method>.png    learned class-wise multipliers of the CALS runs (first seed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cals_seg import plotting  # noqa: E402
+from cals_seg.config import ConfigError, load_config  # noqa: E402
+from cals_seg.tasks import SEGMENTATION_DATASETS  # noqa: E402
+
+# (key in test_metrics, column title, lower is better, shown in percent)
+COLUMNS = [
+    ("score", None, False, True),
+    ("ece", "ECE", True, True),
+    ("aece", "AECE", True, True),
+    ("cwce", "CWCE", True, True),
+    ("nll", "NLL", True, False),
+    ("ece_image_mean", "ECE (image mean)", True, True),
+    ("post_ece", "post-TS ECE", True, True),
+    ("temperature", "T", None, False),
+]
+
+
+def run_one(config: Path, seed: int, out: Path, sets: list[str]) -> tuple[Path, str | None]:
+    """Train one (config, seed) run unless it has finished already; return (run dir, error)."""
+    cfg = load_config(config, sets)
+    name = f"{cfg.name}_seed{seed}"
+    run_dir = out / "runs" / name
+    if (run_dir / "test_metrics.json").is_file():
+        print(f"reusing {run_dir}", flush=True)
+        return run_dir, None
+    tool = "train_seg.py" if cfg.data.name in SEGMENTATION_DATASETS else "train_cls.py"
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / tool),
+        str(config),
+        "--set",
+        *sets,
+        f"name={name}",
+        f"output_dir={out / 'runs'}",
+        f"train.seed={seed}",
+        "train.progress=false",
+    ]
+    if (run_dir / "checkpoint_last.pt").is_file():  # interrupted: continue it
+        cmd += ["--resume", str(run_dir)]
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return run_dir, lines[-1] if lines else f"exit code {proc.returncode}"
+    return run_dir, None
+
+
+def summarise(metrics: dict[str, Any]) -> dict[str, float]:
+    pre, post = metrics["pre_ts"], metrics.get("post_ts")
+    score = pre["miou"] if "miou" in pre else pre["acc"]
+    return {
+        "score": score,
+        "ece": pre["ece"],
+        "aece": pre["aece"],
+        "cwce": pre.get("cwce"),
+        "nll": pre["nll"],
+        "ece_image_mean": pre.get("ece_image_mean"),
+        "post_ece": post["ece"] if post else None,
+        "temperature": metrics["temperature"],
+    }
+
+
+def _fmt(values: list[float], percent: bool) -> tuple[str, float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-", None, None
+    scale = 100.0 if percent else 1.0
+    mean = statistics.fmean(values) * scale
+    std = statistics.stdev(values) * scale if len(values) > 1 else 0.0
+    text = f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ± {std:.2f}"
+    return text, mean, std
+
+
+def write_results(out: Path, rows: dict[str, dict[str, Any]], score_name: str) -> None:
+    """results.md (best per column in bold) and results.csv."""
+    table = {}
+    for method, row in rows.items():
+        table[method] = {
+            key: _fmt([s[key] for s in row["summaries"]], pct) for key, _, _, pct in COLUMNS
+        }
+    best = {}
+    for key, _, lower, _ in COLUMNS:
+        means = [(cells[key][1], m) for m, cells in table.items() if cells[key][1] is not None]
+        if lower is None or not means:
+            continue
+        best[key] = (min(means) if lower else max(means))[1]
+    titles = [score_name if title is None else title for _, title, _, _ in COLUMNS]
+    lines = [
+        "| method | seeds | " + " | ".join(titles) + " |",
+        "|---|---:|" + "---:|" * len(COLUMNS),
+    ]
+    for method, cells in table.items():
+        shown = [
+            f"**{cells[key][0]}**" if best.get(key) == method else cells[key][0]
+            for key, *_ in COLUMNS
+        ]
+        lines.append(f"| {method} | {len(rows[method]['summaries'])} | " + " | ".join(shown) + " |")
+    failures = [(m, seed, err) for m, row in rows.items() for seed, err in row["failed"]]
+    text = "\n".join(lines) + "\n"
+    text += (
+        "\nValues in % except NLL and T; mean ± std over seeds; best per column in bold "
+        "(lower is better for calibration, higher for " + score_name + ").\n"
+    )
+    if failures:
+        text += "\nFailed runs (not in the means):\n\n"
+        text += "".join(f"- {m}, seed {seed}: {err}\n" for m, seed, err in failures)
+    (out / "results.md").write_text(text)
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(
+            ["method", "seeds", "failed"]
+            + [f"{k}_mean" for k, *_ in COLUMNS]
+            + [f"{k}_std" for k, *_ in COLUMNS]
+        )
+        for method, cells in table.items():
+            writer.writerow(
+                [method, len(rows[method]["summaries"]), len(rows[method]["failed"])]
+                + [cells[k][1] for k, *_ in COLUMNS]
+                + [cells[k][2] for k, *_ in COLUMNS]
+            )
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("configs", nargs="+", type=Path, help="one config per method")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="overrides applied to every run (e.g. train.epochs=20)",
+    )
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict[str, Any]] = {}
+    first_run: dict[str, Path] = {}
+    score_name = "mIoU"
+    for config in args.configs:
+        try:
+            cfg = load_config(config, args.set)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        method = cfg.loss.name if cfg.loss.name not in rows else cfg.name
+        row = rows.setdefault(method, {"summaries": [], "failed": []})
+        for seed in args.seeds:
+            run_dir, error = run_one(config, seed, args.out, args.set)
+            if error is not None:
+                print(f"FAILED {method} seed {seed}: {error}", file=sys.stderr)
+                row["failed"].append((seed, error))
+                continue
+            metrics = json.loads((run_dir / "test_metrics.json").read_text())
+            if "miou" not in metrics["pre_ts"]:
+                score_name = "Acc"
+            row["summaries"].append(summarise(metrics))
+            first_run.setdefault(method, run_dir)
+
+    write_results(args.out, rows, score_name)
+    points = []
+    for method, row in rows.items():
+        if row["summaries"]:
+            _, x, sx = _fmt([s["score"] for s in row["summaries"]], True)
+            _, y, sy = _fmt([s["ece"] for s in row["summaries"]], True)
+            points.append((method, x, y, sx, sy))
+    if points:
+        plotting.plot_method_scatter(
+            points, args.out / "ece_vs_score.png", xlabel=f"{score_name} (%)", ylabel="ECE (%)"
+        )
+    grid = []
+    for method, run_dir in first_run.items():
+        metrics = json.loads((run_dir / "test_metrics.json").read_text())
+        grid.append((method, metrics["pre_ts"]["reliability"]))
+        history = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
+        cfg = load_config(run_dir / "config.yaml")
+        names = None
+        if cfg.data.name in SEGMENTATION_DATASETS:
+            from cals_seg.tasks import segmentation_class_names
+
+            names = segmentation_class_names(cfg)
+        plotting.plot_multiplier_curves(history, args.out / f"lambda_curves_{method}.png", names)
+    if grid:
+        plotting.plot_reliability_grid(grid, args.out / "reliability_grid.png")
+    print(f"wrote {args.out / 'results.md'}, results.csv and the figures in {args.out}")
+    return 0 if all(row["summaries"] for row in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
