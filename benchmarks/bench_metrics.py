@@ -16,7 +16,8 @@ pixels, 5% void) through update() until the pixel budget is reached, then calls 
 torchmetrics is NOT a dependency of cals_seg; when it is not installed its column is skipped
 (``pip install torchmetrics==1.9.0`` to add it).
 
-Every configuration runs in a fresh subprocess. Two batches are generated up front and reused
+Every configuration runs in a fresh subprocess (``--repeats`` times, interleaved, since other
+work on the machine shifts timings). Two batches are generated up front and reused
 in turn, so generation is excluded from the time and costs the same memory everywhere. Time
 covers one warm-up update on a batch plus a reset excluded, then all updates and the final
 compute(). Peak memory is the child's ``ru_maxrss`` (the whole process: Python, torch, the two
@@ -132,6 +133,9 @@ def main() -> None:
     ap.add_argument("--pixels", type=float, nargs="+", default=[1e7, 1e8])
     ap.add_argument("--batch", type=int, nargs=4, default=[8, 21, 512, 512],
                     metavar=("N", "K", "H", "W"))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs per configuration, interleaved; the table shows the fastest time "
+                    "and the largest peak")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads in every child (default: torch's default)")
     ap.add_argument("--quick", action="store_true",
@@ -154,18 +158,25 @@ def main() -> None:
               "skipped. `pip install torchmetrics==1.9.0` to compare.")
     rows: dict[tuple[float, str], dict | str] = {}
     for pixels in args.pixels:
-        for config in CONFIGS:
-            if config == "torchmetrics":
-                if not have_tm:
-                    rows[pixels, config] = "skipped: torchmetrics not installed"
-                    continue
-                gb = tm_estimate_gb(pixels, args.batch)
-                if gb > TM_LIMIT_GB:
-                    rows[pixels, config] = f"skipped: would need ~{gb:.0f} GB (> {TM_LIMIT_GB})"
-                    continue
-            rows[pixels, config] = r = run_child(config, pixels, args.batch, args.threads)
-            print(f"  {config:14s} {r['pixels']:.3g} px: {r['seconds']:.2f} s, "
-                  f"peak {r['peak_mb']:.0f} MB", flush=True)
+        for repeat in range(args.repeats):
+            for config in CONFIGS:
+                if config == "torchmetrics":
+                    if not have_tm:
+                        rows[pixels, config] = "skipped: torchmetrics not installed"
+                        continue
+                    gb = tm_estimate_gb(pixels, args.batch)
+                    if gb > TM_LIMIT_GB:
+                        rows[pixels, config] = f"skipped: would need ~{gb:.0f} GB (> {TM_LIMIT_GB})"
+                        continue
+                r = run_child(config, pixels, args.batch, args.threads)
+                print(f"  run {repeat + 1}: {config:14s} {r['pixels']:.3g} px: "
+                      f"{r['seconds']:.2f} s, peak {r['peak_mb']:.0f} MB", flush=True)
+                best = rows.get((pixels, config))
+                if isinstance(best, dict):  # fastest time, largest peak
+                    r["seconds"] = min(r["seconds"], best["seconds"])
+                    if best["peak_mb"] > r["peak_mb"]:
+                        r["peak_mb"], r["setup_mb"] = best["peak_mb"], best["setup_mb"]
+                rows[pixels, config] = r
 
     print("\n| pixels | configuration | time (s) | Mpx/s | time / torchmetrics | peak RSS (MB) "
           "| above setup (MB) |")
