@@ -2,7 +2,7 @@
 
 Usage::
 
-    python tools/make_synthetic.py --root data/synthetic [--seed 0] [--num-train 320]
+    python tools/make_synthetic.py --root data/synthetic [--seed 0] [--num-train 120]
         [--num-test 200] [--image-size 64] [--overwrite]
 
 The result is read with ``VOCSegmentation(root, ids, num_classes=11)``; ``paper_split(root)`` gives
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", type=Path, required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-train", type=int, default=320, help="ids in train.txt")
+    parser.add_argument("--num-train", type=int, default=120, help="ids in train.txt")
     parser.add_argument("--num-test", type=int, default=200, help="ids in val.txt (the test set)")
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--overwrite", action="store_true",

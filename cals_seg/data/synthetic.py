@@ -18,6 +18,14 @@ The output is read by :class:`cals_seg.data.voc.VOCSegmentation` (``num_classes=
 
 As in VOC, ``val.txt`` is the test set and :func:`cals_seg.data.voc.paper_split` carves 20% of
 ``train.txt`` out as the validation set.
+
+Defaults: 120 train.txt ids (96 train / 24 val after the paper split), 200 test ids, 64 x 64
+pixels, about 2 s to generate. Pixel shares: background 65%, object classes 8.3% down to 0.5%,
+void 13%. Measured with a throwaway probe (smp DeepLabV3-resnet18 from scratch, plain
+cross-entropy, AdamW 1e-3, cosine, batch 8, random scale 0.75-1.25 + flip, 56 epochs, about 4 min
+on 2 uncontended CPU cores): test pixel accuracy 0.908, mIoU 0.41, pooled 15-bin ECE 0.033 with
+mean confidence 0.940 (over-confident in every bin above 0.4), train accuracy 0.984. Max logit gaps
+over test pixels: median 9.9, 90th percentile 12.7, 99th 15.8.
 """
 
 from __future__ import annotations
@@ -51,26 +59,26 @@ class _ClassSpec:
 # Index = label. Frequency rank = label (class 1 is the most frequent), families interleaved so
 # every family has a head class and tail classes that look like it.
 _CLASSES: tuple[_ClassSpec, ...] = (
-    _ClassSpec("red_disc", "disc", (200, 70, 60), (1.0, 1.6), 0.2),
-    _ClassSpec("blue_box", "box", (60, 90, 190), (1.0, 1.8), 0.2),
-    _ClassSpec("green_triangle", "triangle", (70, 170, 70), (1.0, 1.3), 0.2),
-    _ClassSpec("yellow_cross", "cross", (210, 200, 60), (1.0, 1.3), 0.2),
-    _ClassSpec("orange_disc", "disc", (205, 115, 55), (1.3, 2.2), 0.5),
-    _ClassSpec("teal_box", "box", (60, 135, 170), (1.4, 2.6), 0.5),
+    _ClassSpec("red_disc", "disc", (200, 70, 60), (1.0, 1.7), 0.3),
+    _ClassSpec("blue_box", "box", (60, 90, 190), (1.0, 2.0), 0.3),
+    _ClassSpec("green_triangle", "triangle", (70, 170, 70), (1.0, 1.4), 0.3),
+    _ClassSpec("yellow_cross", "cross", (210, 200, 60), (1.0, 1.4), 0.3),
+    _ClassSpec("orange_disc", "disc", (205, 115, 55), (1.2, 2.0), 0.5),
+    _ClassSpec("teal_box", "box", (60, 135, 170), (1.3, 2.4), 0.5),
     _ClassSpec("olive_triangle", "triangle", (120, 160, 60), (1.1, 1.6), 0.5),
-    _ClassSpec("pink_disc", "disc", (200, 85, 115), (1.0, 1.8), 0.8),
-    _ClassSpec("violet_box", "box", (105, 80, 190), (1.0, 2.2), 0.8),
-    _ClassSpec("khaki_cross", "cross", (185, 180, 105), (1.1, 1.6), 0.6),
+    _ClassSpec("pink_disc", "disc", (200, 85, 115), (1.0, 1.8), 0.6),
+    _ClassSpec("violet_box", "box", (105, 80, 190), (1.0, 2.2), 0.6),
+    _ClassSpec("khaki_cross", "cross", (185, 180, 105), (1.1, 1.6), 0.5),
 )
 
 SYNTHETIC_CLASSES: tuple[str, ...] = ("background",) + tuple(c.name for c in _CLASSES)
 num_classes: int = len(SYNTHETIC_CLASSES)
 
-# Generator constants (tuned with a from-scratch DeepLabV3-resnet18 probe, see the module doc).
+# Generator constants, tuned with the probe described in the module docstring.
 _CLASS_PROB = 1.0 / np.arange(1, len(_CLASSES) + 1)
 _CLASS_PROB = _CLASS_PROB / _CLASS_PROB.sum()
-_OBJECT_COLOUR_STD = 22.0  # per-object colour draw around the class mean (per channel)
-_PIXEL_NOISE_STD = 14.0
+_OBJECT_COLOUR_STD = 26.0  # per-object colour draw around the class mean (per channel)
+_PIXEL_NOISE_STD = 10.0
 _VOID_WIDTH = 1  # pixels of void on each side of an object boundary (band of 2 * width)
 
 
@@ -116,12 +124,13 @@ def _texture(size: int, colour: np.ndarray, striped: bool, rng: np.random.Genera
 
 
 def _background(size: int, rng: np.random.Generator) -> np.ndarray:
-    """``(size, size, 3)`` float32 smooth random colour field plus blotchy texture."""
-    base = rng.uniform(60, 190, size=3)
-    coarse = base + rng.normal(0, 30, size=(4, 4, 3))
+    """``(size, size, 3)`` float32 smooth, weakly tinted grey field plus blotchy texture."""
+    grey = rng.uniform(70, 180) + rng.normal(0, 12, size=3)
+    coarse = grey + rng.normal(0, 15, size=(4, 4, 1)) + rng.normal(0, 6, size=(4, 4, 3))
     field = cv2.resize(coarse.astype(np.float32), (size, size), interpolation=cv2.INTER_CUBIC)
-    blotches = cv2.resize(rng.normal(0, 18, size=(size // 4, size // 4, 3)).astype(np.float32),
-                          (size, size), interpolation=cv2.INTER_LINEAR)
+    blotches = rng.normal(0, 10, size=(size // 4, size // 4, 1)) * np.ones(3)
+    blotches = cv2.resize(blotches.astype(np.float32), (size, size),
+                          interpolation=cv2.INTER_LINEAR)
     return field + blotches
 
 
@@ -145,23 +154,23 @@ def render_scene(size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.nd
     image = _background(size, rng)
 
     # Clutter: small, blended look-alikes of the objects, labelled background.
-    for _ in range(rng.integers(2, 6)):
+    for _ in range(rng.integers(1, 4)):
         spec = _CLASSES[rng.integers(len(_CLASSES))]
-        radius = rng.uniform(2.5, 7.0) * scale
+        radius = rng.uniform(2.0, 5.5) * scale
         centre, angle = _random_pose(size, radius, rng)
         shape = _draw_shape(spec.shape, size, centre, radius, rng.uniform(*spec.aspect), angle, rng)
         colour = np.asarray(spec.rgb) + rng.normal(0, _OBJECT_COLOUR_STD, 3)
-        alpha = rng.uniform(0.35, 0.8) * shape[:, :, None]
+        alpha = rng.uniform(0.3, 0.6) * shape[:, :, None]
         image = image * (1 - alpha) + _texture(size, colour, False, rng) * alpha
 
     # Objects: long-tailed classes, later objects occlude earlier ones.
-    num_objects = int(rng.integers(1, 5))
+    num_objects = int(rng.integers(2, 6))
     instances = np.zeros((size, size), dtype=np.int32)
     labels = np.zeros(num_objects + 1, dtype=np.uint8)  # instance index -> class label
     for index in range(1, num_objects + 1):
         label = int(rng.choice(len(_CLASSES), p=_CLASS_PROB)) + 1
         spec = _CLASSES[label - 1]
-        radius = rng.uniform(6.0, 15.0) * scale
+        radius = rng.uniform(6.5, 15.5) * scale
         centre, angle = _random_pose(size, radius, rng)
         shape = _draw_shape(spec.shape, size, centre, radius, rng.uniform(*spec.aspect), angle, rng)
         if shape.sum() < 6:
@@ -196,7 +205,7 @@ def _save_pair(voc: Path, sample_id: str, image: np.ndarray, mask: np.ndarray,
 
 def generate_synthetic_voc(
     root: str | os.PathLike,
-    num_train: int = 320,
+    num_train: int = 120,
     num_test: int = 200,
     image_size: int = 64,
     seed: int = 0,
