@@ -264,7 +264,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         seed_epoch(train_loader, t.seed, epoch)
         lr = optimizer.param_groups[0]["lr"]
         train_stats = train_one_epoch(
-            model,
+            train_model,
             criterion,
             train_loader,
             optimizer,
@@ -291,8 +291,10 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             desc="val",
         )
         multipliers = criterion.update_multipliers(epoch) if adaptive else {}
-        if adaptive:
-            check_identical(criterion.lambdas, "the CALS multipliers")
+        if is_distributed():  # cheap guards: DDP keeps parameters and multipliers identical
+            check_identical(_fingerprint(model), "the model parameters")
+            if adaptive:
+                check_identical(criterion.lambdas, "the CALS multipliers")
         if t.best_metric not in val:
             raise ValueError(
                 f"train.best_metric={t.best_metric!r} is not a validation metric; "
@@ -356,6 +358,11 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         (run_dir / "test_metrics.json").write_text(json.dumps(_json_safe(test), indent=1))
         plot_run(run_dir, _read_history(history_path), test, task.class_names)
     return test
+
+
+def _fingerprint(model: nn.Module) -> torch.Tensor:
+    """One float64 sum per parameter tensor: equal on every rank iff DDP kept them in sync."""
+    return torch.stack([p.detach().double().sum() for p in model.parameters()])
 
 
 def _json_safe(obj: Any) -> Any:
