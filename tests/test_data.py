@@ -248,7 +248,7 @@ def test_synthetic_reuse_and_overwrite(tmp_path: Path) -> None:
     stamp = _digest(root)
     assert generate_synthetic_voc(tmp_path, num_train=2, num_test=1, image_size=32) == root
     assert _digest(root) == stamp
-    with pytest.raises(ValueError, match="overwrite"):
+    with pytest.raises(ValueError, match="num_train=2 on disk vs 3.*--overwrite"):
         generate_synthetic_voc(tmp_path, num_train=3, num_test=1, image_size=32)
     generate_synthetic_voc(tmp_path, num_train=3, num_test=1, image_size=32, overwrite=True)
     assert len(read_split(root, "train")) == 3

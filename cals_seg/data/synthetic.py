@@ -42,7 +42,7 @@ from PIL import Image
 
 from cals_seg.data.voc import IMAGE_DIR, MASK_DIR, SPLIT_DIR, voc_palette
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # bump whenever the same arguments would give different files
 META_FILE = "synthetic.json"
 VOID_LABEL = 255
 
@@ -242,12 +242,16 @@ def generate_synthetic_voc(
             "image_size": image_size, "seed": seed, "classes": list(SYNTHETIC_CLASSES)}
     meta_path = voc / META_FILE
     if meta_path.is_file():
-        if json.loads(meta_path.read_text()) == meta:
+        existing = json.loads(meta_path.read_text())
+        if existing == meta:
             return root
         if not overwrite:
+            changed = sorted(k for k in meta if existing.get(k) != meta[k])
             raise ValueError(
-                f"'{voc}' holds a synthetic dataset generated with other parameters. Pass "
-                "overwrite=True (--overwrite) to replace it, or choose another root."
+                f"'{voc}' holds a synthetic dataset generated with other parameters (differing: "
+                f"{', '.join(f'{k}={existing.get(k)!r} on disk vs {meta[k]!r}' for k in changed)}"
+                "). Pass overwrite=True, or run `python tools/make_synthetic.py --root "
+                f"{root} --overwrite` with the wanted options, or choose another root."
             )
         shutil.rmtree(voc)
     elif voc.exists():
