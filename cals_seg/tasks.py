@@ -43,7 +43,9 @@ def build_segmentation_datasets(cfg: Config) -> dict[str, VOCSegmentation]:
             )
         generate_synthetic_voc(d.root, **d.synthetic)
     split = paper_split(d.root, val_fraction=d.val_fraction, seed=d.split_seed)
-    train_tf = train_transform(d.crop_size, scale_range=tuple(d.scale_range))
+    # segmentation: data.color_jitter > 0 switches on a light colour jitter (fixed strengths)
+    train_tf = train_transform(d.crop_size, scale_range=tuple(d.scale_range),
+                               color_jitter=d.color_jitter > 0)
     eval_tf = eval_transform(d.eval_size)
     common = dict(num_classes=d.num_classes, ignore_index=d.ignore_index)
     return {

@@ -185,6 +185,7 @@ def test_config_errors(tmp_path):
 
 
 def test_train_seg_cli_reports_bad_config(tmp_path, capsys):
-    rc = _tool("train_seg").main([str(CONFIG), "--set", "loss.name=dice"])
+    rc = _tool("train_seg").main([str(CONFIG), "--set", *_overrides(tmp_path, "bad"),
+                                  "loss.name=dice"])
     assert rc == 2
     assert "valid names are" in capsys.readouterr().err
