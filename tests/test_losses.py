@@ -163,8 +163,11 @@ def test_cals_alm_equals_reference_with_void():
     assert alm(x.float(), y).item() == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.parametrize("block", [None, 7, 60])
 @pytest.mark.parametrize("name", ["cals_alm", "cals_alm_p2", "cals_alm_p3", "mbls", "cals_hr"])
-def test_analytic_backward_matches_naive_autograd(name):
+def test_analytic_backward_matches_naive_autograd(name, block, monkeypatch):
+    if block is not None:  # force several spatial strips (7) or several images per block (60)
+        monkeypatch.setattr("cals_seg.losses._functional.BLOCK_ELEMENTS", block)
     x, y = _data(scale=12.0, seed=5)
     penalty = {"cals_alm_p2": "p2", "cals_alm_p3": "p3"}.get(name, "phr")
     m = 10.0
@@ -384,8 +387,8 @@ def test_state_dict_round_trip_and_device_move():
     assert b.lambdas.device.type == "meta"
 
 
-def test_penalty_keeps_only_the_argmax_index_for_backward():
-    """The penalty saves the logits and an (N, 1, S) index, nothing logits-sized beyond that."""
+def test_penalty_keeps_only_the_max_map_for_backward():
+    """The penalty saves the logits and an (N, 1, S) map, nothing logits-sized beyond that."""
     x, y = _data(n=2, s=(32, 32), scale=12.0, dtype=torch.float32)
     alm = CALSALMLoss(K, ignore_index=IGN, lambda_init=0.5)
     logits = x.reshape(2, K, -1).requires_grad_(True)
@@ -409,5 +412,23 @@ def test_penalty_keeps_only_the_argmax_index_for_backward():
         )
     out.backward()
     per_position = 2 * 32 * 32
-    assert sum(sizes) <= per_position * (8 + 1)  # int64 arg-max index + bool valid mask
+    assert sum(sizes) <= per_position * (4 + 1)  # float32 max map + bool valid mask
     assert logits.numel() * 4 > 2 * sum(sizes)
+
+
+def test_ties_at_the_max_share_the_gradient_like_amax():
+    x, y = _data(scale=12.0, seed=13)
+    x[:, 1] = x[:, 3] = x.amax(dim=1) + 1.0  # classes 1 and 3 tie for the max everywhere
+    alm = CALSALMLoss(K, margin=4.0, ignore_index=IGN, lambda_init=0.5)
+    lam, rho = alm.lambdas.view(1, -1, 1, 1), alm.rhos.view(1, -1, 1, 1)
+
+    def naive(t):
+        z = (t.amax(dim=1, keepdim=True) - t) / 4.0 - 1
+        v = (y != IGN).unsqueeze(1)
+        pen = get_penalty("phr").value(z, rho, lam)
+        return F.cross_entropy(t, y, ignore_index=IGN) + (pen * v).sum() / (v.sum() * K)
+
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    alm(a, y).backward()
+    naive(b).backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..distributed import all_reduce_sum_
 from ._base import SegLoss, check_and_flatten
-from ._functional import ce_sum, class_penalty, normalised_constraint
+from ._functional import ce_sum, class_penalty, class_sums
 from .penalties import Penalty, PenaltyFn, get_penalty
 
 
@@ -75,17 +75,16 @@ class _ClassAdaptiveLoss(SegLoss):
         logits3, _, valid = check_and_flatten(logits, target, self.num_classes, self.ignore_index)
         if logits3.dtype in (torch.float16, torch.bfloat16):
             logits3 = logits3.float()
-        z, _ = normalised_constraint(logits3, self.margin)
-        self._observe(z, valid.unsqueeze(1))
+        fns = self._observed_functions(logits3)
+        for total, value in zip(self._sums(), class_sums(logits3, valid, self.margin, fns),
+                                strict=True):
+            total += value
         self._count += valid.sum()
 
-    def _observe(self, z: Tensor, valid: Tensor) -> None:
+    def _observed_functions(self, like: Tensor) -> list:
+        """Elementwise functions of z whose per-class sums :meth:`observe` accumulates, in the
+        order of :meth:`_sums`."""
         raise NotImplementedError
-
-    @staticmethod
-    def _masked_class_sum(values: Tensor, valid: Tensor) -> Tensor:
-        """Per-class sum over valid positions, float64. values (N, K, S), valid (N, 1, S)."""
-        return values.masked_fill_(~valid, 0.0).sum(dim=(0, 2), dtype=torch.float64)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, margin={self.margin}"
@@ -179,10 +178,9 @@ class CALSALMLoss(_ClassAdaptiveLoss):
     def _sums(self) -> list[Tensor]:
         return [self._sum_grad, self._sum_z]
 
-    def _observe(self, z: Tensor, valid: Tensor) -> None:
-        lam, rho = self._per_class(self.lambdas, z), self._per_class(self.rhos, z)
-        self._sum_z += self._masked_class_sum(z, valid)  # before P', which may work in place
-        self._sum_grad += self._masked_class_sum(self.penalty.derivative(z, rho, lam), valid)
+    def _observed_functions(self, like: Tensor) -> list:
+        lam, rho = self._per_class(self.lambdas, like), self._per_class(self.rhos, like)
+        return [lambda z: self.penalty.derivative(z, rho, lam), lambda z: z]
 
     @torch.no_grad()
     def update_multipliers(self, epoch: int) -> dict[str, list[float]]:
@@ -272,8 +270,8 @@ class CALSHRLoss(_ClassAdaptiveLoss):
     def _sums(self) -> list[Tensor]:
         return [self._sum_pen]
 
-    def _observe(self, z: Tensor, valid: Tensor) -> None:
-        self._sum_pen += self._masked_class_sum(z.clamp_(min=0.0).mul_(self.margin), valid)
+    def _observed_functions(self, like: Tensor) -> list:
+        return [lambda z: z.clamp_(min=0.0).mul_(self.margin)]
 
     @torch.no_grad()
     def update_multipliers(self, epoch: int) -> dict[str, list[float]]:

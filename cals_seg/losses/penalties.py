@@ -24,13 +24,11 @@ PenaltyFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def phr(z: Tensor, rho: Tensor, lam: Tensor) -> Tensor:
-    """PHR value, as ``z (lambda + rho z / 2)`` where ``lambda + rho z >= 0`` (no cancellation
-    for large lambda), else ``-lambda^2 / (2 rho)``. Four passes over ``z``."""
-    value = torch.addcmul(lam, z, rho * 0.5).mul_(z)
-    active, inactive = z >= -lam / rho, -lam * lam / (2.0 * rho)
-    if value.requires_grad:  # autograd through P (custom penalties, tests): no out=
-        return torch.where(active, value, inactive)
-    return torch.where(active, value, inactive, out=value)
+    """PHR value, computed as ``z_c (lambda + rho z_c / 2)`` with ``z_c = max(z, -lambda/rho)``:
+    equal to ``lambda z + rho z^2 / 2`` where ``lambda + rho z >= 0`` and to
+    ``-lambda^2 / (2 rho)`` elsewhere, without a branch and without cancellation."""
+    zc = torch.maximum(z, -lam / rho)
+    return torch.addcmul(lam, zc, rho * 0.5).mul_(zc)
 
 
 def phr_grad(z: Tensor, rho: Tensor, lam: Tensor) -> Tensor:
