@@ -286,3 +286,55 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
         assert all(g["ece"] is not None and g["acc"] is not None for g in groups.values())
     out = capsys.readouterr().out
     assert "acc" in out and "many" in out
+
+
+# ----------------------------------------------------------------------------- paper configs
+VISION = ("tinyimagenet_resnet50", "imagenet_resnet50", "imagenet_lt_resnet50")
+METHODS = ("ce", "ls", "fl", "mbls", "cals_hr", "cals_alm")
+
+
+@pytest.mark.parametrize("prefix", VISION + ("20news_gpcn",))
+def test_paper_configs_exist_with_the_paper_margins(prefix):
+    from cals_seg.losses import build_loss
+
+    for method in METHODS:
+        cfg = load_config(ROOT / "configs" / f"{prefix}_{method}.yaml")
+        assert cfg.data.ignore_index == -100 and cfg.train.best_metric == "acc"
+        if method in ("mbls", "cals_hr", "cals_alm"):
+            assert cfg.loss.params["margin"] == (6.0 if prefix == "20news_gpcn" else 10.0)
+        build_loss(cfg.loss.name, cfg.data.num_classes, -100, **cfg.loss.params)
+
+
+def _split_file_tree(root: Path) -> Path:
+    _folder_tree(root, ("n1", "n2"), {"train": 3, "val": 4})
+    for split, folder in (("train", "train"), ("val", "val"), ("test", "val")):
+        lines = [f"{folder}/n{c + 1}/{i}.png {c}" for c in range(2) for i in range(2)]
+        (root / f"ImageNet_LT_{split}.txt").write_text("\n".join(lines) + "\n")
+    return root
+
+
+@pytest.mark.parametrize("prefix", VISION)
+def test_paper_configs_build_on_tiny_trees(tmp_path, prefix):
+    if prefix == "tinyimagenet_resnet50":
+        root, sizes = _tiny_tree(tmp_path), (12, 6, 9)
+    elif prefix == "imagenet_resnet50":
+        root, sizes = _folder_tree(tmp_path, ("n1", "n2", "n3"), {"train": 2, "val": 5}), (6, 3, 12)
+    else:
+        root, sizes = _split_file_tree(tmp_path), (4, 4, 4)
+    k = 2 if prefix == "imagenet_lt_resnet50" else 3
+    cfg = load_config(ROOT / "configs" / f"{prefix}_cals_alm.yaml", [
+        f"data.root={root}", f"data.num_classes={k}", "data.val_per_class=2", "data.image_size=32",
+        "data.eval_size=36", "data.num_workers=0",
+    ])
+    task = build_classification_task(cfg)
+    assert (len(task.train_set), len(task.val_set), len(task.test_set)) == sizes
+    assert task.segmentation is False and task.ignore_index == -100
+    image, label = task.train_set[0]
+    assert image.shape == (3, 32, 32) and isinstance(label, int)
+    task.model.eval()
+    assert task.model(torch.stack([image, task.test_set[0][0]])).shape == (2, k)
+    wrong = load_config(ROOT / "configs" / f"{prefix}_ce.yaml", [
+        f"data.root={root}", "data.num_classes=5", "data.val_per_class=2"])
+    if prefix != "imagenet_lt_resnet50":  # split files carry labels only: K is the config's
+        with pytest.raises(ValueError, match="num_classes=5"):
+            build_classification_task(wrong)

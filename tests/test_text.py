@@ -194,3 +194,39 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
         assert {name: g["classes"] for name, g in groups.items()} == shot_groups(counts)
         assert groups["many"]["count"] == 0  # no group has more than 100 training posts
         assert sum(g["count"] for g in groups.values()) == 60
+
+
+def test_paper_config_builds_with_glove(tmp_path):
+    train = {g: [f"{g.split('.')[1]} words here {i}" for i in range(4)] for g in ("a.x", "b.y")}
+    root = _news_tree(tmp_path / "news", {"train": train, "test": train})
+    glove = tmp_path / "glove.txt"
+    glove.write_text("words " + " ".join(["0.5"] * 100) + "\nhere " + " ".join(["-1"] * 100) + "\n")
+    cfg = load_config(ROOT / "configs" / "20news_gpcn_cals_alm.yaml", [
+        f"data.root={root}", "data.num_classes=2", "data.val_count=2", f"model.glove_path={glove}"])
+    assert cfg.loss.params["margin"] == 6.0 and cfg.data.text_strip == ["headers"]
+    task = build_text_task(cfg)
+    vocab, model = task.train_set.vocab, task.model
+    assert torch.equal(model.embedding.weight[vocab.stoi["words"]], torch.full((100,), 0.5))
+    assert model.trainable_rows[vocab.stoi["here"]] == 0  # freeze_glove: true
+    assert model.trainable_rows[vocab.stoi["x"]] == 1
+    ids, _ = task.val_set[0]
+    assert ids.shape == (1000,) and model(ids[None]).shape == (1, 2)
+
+
+def test_resume_continues_and_rewrites_groups(tmp_path, capsys):
+    base = [
+        "name=r", f"output_dir={tmp_path / 'runs'}", f"data.root={tmp_path / 'data'}",
+        "data.synthetic={num_train: 20, num_test: 5}", "data.val_count=20", "train.batch_size=16",
+        "train.progress=false", "train.threads=1",
+    ]
+    config = str(ROOT / "configs" / "synthetic_text_cals_alm.yaml")
+    tool = _train_cls()
+    assert tool.main([config, "--set", *base, "train.epochs=1"]) == 0
+    run = tmp_path / "runs" / "r"
+    assert tool.main([config, "--set", *base, "train.epochs=1"]) == 2  # the run exists
+    assert "--resume" in capsys.readouterr().err
+    assert tool.main([config, "--resume", str(run), "--set", "train.epochs=2"]) == 0
+    history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [0, 1]
+    test = json.loads((run / "test_metrics.json").read_text())
+    assert "groups" in test["pre_ts"] and len(test["class_counts"]) == len(TEXT_GROUPS)
