@@ -293,15 +293,17 @@ VISION = ("tinyimagenet_resnet50", "imagenet_resnet50", "imagenet_lt_resnet50")
 METHODS = ("ce", "ls", "fl", "mbls", "cals_hr", "cals_alm")
 
 
-@pytest.mark.parametrize("prefix", VISION + ("20news_gpcn",))
-def test_paper_configs_exist_with_the_paper_margins(prefix):
+@pytest.mark.parametrize("prefix", VISION + ("20news_gpcn", "synthetic_cls", "synthetic_text"))
+def test_configs_exist_with_the_paper_margins(prefix):
     from cals_seg.losses import build_loss
 
+    text = prefix in ("20news_gpcn", "synthetic_text")
     for method in METHODS:
         cfg = load_config(ROOT / "configs" / f"{prefix}_{method}.yaml")
+        assert cfg.name == f"{prefix}_{method}" and cfg.loss.name == method
         assert cfg.data.ignore_index == -100 and cfg.train.best_metric == "acc"
         if method in ("mbls", "cals_hr", "cals_alm"):
-            assert cfg.loss.params["margin"] == (6.0 if prefix == "20news_gpcn" else 10.0)
+            assert cfg.loss.params["margin"] == (6.0 if text else 10.0)
         build_loss(cfg.loss.name, cfg.data.num_classes, -100, **cfg.loss.params)
 
 
