@@ -1,13 +1,15 @@
-"""Forward+backward time and peak memory of every loss, as ratios to F.cross_entropy.
+"""Forward+backward time and memory of every loss, as ratios to F.cross_entropy.
 
-    python benchmarks/bench_loss.py [--shape 8 21 256 256] [--void 0.1] [--repeats 5] [--device cpu]
+    python benchmarks/bench_loss.py [--shape 8 21 256 256] [--void 0.1] [--repeats 7]
+        [--threads 2] [--device cpu|cuda]
 
 Each loss runs on the same ``(N, K, H, W)`` logits with a fraction of void (255) pixels. Time is
-the median over ``--repeats`` forward+backward passes after one warm-up; ``F.cross_entropy`` is
-measured in the same run. Peak memory is measured in a fresh subprocess per loss: on CUDA with
-``torch.cuda.max_memory_allocated``; on CPU as the growth of the process' peak RSS over the
-state just before the pass (logits and target already allocated), which includes the allocator's
-behaviour and so is an upper bound on what the loss itself keeps.
+the fastest of ``--repeats`` forward+backward passes after one warm-up, the losses taking turns
+in every round; ``F.cross_entropy`` is measured in the same run. "saved" is what the autograd
+graph keeps for backward besides the logits (measured with saved-tensor hooks). Peak memory is
+measured in a fresh subprocess per loss: on CUDA with ``torch.cuda.max_memory_allocated``; on
+CPU (Linux) as the growth of the peak RSS (VmHWM, reset just before the pass) over the state
+with logits and target allocated.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -60,17 +61,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_one(name: str, logits, target, repeats: int, device: str) -> float:
-    fn = make_fn(name, logits.shape[1])
-    step(fn, logits, target)
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
+def time_all(names: list[str], logits, target, repeats: int, device: str) -> dict[str, float]:
+    """Fastest of ``repeats`` forward+backward passes per loss, the losses taking turns in each
+    round so that a change of machine load affects every loss alike."""
+    fns = {name: make_fn(name, logits.shape[1]) for name in names}
+    for fn in fns.values():  # warm-up
         step(fn, logits, target)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    best = dict.fromkeys(names, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            step(fn, logits, target)
+            sync(device)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 def saved_for_backward(name: str, logits: torch.Tensor, target: torch.Tensor) -> float:
@@ -126,8 +131,11 @@ def main() -> None:
     p.add_argument("--void", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.memory_of:  # child process: one memory measurement
         print(json.dumps({"mib": peak_memory(args.memory_of, args)}))
@@ -135,7 +143,7 @@ def main() -> None:
 
     logits, target = make_inputs(args.shape, args.void, args.device)
     logits_mib = logits.numel() * logits.element_size() / 2**20
-    times = {name: time_one(name, logits, target, args.repeats, args.device) for name in NAMES}
+    times = time_all(NAMES, logits, target, args.repeats, args.device)
     saved = {name: saved_for_backward(name, logits, target) for name in NAMES}
     mems = {}
     for name in NAMES:
