@@ -44,9 +44,11 @@ def test_eval_seg_under_torchrun_equals_one_process(single_run):
     tmp, cfg, _ = single_run
     ckpt = str(cfg.run_dir / "checkpoint_best.pt")
     conf = str(cfg.run_dir / "config.yaml")
+    # same thread count as the torchrun workers, so the convolutions sum in the same order
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, str(ROOT / "tools" / "eval_seg.py"), conf, "--checkpoint",
                     ckpt, "--out", str(tmp / "one")], check=True, cwd=ROOT,
-                   capture_output=True)
+                   capture_output=True, env=env)
     _torchrun("eval_seg.py", conf, "--checkpoint", ckpt, "--out", str(tmp / "two"))
     one = json.loads((tmp / "one" / "metrics.json").read_text())
     two = json.loads((tmp / "two" / "metrics.json").read_text())

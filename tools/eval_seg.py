@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     model = task.model.to(device)
     split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
     if args.split == "train":  # evaluate the training images without augmentation
