@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import re
 
 from .test_pipeline import ROOT, _overrides
 
@@ -19,9 +20,9 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     sets = [s for s in _overrides(tmp_path, "x", epochs=1)
             if not s.startswith(("name=", "output_dir=", "loss.params="))]
     bad = tmp_path / "broken.yaml"
-    bad.write_text((ROOT / "configs" / "synthetic_deeplabv3_mbls.yaml").read_text()
-                   .replace("name: synthetic_deeplabv3_mbls", "name: broken")
-                   .replace("margin: 10.0", "margin: -1.0"))
+    text = (ROOT / "configs" / "synthetic_deeplabv3_mbls.yaml").read_text()
+    bad.write_text(re.sub(r"margin: [0-9.]+", "margin: -1.0",
+                          text.replace("name: synthetic_deeplabv3_mbls", "name: broken")))
     configs = [str(ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"),
                str(ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"), str(bad)]
     out = tmp_path / "cmp"
