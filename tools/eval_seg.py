@@ -22,12 +22,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from cals_seg import plotting  # noqa: E402
-from cals_seg.config import ConfigError, load_config  # noqa: E402
+from cals_seg.cli import USER_ERRORS, launch, report  # noqa: E402
+from cals_seg.config import load_config  # noqa: E402
 from cals_seg.data.transforms import eval_transform  # noqa: E402
 from cals_seg.data.voc import voc_palette  # noqa: E402
-from cals_seg.distributed import cleanup, init_from_env, is_main_process  # noqa: E402
+from cals_seg.distributed import is_main_process  # noqa: E402
 from cals_seg.engine import load_checkpoint  # noqa: E402
-from cals_seg.models.segmentation import WeightsUnavailableError  # noqa: E402
 from cals_seg.tasks import build_segmentation_task  # noqa: E402
 from cals_seg.trainer import Task, _json_safe, _read_history, calibrated_test, resolve_device  # noqa: E402
 
@@ -98,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{task.num_classes}; use the config the run was trained with."
             )
         task.model.load_state_dict(ckpt["model"])
-    except (ConfigError, ValueError, FileNotFoundError, WeightsUnavailableError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as err:
+        return report(err)
     device = resolve_device(cfg.train.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -160,9 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    init_from_env()  # joins the process group under torchrun; nothing otherwise
-    try:
-        code = main()
-    finally:
-        cleanup()
-    sys.exit(code)
+    launch(main)

@@ -15,7 +15,6 @@ each with accuracy, ECE, AECE, NLL ... over the test samples of its classes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,10 +22,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cals_seg.config import Config, ConfigError, load_config  # noqa: E402
-from cals_seg.distributed import cleanup, init_from_env, is_main_process  # noqa: E402
-from cals_seg.engine import NonFiniteLossError, make_loader, seed_everything  # noqa: E402
-from cals_seg.models.classification import WeightsUnavailableError  # noqa: E402
+from cals_seg.cli import USER_ERRORS, launch, report, run_config, training_parser  # noqa: E402
+from cals_seg.config import Config  # noqa: E402
+from cals_seg.distributed import is_main_process  # noqa: E402
+from cals_seg.engine import make_loader, seed_everything  # noqa: E402
 from cals_seg.tasks_classification import (  # noqa: E402
     build_classification_task,
     evaluate_groups,
@@ -51,8 +50,15 @@ def add_group_metrics(
         temperatures["post_ts"] = float(test["temperature"])
     counts = task.train_set.class_counts()
     groups = evaluate_groups(
-        model, loader, device, counts, task.ignore_index, cfg.eval.n_bins, temperatures,
-        amp=cfg.train.amp, progress=cfg.train.progress and is_main_process(),
+        model,
+        loader,
+        device,
+        counts,
+        task.ignore_index,
+        cfg.eval.n_bins,
+        temperatures,
+        amp=cfg.train.amp,
+        progress=cfg.train.progress and is_main_process(),
     )
     test["class_counts"] = counts
     test["class_names"] = task.class_names
@@ -65,43 +71,16 @@ def add_group_metrics(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("config", help="YAML config file")
-    parser.add_argument(
-        "--set",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override config values, e.g. --set train.epochs=5 loss.name=ce",
-    )
-    parser.add_argument(
-        "--resume",
-        default=None,
-        metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its checkpoint_last.pt",
-    )
-    args = parser.parse_args(argv)
+    args = training_parser(__doc__).parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set)
-        if args.resume:  # the run's own resolved config, with any explicit overrides on top
-            cfg = load_config(Path(args.resume) / "config.yaml", args.set)
+        cfg = run_config(args)
         seed_everything(cfg.train.seed)
         task = build_classification_task(cfg)
         test = fit(cfg, task, resume=args.resume)
         run_dir = Path(args.resume) if args.resume else cfg.run_dir
         test = add_group_metrics(cfg, task, run_dir, test)
-    except (
-        ConfigError,
-        ValueError,
-        FileNotFoundError,
-        FileExistsError,
-        NonFiniteLossError,
-        WeightsUnavailableError,
-    ) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as err:
+        return report(err)
     if not is_main_process():
         return 0
     for key, label in (("pre_ts", "test"), ("post_ts", "test post-TS")):
@@ -119,9 +98,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    init_from_env()  # joins the process group under torchrun; nothing otherwise
-    try:
-        code = main()
-    finally:
-        cleanup()
-    sys.exit(code)
+    launch(main)
