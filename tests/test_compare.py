@@ -27,7 +27,8 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
                str(ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"), str(bad)]
     out = tmp_path / "cmp"
     compare = _compare()
-    rc = compare.main([*configs, "--out", str(out), "--seeds", "0", "1", "--set", *sets])
+    rc = compare.main([*configs, "--out", str(out), "--seeds", "0", "1", "--jobs", "2",
+                       "--set", *sets])
     assert rc == 1  # one method failed on every seed
     text = (out / "results.md").read_text()
     assert "| ce | 2 |" in text and "| cals_alm | 2 |" in text and " ± " in text

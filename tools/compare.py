@@ -1,7 +1,7 @@
 """Compare calibration methods: train (or reuse) one run per config and seed, then tabulate.
 
     python tools/compare.py configs/synthetic_deeplabv3_*.yaml --out runs/compare \
-        [--seeds 0 1 2] [--set train.epochs=20 ...]
+        [--seeds 0 1 2] [--jobs 2 --set train.threads=1] [--set train.epochs=20 ...]
 
 Each config is one method (its ``loss``). Runs go to ``OUT/runs/<config name>_seed<s>`` and are
 reused when their ``test_metrics.json`` exists, so an interrupted comparison continues where it
@@ -24,6 +24,7 @@ import json
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from cals_seg import plotting  # noqa: E402
 from cals_seg.config import ConfigError, load_config  # noqa: E402
-from cals_seg.tasks import SEGMENTATION_DATASETS  # noqa: E402
+from cals_seg.tasks import SEGMENTATION_DATASETS, build_segmentation_datasets  # noqa: E402
 
 # (key in test_metrics, column title, lower is better, shown in percent)
 COLUMNS = [
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("configs", nargs="+", type=Path, help="one config per method")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at the same time")
     parser.add_argument(
         "--set",
         nargs="*",
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     first_run: dict[str, Path] = {}
     score_name = "mIoU"
+    jobs = []  # (method, config, seed) in table order
     for config in args.configs:
         try:
             cfg = load_config(config, args.set)
@@ -179,18 +182,36 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         method = cfg.loss.name if cfg.loss.name not in rows else cfg.name
-        row = rows.setdefault(method, {"summaries": [], "failed": []})
-        for seed in args.seeds:
-            run_dir, error = run_one(config, seed, args.out, args.set)
-            if error is not None:
-                print(f"FAILED {method} seed {seed}: {error}", file=sys.stderr)
-                row["failed"].append((seed, error))
-                continue
-            metrics = json.loads((run_dir / "test_metrics.json").read_text())
-            if "miou" not in metrics["pre_ts"]:
-                score_name = "Acc"
-            row["summaries"].append(summarise(metrics))
-            first_run.setdefault(method, run_dir)
+        rows.setdefault(method, {"summaries": [], "failed": []})
+        jobs += [(method, config, seed) for seed in args.seeds]
+    # Build each dataset once here (the embedded ones are generated on first use), so that
+    # parallel runs never race to write the same files.
+    prepared = set()
+    for _, config, _ in jobs:
+        cfg = load_config(config, args.set)
+        if (cfg.data.name, cfg.data.root) not in prepared:
+            prepared.add((cfg.data.name, cfg.data.root))
+            if cfg.data.name in SEGMENTATION_DATASETS:
+                build_segmentation_datasets(cfg)
+            else:
+                from cals_seg.tasks_classification import build_classification_task
+
+                build_classification_task(cfg)
+    # Runs are independent processes: with --jobs N they share the CPU cores (give each run
+    # fewer threads with --set train.threads=...).
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda j: run_one(j[1], j[2], args.out, args.set), jobs))
+    for (method, _, seed), (run_dir, error) in zip(jobs, results, strict=True):
+        row = rows[method]
+        if error is not None:
+            print(f"FAILED {method} seed {seed}: {error}", file=sys.stderr)
+            row["failed"].append((seed, error))
+            continue
+        metrics = json.loads((run_dir / "test_metrics.json").read_text())
+        if "miou" not in metrics["pre_ts"]:
+            score_name = "Acc"
+        row["summaries"].append(summarise(metrics))
+        first_run.setdefault(method, run_dir)
 
     write_results(args.out, rows, score_name)
     points = []
