@@ -178,6 +178,25 @@ def _subfolders(folder: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
 
 
+def class_subfolders(folder: Path, names: Sequence[str] | None, what: str = "class") -> list[str]:
+    """The class names of a ``folder/<name>/...`` split: its sub-folders, checked against
+    ``names`` (the training split's) when given.
+
+    Raises:
+        ValueError: a name of ``names`` has no folder, or a folder is not in ``names``.
+    """
+    found = _subfolders(folder)
+    names = found if names is None else list(names)
+    missing = [c for c in names if c not in found]
+    extra = [c for c in found if c not in names]
+    if missing:
+        raise ValueError(f"{what.capitalize()} folder {missing[0]!r} is missing from {folder} "
+                         f"({missing}).")
+    if extra:
+        raise ValueError(f"{folder} has {what} folder(s) {extra} that the training split lacks.")
+    return names
+
+
 def image_folder(
     root: str | os.PathLike, split: str, classes: Sequence[str] | None = None
 ) -> tuple[list[Sample], list[str]]:
@@ -200,15 +219,7 @@ def image_folder(
     folder = Path(root) / split
     if not folder.is_dir():
         raise FileNotFoundError(f"Image folder {folder} does not exist.")
-    found = _subfolders(folder)
-    if classes is None:
-        classes = found
-    missing = [c for c in classes if c not in found]
-    extra = [c for c in found if c not in classes]
-    if missing:
-        raise ValueError(f"Class folder {missing[0]!r} is missing from {folder} ({missing}).")
-    if extra:
-        raise ValueError(f"{folder} has class folder(s) {extra} that the training split lacks.")
+    classes = class_subfolders(folder, classes)
     samples = [
         (path, label) for label, c in enumerate(classes) for path in _list_images(folder / c)
     ]

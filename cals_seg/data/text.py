@@ -39,6 +39,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from cals_seg.data.classification import class_subfolders
+
 PAD, UNK = "<pad>", "<unk>"
 STRIP_STEPS = ("headers", "quotes", "signature")
 TOKEN_RE = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
@@ -112,14 +114,7 @@ def read_newsgroups(
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"Newsgroups folder {folder} does not exist.")
-    found = sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
-    groups = found if groups is None else list(groups)
-    missing = [g for g in groups if g not in found]
-    extra = [g for g in found if g not in groups]
-    if missing:
-        raise ValueError(f"Group folder {missing[0]!r} is missing from {folder} ({missing}).")
-    if extra:
-        raise ValueError(f"{folder} has group folder(s) {extra} that the training split lacks.")
+    groups = class_subfolders(folder, groups, what="group")
     texts, labels = [], []
     for label, group in enumerate(groups):
         docs = sorted(
