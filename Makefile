@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test compare lint bench clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The README "Results" table: eight methods x three seeds on the embedded dataset, two runs
+# side by side with one thread each (about 45 min on 2 CPU cores).
+METHODS := ce ls fl flsd ecp mbls cals_hr cals_alm
+compare: $(STAMP)
+	$(PY) tools/compare.py $(foreach m,$(METHODS),configs/synthetic_deeplabv3_$(m).yaml) \
+		--out runs/compare --seeds 0 1 2 --jobs 2 --set train.threads=1
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet ruff==0.17.5

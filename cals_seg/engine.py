@@ -96,9 +96,17 @@ def seed_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
 
 
 # ----------------------------------------------------------------------------- train / eval
-def _autocast(device: torch.device, amp: str):
-    if amp == "none" or device.type != "cuda":
+def autocast_context(device: torch.device, amp: str):
+    """Mixed precision for the forward pass: ``bf16`` on CUDA or CPU, ``fp16`` on CUDA only."""
+    if amp == "none":
         return nullcontext()
+    if amp not in AMP_DTYPES:
+        raise ValueError(f"train.amp: expected one of none, bf16, fp16; got {amp!r}.")
+    if amp == "fp16" and device.type != "cuda":
+        raise ValueError(
+            f"train.amp=fp16 needs a CUDA device (this run is on {device.type}); use "
+            "train.amp=bf16 on a CPU, or train.amp=none."
+        )
     return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
 
 
@@ -130,7 +138,7 @@ def train_one_epoch(
         inputs, target = unpack_batch(batch)
         inputs = inputs.to(device, non_blocking=True)
         target = target.to(device, non_blocking=True)
-        with _autocast(device, amp):
+        with autocast_context(device, amp):
             logits = model(inputs)
         loss = criterion(logits, target)
         check = loss.detach().clone()
@@ -192,7 +200,7 @@ def predict(
     progress = progress and is_main_process()
     for batch in tqdm(loader, desc=desc, leave=False, disable=not progress, dynamic_ncols=True):
         inputs, target = unpack_batch(batch)
-        with _autocast(device, amp):
+        with autocast_context(device, amp):
             logits = model(inputs.to(device, non_blocking=True))
         logits = logits.float()
         if temperature != 1.0:

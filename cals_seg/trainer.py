@@ -30,6 +30,7 @@ from .distributed import (
     is_main_process,
 )
 from .engine import (
+    autocast_context,
     evaluate,
     load_checkpoint,
     make_loader,
@@ -193,6 +194,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     """
     t, k = cfg.train, task.num_classes
     device = resolve_device(t.device)
+    autocast_context(device, t.amp)  # a bad train.amp fails here, before any work
     if t.threads:
         torch.set_num_threads(t.threads)
     seed_everything(t.seed)

@@ -189,3 +189,26 @@ def test_train_seg_cli_reports_bad_config(tmp_path, capsys):
                                   "loss.name=dice"])
     assert rc == 2
     assert "valid names are" in capsys.readouterr().err
+
+
+def test_bf16_autocast_on_cpu_trains_and_fp16_is_refused():
+    from cals_seg.engine import autocast_context
+    from cals_seg.losses import build_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 1))
+    cpu = torch.device("cpu")
+    with autocast_context(cpu, "bf16"):
+        assert model(torch.randn(1, 3, 4, 4)).dtype == torch.bfloat16
+    before = [p.detach().clone() for p in model.parameters()]
+    loader = [(torch.randn(2, 3, 6, 6), torch.randint(0, 4, (2, 6, 6)))]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = train_one_epoch(model, build_loss("cals_alm", 4, margin=1.0), loader, opt, cpu,
+                          amp="bf16", progress=False)
+    assert out["loss"] > 0 and all(p.dtype == torch.float32 for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="fp16 needs a CUDA device.*bf16"):
+        autocast_context(cpu, "fp16")
+    with pytest.raises(ValueError, match="train.amp: expected one of none, bf16, fp16"):
+        autocast_context(cpu, "fp8")

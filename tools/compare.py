@@ -24,6 +24,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         help="overrides applied to every run (e.g. train.epochs=20)",
     )
     args = parser.parse_args(argv)
+    start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
     first_run: dict[str, Path] = {}
@@ -238,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         plotting.plot_multiplier_curves(history, args.out / f"lambda_curves_{method}.png", names)
     if grid:
         plotting.plot_reliability_grid(grid, args.out / "reliability_grid.png")
-    print(f"wrote {args.out / 'results.md'}, results.csv and the figures in {args.out}")
+    print(
+        f"wrote {args.out / 'results.md'}, results.csv and the figures in {args.out} "
+        f"({len(jobs)} runs, {(time.perf_counter() - start) / 60:.1f} min)"
+    )
     return 0 if all(row["summaries"] for row in rows.values()) else 1
 
 
