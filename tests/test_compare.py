@@ -43,3 +43,12 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     capsys.readouterr()
     compare.main(configs[:2] + ["--out", str(out), "--seeds", "0", "1", "--set", *sets])
     assert capsys.readouterr().out.count("reusing") == 4
+    # a finished run is never reused for a different config: reported, not overwritten
+    before = (out / "runs" / "synthetic_deeplabv3_cals_alm_seed0" / "test_metrics.json").read_text()
+    rc = compare.main([configs[1], "--out", str(out), "--seeds", "0",
+                       "--set", *sets, "loss.params.margin=2.5"])
+    assert rc == 1
+    text = (out / "results.md").read_text()
+    assert "trained with another config (differs in loss.params)" in text
+    after = (out / "runs" / "synthetic_deeplabv3_cals_alm_seed0" / "test_metrics.json").read_text()
+    assert after == before

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cals_seg import plotting  # noqa: E402
-from cals_seg.config import ConfigError, load_config  # noqa: E402
+from cals_seg.config import Config, ConfigError, config_to_dict, load_config  # noqa: E402
 from cals_seg.tasks import SEGMENTATION_DATASETS, build_segmentation_datasets  # noqa: E402
 
 # (key in test_metrics, column title, lower is better, shown in percent)
@@ -49,11 +49,47 @@ COLUMNS = [
 ]
 
 
+# keys that may differ between a saved run and the requested one without changing its results
+_IGNORED_KEYS = {"output_dir", "train.progress", "train.threads"}
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "params":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(run_dir: Path, expected: Config) -> list[str]:
+    """Dotted keys whose value in ``run_dir/config.yaml`` differs from ``expected``."""
+    saved = _flatten(config_to_dict(load_config(run_dir / "config.yaml")))
+    wanted = _flatten(config_to_dict(expected))
+    keys = (saved.keys() | wanted.keys()) - _IGNORED_KEYS
+    return sorted(k for k in keys if saved.get(k) != wanted.get(k))
+
+
 def run_one(config: Path, seed: int, out: Path, sets: list[str]) -> tuple[Path, str | None]:
-    """Train one (config, seed) run unless it has finished already; return (run dir, error)."""
+    """Train one (config, seed) run unless it has finished already; return (run dir, error).
+
+    A run directory left by an earlier call is reused (finished) or resumed (interrupted) only
+    if it was trained with the same config; otherwise the run is reported as failed with the
+    keys that differ, and nothing is overwritten."""
     cfg = load_config(config, sets)
     name = f"{cfg.name}_seed{seed}"
     run_dir = out / "runs" / name
+    if (run_dir / "config.yaml").is_file():
+        expected = load_config(
+            config, [*sets, f"name={name}", f"output_dir={out / 'runs'}", f"train.seed={seed}"]
+        )
+        differ = config_differences(run_dir, expected)
+        if differ:
+            return run_dir, (
+                f"{run_dir} was trained with another config (differs in {', '.join(differ)}); "
+                "delete it to retrain, or pass another --out"
+            )
     if (run_dir / "test_metrics.json").is_file():
         print(f"reusing {run_dir}", flush=True)
         return run_dir, None
