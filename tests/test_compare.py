@@ -39,6 +39,9 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     for name in ("ece_vs_score.png", "reliability_grid.png", "lambda_curves_cals_alm.png"):
         assert (out / name).stat().st_size > 0
     assert not (out / "lambda_curves_ce.png").exists()
+    run0 = out / "runs" / "synthetic_deeplabv3_ce_seed0"
+    assert (run0 / "checkpoint_best.pt").is_file()  # for eval_seg
+    assert not (run0 / "checkpoint_last.pt").exists()  # finished: no resume point needed
     # a second call reuses the finished runs
     capsys.readouterr()
     compare.main(configs[:2] + ["--out", str(out), "--seeds", "0", "1", "--set", *sets])

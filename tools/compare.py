@@ -2,11 +2,13 @@
 
     python tools/compare.py configs/synthetic_deeplabv3_*.yaml --out runs/compare \
         [--seeds 0 1 2] [--jobs 2 --set train.threads=1] [--set train.epochs=20 ...]
+        [--checkpoints best|all|none]
 
 Each config is one method (its ``loss``). Runs go to ``OUT/runs/<config name>_seed<s>`` and are
 reused when their ``test_metrics.json`` exists, so an interrupted comparison continues where it
-stopped. Segmentation configs are trained with ``tools/train_seg.py``, others with
-``tools/train_cls.py``. Writes:
+stopped (only if the saved config matches). A finished run keeps ``checkpoint_best.pt`` only
+(``--checkpoints all`` keeps ``checkpoint_last.pt`` too, ``none`` neither). Segmentation
+configs are trained with ``tools/train_seg.py``, others with ``tools/train_cls.py``. Writes:
 
     OUT/results.md, OUT/results.csv   one row per method: mean (and std over seeds) of mIoU or
                                       accuracy, ECE, AECE, CWCE, NLL, per-image ECE, post-TS ECE, T;
@@ -71,7 +73,9 @@ def config_differences(run_dir: Path, expected: Config) -> list[str]:
     return sorted(k for k in keys if saved.get(k) != wanted.get(k))
 
 
-def run_one(config: Path, seed: int, out: Path, sets: list[str]) -> tuple[Path, str | None]:
+def run_one(
+    config: Path, seed: int, out: Path, sets: list[str], checkpoints: str = "best"
+) -> tuple[Path, str | None]:
     """Train one (config, seed) run unless it has finished already; return (run dir, error).
 
     A run directory left by an earlier call is reused (finished) or resumed (interrupted) only
@@ -112,6 +116,12 @@ def run_one(config: Path, seed: int, out: Path, sets: list[str]) -> tuple[Path, 
     if proc.returncode != 0:
         lines = (proc.stderr or proc.stdout).strip().splitlines()
         return run_dir, lines[-1] if lines else f"exit code {proc.returncode}"
+    # a finished run is reused from test_metrics.json: its resume point is no longer needed
+    drop = {"all": [], "best": ["checkpoint_last.pt"]}.get(
+        checkpoints, ["checkpoint_last.pt", "checkpoint_best.pt"]
+    )
+    for name in drop:
+        (run_dir / name).unlink(missing_ok=True)
     return run_dir, None
 
 
@@ -200,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at the same time")
     parser.add_argument(
+        "--checkpoints",
+        choices=["all", "best", "none"],
+        default="best",
+        help="checkpoints kept once a run has finished (default: best, for tools/eval_seg.py; "
+        "DeepLabV3-ResNet18 with its optimizer state is 190 MB per file)",
+    )
+    parser.add_argument(
         "--set",
         nargs="*",
         default=[],
@@ -238,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     # Runs are independent processes: with --jobs N they share the CPU cores (give each run
     # fewer threads with --set train.threads=...).
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(lambda j: run_one(j[1], j[2], args.out, args.set), jobs))
+        results = list(
+            pool.map(lambda j: run_one(j[1], j[2], args.out, args.set, args.checkpoints), jobs)
+        )
     for (method, _, seed), (run_dir, error) in zip(jobs, results, strict=True):
         row = rows[method]
         if error is not None:
