@@ -118,9 +118,9 @@ class OptimConfig:
 class TrainConfig:
     """Training loop. ``best_metric`` is a validation metric (``miou``, ``ece``, ``acc``,
     ``nll`` ...) and ``best_mode`` ``max`` or ``min``. ``amp``: ``none``, ``bf16`` (CUDA or
-    CPU) or ``fp16`` (CUDA only, with a gradient scaler); it covers the model's forward pass, the
-    criterion and the meters compute in float32. ``sync_bn``: SyncBatchNorm
-    under torch.distributed. ``compile``: ``torch.compile`` the model."""
+    CPU) or ``fp16`` (CUDA only, with a gradient scaler) for the model's forward pass; the
+    criterion and the meters compute in float32. ``sync_bn``: SyncBatchNorm under
+    torch.distributed. ``compile``: ``torch.compile`` the model."""
 
     epochs: int = 30
     batch_size: int = 8
