@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # The README "Results" table: eight methods x three seeds on the embedded dataset, two runs
-# side by side with one thread each (49 min on 2 CPU cores from a fresh clone, venv included).
+# side by side with one thread each (49 to 52 min on 2 CPU cores from a fresh clone, venv included).
 METHODS := ce ls fl flsd ecp mbls cals_hr cals_alm
 compare: $(STAMP)
 	$(PY) tools/compare.py $(foreach m,$(METHODS),configs/synthetic_deeplabv3_$(m).yaml) \
