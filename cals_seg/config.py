@@ -126,7 +126,7 @@ class TrainConfig:
     batch_size: int = 8
     seed: int = 0
     device: str = "auto"
-    amp: str = "none"
+    amp: str = "auto"
     grad_clip: float | None = None
     best_metric: str = "miou"
     best_mode: str = "max"

@@ -11,7 +11,6 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,8 @@ from .distributed import (
     is_main_process,
 )
 from .metrics import CalibrationMeter, SegmentationMeter
+from .precision import autocast_context
 
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -96,20 +95,6 @@ def seed_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
 
 
 # ----------------------------------------------------------------------------- train / eval
-def autocast_context(device: torch.device, amp: str):
-    """Mixed precision for the forward pass: ``bf16`` on CUDA or CPU, ``fp16`` on CUDA only."""
-    if amp == "none":
-        return nullcontext()
-    if amp not in AMP_DTYPES:
-        raise ValueError(f"train.amp: expected one of none, bf16, fp16; got {amp!r}.")
-    if amp == "fp16" and device.type != "cuda":
-        raise ValueError(
-            f"train.amp=fp16 needs a CUDA device (this run is on {device.type}); use "
-            "train.amp=bf16 on a CPU, or train.amp=none."
-        )
-    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
-
-
 def train_one_epoch(
     model: nn.Module,
     criterion: nn.Module,

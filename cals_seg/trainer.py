@@ -30,7 +30,6 @@ from .distributed import (
     is_main_process,
 )
 from .engine import (
-    autocast_context,
     evaluate,
     load_checkpoint,
     make_loader,
@@ -43,6 +42,7 @@ from .engine import (
     train_one_epoch,
 )
 from .losses import build_loss
+from .precision import resolve_amp
 from .temperature import fit_temperature
 
 SCALAR_TYPES = (int, float)
@@ -116,6 +116,7 @@ def calibrated_test(
         ``eval.temperature_scaling`` is off). Class-wise ECE is included.
     """
     e = cfg.eval
+    amp = resolve_amp(cfg.train.amp, device, warn=False)
     val_loader = make_loader(
         task.val_set, e.batch_size, train=False, num_workers=cfg.data.num_workers
     )
@@ -125,7 +126,7 @@ def calibrated_test(
     temperature = 1.0
     if e.temperature_scaling:
         temperature = fit_temperature(
-            lambda: predict(model, val_loader, device, amp=cfg.train.amp),
+            lambda: predict(model, val_loader, device, amp=amp),
             ignore_index=task.ignore_index,
         )
     common = dict(
@@ -134,7 +135,7 @@ def calibrated_test(
         n_bins=e.n_bins,
         classwise=True,
         segmentation=task.segmentation,
-        amp=cfg.train.amp,
+        amp=amp,
         progress=progress,
     )
     pre = evaluate(model, test_loader, device, desc="test", **common)
@@ -194,7 +195,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     """
     t, k = cfg.train, task.num_classes
     device = resolve_device(t.device)
-    autocast_context(device, t.amp)  # a bad train.amp fails here, before any work
+    amp = resolve_amp(t.amp, device)  # a bad train.amp fails here, before any work
     if t.threads:
         torch.set_num_threads(t.threads)
     seed_everything(t.seed)
@@ -225,7 +226,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     adaptive = hasattr(criterion, "update_multipliers")
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
-    scaler = torch.amp.GradScaler("cuda") if t.amp == "fp16" and device.type == "cuda" else None
+    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" and device.type == "cuda" else None
     train_loader = make_loader(
         task.train_set, t.batch_size, train=True, num_workers=cfg.data.num_workers, seed=t.seed
     )
@@ -271,7 +272,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             train_loader,
             optimizer,
             device,
-            t.amp,
+            amp,
             scaler,
             t.grad_clip,
             t.progress,
@@ -288,7 +289,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             cfg.eval.n_bins,
             segmentation=task.segmentation,
             observe=criterion.observe if adaptive else None,
-            amp=t.amp,
+            amp=amp,
             progress=t.progress,
             desc="val",
         )

@@ -192,7 +192,7 @@ def test_train_seg_cli_reports_bad_config(tmp_path, capsys):
 
 
 def test_bf16_autocast_on_cpu_trains_and_fp16_is_refused():
-    from cals_seg.engine import autocast_context
+    from cals_seg.precision import autocast_context, resolve_amp
     from cals_seg.losses import build_loss
 
     torch.manual_seed(0)
@@ -209,6 +209,6 @@ def test_bf16_autocast_on_cpu_trains_and_fp16_is_refused():
     assert out["loss"] > 0 and all(p.dtype == torch.float32 for p in model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(ValueError, match="fp16 needs a CUDA device.*bf16"):
-        autocast_context(cpu, "fp16")
-    with pytest.raises(ValueError, match="train.amp: expected one of none, bf16, fp16"):
-        autocast_context(cpu, "fp8")
+        resolve_amp("fp16", cpu)
+    with pytest.raises(ValueError, match="train.amp: expected one of"):
+        resolve_amp("fp8", cpu)
