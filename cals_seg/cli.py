@@ -1,5 +1,5 @@
-"""What the command-line tools share: arguments, the errors shown as one line, and launching
-under ``torchrun``. Library code does not import this module."""
+"""What the command-line tools share: arguments, the training command, the errors shown as one
+line, and launching under ``torchrun``. Library code does not import this module."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from .config import Config, ConfigError, load_config
-from .distributed import cleanup, init_from_env
-from .engine import NonFiniteLossError
+from .distributed import cleanup, init_from_env, is_main_process
+from .engine import NonFiniteLossError, seed_everything
 from .models.segmentation import WeightsUnavailableError
 
 # Errors caused by the user's input (config, data, checkpoint, network): printed as
@@ -26,19 +26,36 @@ USER_ERRORS = (
 )
 
 
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE ...``: repeated groups add up, in order (a later value wins)."""
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override config values, e.g. --set train.epochs=5 loss.params.margin=6 (may be "
+        "repeated; applied in order)",
+    )
+
+
+def add_method_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--method",
+        default=None,
+        help="the method (loss) of a setup file, e.g. ce or cals_alm (default: the file's "
+        "`method`; configs/<setup>_<method>.yaml names it too)",
+    )
+
+
 def training_parser(doc: str | None) -> argparse.ArgumentParser:
-    """``CONFIG [--set KEY=VALUE ...] [--resume RUN_DIR]``, shared by the training tools."""
+    """``CONFIG [--method M] [--set KEY=VALUE ...] [--resume RUN_DIR]``."""
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("config", help="YAML config file")
-    parser.add_argument(
-        "--set",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override config values, e.g. --set train.epochs=5 loss.name=ce",
-    )
+    parser.add_argument("config", help="YAML config or setup file")
+    add_method_argument(parser)
+    add_set_argument(parser)
     parser.add_argument(
         "--resume",
         default=None,
@@ -52,15 +69,49 @@ def run_config(args: argparse.Namespace) -> Config:
     """The config of a training command: the given file, or, with ``--resume``, the run's own
     resolved ``config.yaml``; ``--set`` overrides on top."""
     if args.resume:
-        load_config(args.config, args.set)  # still validate what was given
+        load_config(args.config, args.set, args.method)  # still validate what was given
         return load_config(Path(args.resume) / "config.yaml", args.set)
-    return load_config(args.config, args.set)
+    return load_config(args.config, args.set, args.method)
 
 
 def report(err: Exception) -> int:
     """Print a user error as one line; the exit code of a failed command."""
     print(f"error: {err}", file=sys.stderr)
     return 2
+
+
+def train_command(
+    doc: str | None, family: str, summary: Callable[[dict[str, Any]], str] | None = None
+) -> Callable[[list[str] | None], int]:
+    """The ``main`` of a training tool: config -> seed -> task -> :func:`fit` -> summary."""
+    from .tasks import build_task
+    from .trainer import fit
+
+    def main(argv: list[str] | None = None) -> int:
+        args = training_parser(doc).parse_args(argv)
+        try:
+            cfg = run_config(args)
+            seed_everything(cfg.train.seed)  # the model's initialisation depends on it
+            task = build_task(cfg, family)
+            test = fit(cfg, task, resume=args.resume)
+        except USER_ERRORS as err:
+            return report(err)
+        if not is_main_process():
+            return 0
+        metric = task.score_metric
+        for key, label in (("pre_ts", "test"), ("post_ts", "test post-TS")):
+            m = test.get(key)
+            if m is None:
+                continue
+            extra = f" (T = {test['temperature']:.3f})" if key == "post_ts" else ""
+            print(f"{label} (best epoch {test['epoch'] + 1}): {metric} {m[metric]:.4f}  "
+                  f"ECE {m['ece']:.4f}  AECE {m['aece']:.4f}  NLL {m['nll']:.4f}{extra}")
+        if summary is not None:
+            print(summary(test))
+        print(f"run directory: {args.resume or cfg.run_dir}")
+        return 0
+
+    return main
 
 
 def launch(main: Callable[[], int]) -> NoReturn:

@@ -8,6 +8,10 @@ keyword arguments. A YAML file mirrors :class:`Config`::
     data: {name: synthetic, root: data/synthetic, num_classes: 11}
     loss: {name: cals_alm, params: {margin: 10.0}}
     train: {epochs: 30, batch_size: 8}
+
+A *setup* file replaces ``loss`` by a ``methods`` table (method name -> loss section) and a
+default ``method``; ``configs/<setup>_<method>.yaml`` reads ``configs/<setup>.yaml`` with that
+method, so one edit changes a setting for every method (:func:`load_config`).
 """
 
 from __future__ import annotations
@@ -254,21 +258,104 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config and apply ``key.sub=value`` overrides (values parsed as YAML).
+METHOD_ALIASES = {"cals": "cals_alm"}
+
+
+def resolve_config_path(path: str | Path, method: str | None = None) -> tuple[Path, str | None]:
+    """``(setup file, method)`` for a config path.
+
+    A setup file holds every setting of a setup plus a ``methods`` table (method name -> loss).
+    ``configs/<setup>_<method>.yaml`` need not exist as a file: it names ``configs/<setup>.yaml``
+    with that method (``cals`` is short for ``cals_alm``).
 
     Raises:
-        ConfigError: missing file, invalid YAML, unknown key or wrong type, naming the file.
+        ConfigError: neither the file nor a setup file with that method exists.
+    """
+    p = Path(path)
+    if p.is_file():
+        return p, method
+    stem, parent = p.stem, p.parent
+    candidates = []
+    for i in range(len(stem) - 1, 0, -1):
+        if stem[i] != "_":
+            continue
+        setup = parent / f"{stem[:i]}{p.suffix or '.yaml'}"
+        if setup.is_file():
+            candidates.append((setup, stem[i + 1:]))
+    for setup, name in candidates:  # longest setup name first
+        name = METHOD_ALIASES.get(name, name)
+        if method is not None and method != name:
+            raise ConfigError(f"{p} names the method {name!r}, but --method says {method!r}.")
+        return setup, name
+    raise ConfigError(
+        f"Config file {p} does not exist"
+        + (f" (nor a setup file {parent}/<setup>.yaml for it)." if parent.is_dir() else ".")
+    )
+
+
+def _apply_method(data: dict[str, Any], method: str | None, where: Path) -> dict[str, Any]:
+    """Resolve a setup file's ``methods`` table into ``loss`` (and the run name)."""
+    methods = data.pop("methods", None)
+    default = data.pop("method", None)
+    if methods is None:
+        if method is not None:
+            raise ConfigError(
+                f"{where} has no `methods` table, so it cannot be run with method {method!r}; "
+                "set the loss with --set loss.name=... instead."
+            )
+        return data
+    if not isinstance(methods, dict) or not methods:
+        raise ConfigError(f"{where}: `methods` must map method names to loss sections.")
+    chosen = METHOD_ALIASES.get(method, method) if method is not None else default
+    if chosen is None:
+        raise ConfigError(
+            f"{where} defines the methods {sorted(methods)}; name one with --method NAME."
+        )
+    if chosen not in methods:
+        raise ConfigError(
+            f"{where}: unknown method {chosen!r}; valid methods are {sorted(methods)}."
+        )
+    if "loss" in data:
+        raise ConfigError(f"{where}: a setup file with `methods` must not also set `loss`.")
+    data["loss"] = methods[chosen]
+    data["name"] = f"{data.get('name', where.stem)}_{chosen}"
+    return data
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    method: str | None = None,
+) -> Config:
+    """Read a YAML config, pick its method and apply ``key.sub=value`` overrides (values parsed
+    as YAML, applied in order: a later one wins).
+
+    Args:
+        path: a config file, a setup file (with a ``methods`` table), or
+            ``<dir>/<setup>_<method>.yaml`` naming a setup file and one of its methods.
+        overrides: ``["train.epochs=5", "loss.params.margin=6"]``.
+        method: the method of a setup file (default: the file's ``method``).
+
+    Raises:
+        ConfigError: missing file, invalid YAML, unknown method or key, or wrong type, naming the
+            file.
     """
     data: dict[str, Any] = {}
+    where = "config"
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"Config file {p} does not exist.")
+        p, method = resolve_config_path(path, method)
+        where = str(path)
         try:
-            data = _yaml_load(p.read_text()) or {}
+            data = _yaml_load(p.read_text())
         except yaml.YAMLError as err:
             raise ConfigError(f"{p}: invalid YAML: {err}") from err
+        if data is None:
+            raise ConfigError(f"{p} is empty; a config needs at least its data section.")
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping of sections, got {type(data).__name__}.")
+        data = _apply_method(data, method, p)
+    elif method is not None:
+        raise ConfigError("--method needs a config file with a `methods` table.")
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.epochs=5.")
@@ -277,7 +364,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     try:
         return config_from_dict(data)
     except ConfigError as err:
-        raise ConfigError(f"{path or 'config'}: {err}") from None
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Task-agnostic training and evaluation steps, data loaders and checkpoint I/O.
+"""Task-agnostic training step, data loaders and seeding (evaluation: :mod:`cals_seg.evaluation`;
+checkpoints and run files: :mod:`cals_seg.rundir`).
 
 One loop serves every task: a batch is ``(inputs, target)`` (or a dict with ``image``/``mask``
 or ``input``/``target``), the model maps inputs to logits ``(N, K, *S)`` and the criterion and
@@ -7,12 +8,8 @@ the meters take ``(logits, target)``. Segmentation has ``S = (H, W)``, classific
 
 from __future__ import annotations
 
-import os
 import random
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,22 +24,12 @@ from .distributed import (
     is_distributed,
     is_main_process,
 )
-from .metrics import CalibrationMeter, SegmentationMeter
+from .evaluation import unpack_batch
 from .precision import autocast_context
-
 
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; training stops, checkpoints stay intact."""
-
-
-def unpack_batch(batch: Any) -> tuple[Tensor, Tensor]:
-    """``(inputs, target)`` from a dict (``image``/``mask`` or ``input``/``target``) or tuple."""
-    if isinstance(batch, dict):
-        if "image" in batch:
-            return batch["image"], batch["mask"]
-        return batch["input"], batch["target"]
-    return batch[0], batch[1]
 
 
 # ----------------------------------------------------------------------------- data loading
@@ -168,113 +155,6 @@ def train_one_epoch(
     out = {k: float(v) / max(seen_all, 1.0) for k, v in zip(keys, totals[:-1], strict=True)}
     out.update(images_per_s=seen_all / elapsed if elapsed > 0 else 0.0, time=elapsed)
     return out
-
-
-@torch.no_grad()
-def predict(
-    model: nn.Module,
-    loader: DataLoader,
-    device: torch.device,
-    temperature: float = 1.0,
-    amp: str = "none",
-    progress: bool = False,
-    desc: str = "eval",
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """Yield ``(logits / T, target)`` per batch in float32 (model in eval mode)."""
-    model.eval()
-    progress = progress and is_main_process()
-    for batch in tqdm(loader, desc=desc, leave=False, disable=not progress, dynamic_ncols=True):
-        inputs, target = unpack_batch(batch)
-        with autocast_context(device, amp):
-            logits = model(inputs.to(device, non_blocking=True))
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        yield logits, target.to(device, non_blocking=True)
-
-
-def evaluate(
-    model: nn.Module,
-    loader: DataLoader,
-    device: torch.device,
-    num_classes: int,
-    ignore_index: int,
-    n_bins: int = 15,
-    classwise: bool = False,
-    segmentation: bool = True,
-    temperature: float = 1.0,
-    observe: Callable[[Tensor, Tensor], None] | None = None,
-    amp: str = "none",
-    progress: bool = False,
-    desc: str = "eval",
-) -> dict[str, Any]:
-    """Stream ``loader`` through the model into the calibration (and segmentation) meters.
-
-    ``observe`` (e.g. ``criterion.observe``) receives the same ``(logits, target)`` batches, so
-    one validation pass feeds both the metrics and the CALS multiplier statistics.
-
-    Returns:
-        The merged ``compute()`` dicts of :class:`CalibrationMeter` and, when ``segmentation``,
-        :class:`SegmentationMeter` (all-reduced under torch.distributed).
-    """
-    cal = CalibrationMeter(
-        num_classes, n_bins=n_bins, ignore_index=ignore_index, classwise=classwise
-    ).to(device)
-    seg = (
-        SegmentationMeter(num_classes, ignore_index=ignore_index).to(device)
-        if segmentation
-        else None
-    )
-    for logits, target in predict(model, loader, device, temperature, amp, progress, desc):
-        cal.update(logits, target)
-        if seg is not None:
-            seg.update(logits, target)
-        if observe is not None:
-            observe(logits, target)
-    out = cal.compute()
-    if seg is not None:
-        out.update(seg.compute())
-    return out
-
-
-# ----------------------------------------------------------------------------- checkpoints
-def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
-    """``torch.save`` to a temporary file in the same folder, then an atomic rename: a crash
-    mid-write never leaves a truncated checkpoint behind."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (a trusted file of this toolkit: it
-    holds RNG states, so it is not loaded with ``weights_only``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"Checkpoint {path} does not exist.")
-    return torch.load(path, map_location=map_location, weights_only=False)
-
-
-def rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch (and CUDA) RNG states, for exact resume."""
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),  # noqa: NPY002
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])  # noqa: NPY002
-    torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def seed_everything(seed: int) -> None:

@@ -23,6 +23,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from cals_seg.data.voc import voc_palette
+
 PathLike = str | os.PathLike
 
 _RELIABILITY_KEYS = ("bin_edges", "count", "confidence", "accuracy")
@@ -41,26 +43,6 @@ def _save(fig: Figure, path: PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=_DPI, format="png")
     fig.clear()
-
-
-def voc_palette(n: int = 256) -> np.ndarray:
-    """The PASCAL VOC colour map: the bits of each index interleaved into R, G and B.
-
-    Bit ``3j + c`` of index ``i`` (c = 0 red, 1 green, 2 blue) sets bit ``7 - j`` of channel
-    ``c``: 0 is black, 1 dark red, 2 dark green, ..., 255 the void colour (224, 224, 192).
-
-    Args:
-        n: number of colours.
-
-    Returns:
-        A ``(n, 3)`` uint8 array.
-    """
-    idx = np.arange(n)
-    out = np.zeros((n, 3), dtype=np.int64)
-    for j in range(8):
-        for c in range(3):
-            out[:, c] |= ((idx >> (3 * j + c)) & 1) << (7 - j)
-    return out.astype(np.uint8)
 
 
 # ----------------------------------------------------------------------------- reliability

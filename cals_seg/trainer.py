@@ -1,26 +1,28 @@
-"""The training run shared by ``tools/train_seg.py`` and ``tools/train_cls.py``.
+"""The training run shared by every task: :func:`fit`.
 
-Reads top to bottom: device and seed -> criterion -> optimizer and schedule -> (resume) -> for
-each epoch: train, one validation pass that feeds the meters AND ``criterion.observe``, then
-``criterion.update_multipliers``, checkpoints (last + best) and one ``history.jsonl`` line ->
-the BEST checkpoint is tested before and after temperature scaling fitted on validation.
-The task (data and model) is built by the tool and handed over as a :class:`Task`.
+Reads top to bottom like the run itself:
+
+1. device, precision, run directory; model, criterion, optimizer, schedule, loaders;
+2. (resume) :func:`restore_training_state`, next to :func:`training_state` that writes it;
+3. each epoch: :func:`train_one_epoch`; one validation pass that feeds the meters AND
+   ``criterion.observe``; ``criterion.update_multipliers``; the epoch's files (history line,
+   last checkpoint, best checkpoint, in that order);
+4. the best checkpoint is tested once, before and after temperature scaling fitted on the
+   validation split (:func:`calibrated_test`), and the plots are drawn.
+
+The task (data, model, meters) is built from the config by :func:`cals_seg.tasks.build_task`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader
 
-from . import plotting
 from .config import Config, config_to_dict, save_config
 from .distributed import (
     barrier,
@@ -29,37 +31,22 @@ from .distributed import (
     is_distributed,
     is_main_process,
 )
-from .engine import (
-    evaluate,
+from .engine import make_loader, seed_epoch, train_one_epoch
+from .evaluation import Scaled, compute, evaluate, predict, scalars
+from .losses import build_loss
+from .precision import precision_name, resolve_amp
+from .rundir import (
+    RunDir,
     load_checkpoint,
-    make_loader,
-    predict,
     rng_state,
     save_checkpoint,
-    seed_epoch,
-    seed_everything,
     set_rng_state,
-    train_one_epoch,
+    write_json,
 )
-from .losses import build_loss
-from .precision import resolve_amp
+from .tasks import Task
 from .temperature import fit_temperature
 
-SCALAR_TYPES = (int, float)
-
-
-@dataclass
-class Task:
-    """What a tool hands to :func:`fit`: the three splits, the model and display information."""
-
-    train_set: Dataset
-    val_set: Dataset
-    test_set: Dataset
-    model: nn.Module
-    num_classes: int
-    ignore_index: int
-    class_names: list[str] = field(default_factory=list)
-    segmentation: bool = True
+BEST_MODES = ("max", "min")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -97,89 +84,145 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer):
     )
 
 
-def scalars(metrics: dict[str, Any], prefix: str) -> dict[str, float]:
-    """The scalar entries of a metrics dict, keys prefixed (lists and dicts dropped)."""
+# ----------------------------------------------------------------------------- checkpoint
+def training_state(
+    model: nn.Module, optimizer, scheduler, criterion: nn.Module, scaler, cfg: Config,
+    num_classes: int, epoch: int, score: float, best_score: float, best_epoch: int,
+) -> dict[str, Any]:
+    """Everything an exact resume needs; read back by :func:`restore_training_state`."""
     return {
-        f"{prefix}{k}": v
-        for k, v in metrics.items()
-        if isinstance(v, SCALAR_TYPES) and not isinstance(v, bool)
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "criterion": criterion.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "epoch": epoch,
+        "score": score,
+        "best_score": best_score,
+        "best_epoch": best_epoch,
+        "num_classes": num_classes,
+        "config": config_to_dict(cfg),
+        "rng": rng_state(),
     }
 
 
-def calibrated_test(
-    model: nn.Module, task: Task, cfg: Config, device: torch.device, progress: bool = False
+def restore_training_state(
+    state: dict[str, Any], model: nn.Module, optimizer, scheduler, criterion: nn.Module, scaler,
+    num_classes: int, where: Path,
+) -> tuple[int, float | None, int | None]:
+    """Inverse of :func:`training_state`; returns ``(next epoch, best score, best epoch)``."""
+    if state["num_classes"] != num_classes:
+        raise ValueError(
+            f"{where} was trained with {state['num_classes']} classes, but the config has "
+            f"data.num_classes={num_classes}."
+        )
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    criterion.load_state_dict(state["criterion"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    return state["epoch"] + 1, state["best_score"], state.get("best_epoch")
+
+
+# ----------------------------------------------------------------------------- evaluation
+def validate(
+    model: nn.Module, task: Task, loader: DataLoader, device: torch.device, criterion: nn.Module,
+    n_bins: int, amp: str, progress: bool,
 ) -> dict[str, Any]:
-    """Test metrics before and after temperature scaling fitted on the validation split.
+    """One validation pass feeding the task's meters and, for adaptive losses,
+    ``criterion.observe`` (the statistics of the multiplier update)."""
+    meters = {k: m.to(device) for k, m in task.meters(n_bins).items()}
+    consumers: list[Any] = list(meters.values())
+    if hasattr(criterion, "observe"):
+        consumers.append(criterion.observe)
+    evaluate(model, loader, device, consumers, amp, progress, desc="val")
+    return compute(meters)
+
+
+def calibrated_test(
+    model: nn.Module, task: Task, val_loader: DataLoader, test_loader: DataLoader,
+    device: torch.device, amp: str = "none", n_bins: int = 15,
+    temperature_scaling: bool = True, progress: bool = False,
+) -> dict[str, Any]:
+    """Test metrics before and after temperature scaling fitted on ``val_loader``, from ONE
+    pass over ``test_loader`` (the post-TS meters see the same logits divided by T).
 
     Returns:
-        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...}}`` (post_ts is None when
-        ``eval.temperature_scaling`` is off). Class-wise ECE is included.
+        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}``, the metrics being the
+        merged outputs of ``task.meters(n_bins, test=True)``.
     """
-    e = cfg.eval
-    amp = resolve_amp(cfg.train.amp, device, warn=False)
-    val_loader = make_loader(
-        task.val_set, e.batch_size, train=False, num_workers=cfg.data.num_workers
-    )
-    test_loader = make_loader(
-        task.test_set, e.batch_size, train=False, num_workers=cfg.data.num_workers
-    )
     temperature = 1.0
-    if e.temperature_scaling:
+    if temperature_scaling:
         temperature = fit_temperature(
-            lambda: predict(model, val_loader, device, amp=amp),
-            ignore_index=task.ignore_index,
+            lambda: predict(model, val_loader, device, amp), ignore_index=task.ignore_index
         )
-    common = dict(
-        num_classes=task.num_classes,
-        ignore_index=task.ignore_index,
-        n_bins=e.n_bins,
-        classwise=True,
-        segmentation=task.segmentation,
-        amp=amp,
-        progress=progress,
-    )
-    pre = evaluate(model, test_loader, device, desc="test", **common)
-    post = None
-    if e.temperature_scaling:
-        post = evaluate(
-            model, test_loader, device, temperature=temperature, desc="test-TS", **common
-        )
-    return {"temperature": temperature, "pre_ts": pre, "post_ts": post}
+    pre = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
+    post = {}
+    consumers: list[Any] = list(pre.values())
+    if temperature_scaling:
+        post = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
+        consumers.append(Scaled(temperature, post.values()))
+    evaluate(model, test_loader, device, consumers, amp, progress, desc="test")
+    return {
+        "temperature": temperature,
+        "pre_ts": compute(pre),
+        "post_ts": compute(post) if post else None,
+    }
 
 
-def _read_history(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -> list[Path]:
+    """Write the run's plots (multipliers, training curves, test reliability diagrams)."""
+    from . import plotting  # matplotlib is loaded only when a plot is drawn
 
-
-def plot_run(
-    run_dir: Path,
-    history: list[dict[str, Any]],
-    test: dict[str, Any] | None,
-    class_names: list[str],
-) -> list[Path]:
-    """Write the run's plots (DESIGN.md section 7) and return their paths."""
-    plots = run_dir / "plots"
-    plots.mkdir(parents=True, exist_ok=True)
+    history = run.history()
+    run.plots.mkdir(parents=True, exist_ok=True)
     written = []
-    if plotting.plot_multiplier_curves(history, plots / "lambda_curves.png", class_names):
-        written.append(plots / "lambda_curves.png")
+    if plotting.plot_multiplier_curves(history, run.plots / "lambda_curves.png", class_names):
+        written.append(run.plots / "lambda_curves.png")
     if plotting.plot_training_curves(
-        history, plots / "training_curves.png", keys=("val_ece", "val_miou", "val_acc")
+        history, run.plots / "training_curves.png", keys=("val_ece", "val_miou", "val_acc")
     ):
-        written.append(plots / "training_curves.png")
-    if test is not None:
-        for key, label in (("pre_ts", "pre-TS"), ("post_ts", "post-TS")):
-            if test.get(key):
-                m = test[key]
-                title = f"{run_dir.name} test, {label}"
-                if key == "post_ts":
-                    title += f" (T = {test['temperature']:.2f})"
-                path = plots / f"reliability_{key}.png"
-                plotting.plot_reliability_diagram(m["reliability"], path, title=title, ece=m["ece"])
-                written.append(path)
+        written.append(run.plots / "training_curves.png")
+    for key, label in (("pre_ts", "pre-TS"), ("post_ts", "post-TS")):
+        m = (test or {}).get(key)
+        if m:
+            title = f"{run.path.name} test, {label}"
+            if key == "post_ts":
+                title += f" (T = {test['temperature']:.2f})"
+            path = run.plots / f"reliability_{key}.png"
+            plotting.plot_reliability_diagram(m["reliability"], path, title=title, ece=m["ece"])
+            written.append(path)
     return written
+
+
+# ----------------------------------------------------------------------------- the run
+def _check_before_training(cfg: Config, run: RunDir, resume: bool) -> None:
+    t = cfg.train
+    if t.best_mode not in BEST_MODES:
+        raise ValueError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
+    if not resume and run.holds_run():
+        raise FileExistsError(
+            f"{run.path} already holds a run ({', '.join(run.holds_run())}). Continue it with "
+            f"--resume {run.path}, or choose another name (--set name=...)."
+        )
+    if resume and not run.last.is_file():
+        raise FileNotFoundError(
+            f"--resume {run.path}: there is no checkpoint_last.pt to continue from (start a new "
+            "run without --resume)."
+        )
+
+
+def _epoch_line(epoch: int, epochs: int, train: dict, val: dict, metric: str, score: float,
+                lambdas: list[float] | None, improved: bool, seconds: float,
+                remaining: float) -> str:
+    lam = f"  mean lambda {sum(lambdas) / len(lambdas):.3g}" if lambdas else ""
+    eta = f"  ~{remaining / 60:.1f} min left" if remaining > 0 else ""
+    return (
+        f"epoch {epoch + 1:3d}/{epochs}  loss {train['loss']:.4f}  val ece {val['ece']:.4f}  "
+        f"{metric} {score:.4f}{lam}  {'*' if improved else ' '} {seconds:.1f}s{eta}"
+    )
 
 
 def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, Any]:
@@ -187,28 +230,21 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
 
     Args:
         cfg: the resolved config (written to ``<run_dir>/config.yaml``).
-        task: data and model.
+        task: data, model and meters (:func:`cals_seg.tasks.build_task`).
         resume: a run directory holding ``checkpoint_last.pt`` to continue from.
 
     Returns:
         The test metrics written to ``<run_dir>/test_metrics.json``.
     """
     t, k = cfg.train, task.num_classes
+    run = RunDir(resume if resume is not None else cfg.run_dir)
+    _check_before_training(cfg, run, resume is not None)
     device = resolve_device(t.device)
-    amp = resolve_amp(t.amp, device)  # a bad train.amp fails here, before any work
+    amp = resolve_amp(t.amp, device, warn=is_main_process())
     if t.threads:
         torch.set_num_threads(t.threads)
-    seed_everything(t.seed)
-    run_dir = Path(resume) if resume is not None else cfg.run_dir
-    last_path, best_path = run_dir / "checkpoint_last.pt", run_dir / "checkpoint_best.pt"
-    history_path = run_dir / "history.jsonl"
-    if resume is None and last_path.exists():
-        raise FileExistsError(
-            f"{run_dir} already holds a run. Continue it with --resume {run_dir}, or choose "
-            "another name (--set name=...)."
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
     main = is_main_process()
+
     model = task.model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -220,146 +256,106 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if t.compile:
         train_model = torch.compile(train_model)
-    criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params).to(
-        device
-    )
+    criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params)
+    criterion = criterion.to(device)
     adaptive = hasattr(criterion, "update_multipliers")
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
-    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" and device.type == "cuda" else None
-    train_loader = make_loader(
-        task.train_set, t.batch_size, train=True, num_workers=cfg.data.num_workers, seed=t.seed
-    )
-    val_loader = make_loader(
-        task.val_set, cfg.eval.batch_size, train=False, num_workers=cfg.data.num_workers
-    )
+    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    workers = cfg.data.num_workers
+    train_loader = make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed)
+    val_loader = make_loader(task.val_set, cfg.eval.batch_size, False, workers)
+    test_loader = make_loader(task.test_set, cfg.eval.batch_size, False, workers)
     if len(train_loader) == 0:
         raise ValueError(
             f"The training split has {len(task.train_set)} samples, fewer than "
             f"train.batch_size={t.batch_size} per process."
         )
 
-    start_epoch, best_score = 0, None
+    start_epoch, best_score, best_epoch = 0, None, None
+    run.path.mkdir(parents=True, exist_ok=True)
     if resume is not None:
-        ckpt = load_checkpoint(last_path, map_location=device)
-        if ckpt["num_classes"] != k:
-            raise ValueError(
-                f"{last_path} was trained with {ckpt['num_classes']} classes, but "
-                f"the config has data.num_classes={k}."
-            )
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        criterion.load_state_dict(ckpt["criterion"])
-        if scaler is not None and ckpt.get("scaler"):
-            scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, best_score = ckpt["epoch"] + 1, ckpt["best_score"]
-        set_rng_state(ckpt["rng"])
-        if main:  # lines written after the checkpoint (a crash in between) would repeat
-            kept = [h for h in _read_history(history_path) if h["epoch"] < start_epoch]
-            history_path.write_text("".join(json.dumps(h) + "\n" for h in kept))
+        state = load_checkpoint(run.last, map_location=device)
+        start_epoch, best_score, best_epoch = restore_training_state(
+            state, model, optimizer, scheduler, criterion, scaler, k, run.last
+        )
+        if main:
+            run.trim_history(start_epoch)
+            run.repair_best(state)
+        del state
     if main:
-        save_config(cfg, run_dir / "config.yaml")
+        save_config(cfg, run.config)
+        print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
+              f"epochs {start_epoch + 1}..{t.epochs}", flush=True)
 
     sign = 1.0 if t.best_mode == "max" else -1.0
+    durations: list[float] = []
     for epoch in range(start_epoch, t.epochs):
         start = time.perf_counter()
         seed_epoch(train_loader, t.seed, epoch)
         lr = optimizer.param_groups[0]["lr"]
         train_stats = train_one_epoch(
-            train_model,
-            criterion,
-            train_loader,
-            optimizer,
-            device,
-            amp,
-            scaler,
-            t.grad_clip,
-            t.progress,
-            desc=f"epoch {epoch + 1}/{t.epochs}",
+            train_model, criterion, train_loader, optimizer, device, amp, scaler, t.grad_clip,
+            t.progress, desc=f"epoch {epoch + 1}/{t.epochs}",
         )
         scheduler.step()
         broadcast_buffers(model)  # every rank validates (and rank 0 saves) rank 0's BN stats
-        val = evaluate(
-            model,
-            val_loader,
-            device,
-            k,
-            task.ignore_index,
-            cfg.eval.n_bins,
-            segmentation=task.segmentation,
-            observe=criterion.observe if adaptive else None,
-            amp=amp,
-            progress=t.progress,
-            desc="val",
-        )
+        val = validate(model, task, val_loader, device, criterion, cfg.eval.n_bins, amp,
+                       t.progress)
         multipliers = criterion.update_multipliers(epoch) if adaptive else {}
         if is_distributed():  # cheap guards: DDP keeps parameters and multipliers identical
             check_identical(_fingerprint(model), "the model parameters")
             if adaptive:
                 check_identical(criterion.lambdas, "the CALS multipliers")
-        if t.best_metric not in val:
+        if t.best_metric not in val or val[t.best_metric] is None:
             raise ValueError(
-                f"train.best_metric={t.best_metric!r} is not a validation metric; "
-                f"choose one of {sorted(scalars(val, ''))}."
+                f"train.best_metric={t.best_metric!r} has no value on the validation split; "
+                f"choose one of {sorted(scalars(val))} (or check that the split has valid labels)."
             )
         score = float(val[t.best_metric])
         improved = best_score is None or sign * score > sign * best_score
         if improved:
-            best_score = score
-        state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "criterion": criterion.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "epoch": epoch,
-            "best_score": best_score,
-            "score": score,
-            "num_classes": k,
-            "config": config_to_dict(cfg),
-            "rng": rng_state(),
-        }
+            best_score, best_epoch = score, epoch
+        durations.append(time.perf_counter() - start)
         record = {
             "epoch": epoch,
             "lr": lr,
+            "precision": amp,
             **scalars(train_stats, "train_"),
             **scalars(val, "val_"),
             **multipliers,
             "best": improved,
-            "time": time.perf_counter() - start,
+            "time": durations[-1],
         }
-        if main:
+        if main:  # history line, last, best: a consistent run whenever the process dies
+            state = training_state(model, optimizer, scheduler, criterion, scaler, cfg, k, epoch,
+                                   score, best_score, best_epoch)
+            run.append_history(record)
+            save_checkpoint(state, run.last)
             if improved:
-                save_checkpoint(state, best_path)
-            save_checkpoint(state, last_path)
-            with history_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            lam = (
-                f"  mean lambda {sum(multipliers['lambda']) / k:.3g}"
-                if "lambda" in multipliers
-                else ""
-            )
-            print(
-                f"epoch {epoch + 1:3d}/{t.epochs}  loss {train_stats['loss']:.4f}  "
-                f"val ece {val['ece']:.4f}  {t.best_metric} {score:.4f}{lam}  "
-                f"{'*' if improved else ' '} {record['time']:.1f}s",
-                flush=True,
-            )
+                save_checkpoint(state, run.best)
+            remaining = sum(durations) / len(durations) * (t.epochs - epoch - 1)
+            print(_epoch_line(epoch, t.epochs, train_stats, val, t.best_metric, score,
+                              multipliers.get("lambda"), improved, durations[-1], remaining),
+                  flush=True)
 
     barrier()  # rank 0 has written checkpoint_best.pt
-    best = load_checkpoint(best_path, map_location=device)
+    best = load_checkpoint(run.best, map_location=device)
     model.load_state_dict(best["model"])
-    test = calibrated_test(model, task, cfg, device, progress=t.progress)
+    test = calibrated_test(model, task, val_loader, test_loader, device, amp, cfg.eval.n_bins,
+                           cfg.eval.temperature_scaling, t.progress)
     test.update(
-        checkpoint=best_path.name,
+        checkpoint=run.best.name,
         epoch=best["epoch"],
         best_metric=t.best_metric,
         best_score=best["best_score"],
+        precision=amp,
+        class_names=task.class_names,
     )
     if main:
-        (run_dir / "test_metrics.json").write_text(json.dumps(_json_safe(test), indent=1))
-        plot_run(run_dir, _read_history(history_path), test, task.class_names)
+        write_json(run.test_metrics, test)
+        run.write_temperature(test["temperature"])
+        plot_run(run, test, task.class_names)
     return test
 
 
@@ -368,12 +364,13 @@ def _fingerprint(model: nn.Module) -> torch.Tensor:
     return torch.stack([p.detach().double().sum() for p in model.parameters()])
 
 
-def _json_safe(obj: Any) -> Any:
-    """Replace NaN/inf floats by None so the JSON is standard."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_json_safe(v) for v in obj]
-    return obj
+__all__ = [
+    "build_optimizer",
+    "build_scheduler",
+    "calibrated_test",
+    "fit",
+    "resolve_device",
+    "restore_training_state",
+    "training_state",
+    "validate",
+]

@@ -3,7 +3,6 @@ embedded long-tailed set, long-tail group metrics, and 2-epoch runs of the embed
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -26,9 +25,13 @@ from cals_seg.data.classification import (
     tiny_imagenet_paper_split,
 )
 from cals_seg.data.synthetic_cls import generate_synthetic_images, long_tail_counts
+from cals_seg.evaluation import Scaled, evaluate
 from cals_seg.metrics import CalibrationMeter
+from cals_seg.metrics.groups import ShotGroupMeter, shot_groups
 from cals_seg.models.classification import WeightsUnavailableError, build_classification_model
-from cals_seg.tasks_classification import build_classification_task, evaluate_groups, shot_groups
+from cals_seg.tasks import build_task
+
+from .conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)  # the machine is shared: 2 threads spin under contention
@@ -184,7 +187,7 @@ def test_pretrained_offline_is_a_clear_error(monkeypatch):
 def test_classification_config_rejects_void_label_255(tmp_path):
     cfg = load_config(ROOT / "configs" / "synthetic_cls_ce.yaml", ["data.ignore_index=255"])
     with pytest.raises(ValueError, match="-100"):
-        build_classification_task(cfg)
+        build_task(cfg)
 
 
 # ----------------------------------------------------------------------------- embedded set
@@ -222,8 +225,10 @@ def test_group_metrics_equal_meters_on_the_group_subsets():
     model = torch.nn.Linear(8, k)
     loader = torch.utils.data.DataLoader(list(zip(x, y, strict=True)), batch_size=64)
     counts = [500, 150, 50, 10, 3]
-    out = evaluate_groups(model, loader, torch.device("cpu"), counts, -100, 15,
-                          {"pre_ts": 1.0, "post_ts": 2.0})
+    meters = {"pre_ts": ShotGroupMeter(counts, 15, -100), "post_ts": ShotGroupMeter(counts, 15)}
+    evaluate(model, loader, torch.device("cpu"),
+             [meters["pre_ts"], Scaled(2.0, [meters["post_ts"]])])
+    out = {key: meter.compute() for key, meter in meters.items()}
     with torch.no_grad():
         logits = model(x)
     for key, t in (("pre_ts", 1.0), ("post_ts", 2.0)):
@@ -242,10 +247,7 @@ def test_group_metrics_equal_meters_on_the_group_subsets():
 
 # ----------------------------------------------------------------------------- end to end
 def _train_cls():
-    spec = importlib.util.spec_from_file_location("train_cls", ROOT / "tools" / "train_cls.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("train_cls")
 
 
 @pytest.mark.parametrize("method", ["ce", "cals_alm"])
@@ -271,7 +273,7 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
         assert (run / "plots" / "lambda_curves.png").is_file()
     test = json.loads((run / "test_metrics.json").read_text())
     assert test["best_metric"] == "acc"
-    counts = test["class_counts"]
+    counts = test["pre_ts"]["class_counts"]
     assert sorted(counts, reverse=True) == long_tail_counts(10, 120, 5)
     for key in ("pre_ts", "post_ts"):
         block = test[key]
@@ -328,9 +330,9 @@ def test_paper_configs_build_on_tiny_trees(tmp_path, prefix):
         f"data.root={root}", f"data.num_classes={k}", "data.val_per_class=2", "data.image_size=32",
         "data.eval_size=36", "data.num_workers=0",
     ])
-    task = build_classification_task(cfg)
+    task = build_task(cfg)
     assert (len(task.train_set), len(task.val_set), len(task.test_set)) == sizes
-    assert task.segmentation is False and task.ignore_index == -100
+    assert task.family == "classification" and task.ignore_index == -100
     image, label = task.train_set[0]
     assert image.shape == (3, 32, 32) and isinstance(label, int)
     task.model.eval()
@@ -339,4 +341,4 @@ def test_paper_configs_build_on_tiny_trees(tmp_path, prefix):
         f"data.root={root}", "data.num_classes=5", "data.val_per_class=2"])
     if prefix != "imagenet_lt_resnet50":  # split files carry labels only: K is the config's
         with pytest.raises(ValueError, match="num_classes=5"):
-            build_classification_task(wrong)
+            build_task(wrong)

@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import re
 
+from .conftest import load_tool
 from .test_pipeline import ROOT, _overrides
 
 
 def _compare():
-    spec = importlib.util.spec_from_file_location("compare", ROOT / "tools" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("compare")
 
 
 def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     sets = [s for s in _overrides(tmp_path, "x", epochs=1)
             if not s.startswith(("name=", "output_dir=", "loss.params="))]
     bad = tmp_path / "broken.yaml"
-    text = (ROOT / "configs" / "synthetic_deeplabv3_mbls.yaml").read_text()
+    text = (ROOT / "configs" / "synthetic_deeplabv3.yaml").read_text()
     bad.write_text(re.sub(r"margin: [0-9.]+", "margin: -1.0",
-                          text.replace("name: synthetic_deeplabv3_mbls", "name: broken")))
+                          text.replace("name: synthetic_deeplabv3", "name: broken")
+                          .replace("method: cals_alm", "method: mbls")))
     configs = [str(ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"),
                str(ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"), str(bad)]
     out = tmp_path / "cmp"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,8 @@ from cals_seg.data import (
 )
 from cals_seg.data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc, num_classes
 from cals_seg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+from .conftest import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -255,10 +256,7 @@ def test_synthetic_reuse_and_overwrite(tmp_path: Path) -> None:
 
 
 def test_make_synthetic_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("make_synthetic", REPO / "tools" /
-                                                  "make_synthetic.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_tool("make_synthetic")
     root = module.main(["--root", str(tmp_path), "--num-train", "5", "--num-test", "2",
                         "--image-size", "32", "--seed", "1"])
     assert "4 train / 1 val / 2 test" in capsys.readouterr().out

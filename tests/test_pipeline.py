@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,19 +10,15 @@ import torch
 
 from cals_seg import trainer as trainer_mod
 from cals_seg.config import ConfigError, load_config
-from cals_seg.engine import NonFiniteLossError, load_checkpoint, seed_everything, train_one_epoch
-from cals_seg.tasks import build_segmentation_task
+from cals_seg.engine import NonFiniteLossError, seed_everything, train_one_epoch
+from cals_seg.rundir import load_checkpoint
+from cals_seg.tasks import build_task
 from cals_seg.trainer import fit
+
+from .conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _overrides(tmp: Path, name: str, epochs: int = 2) -> list[str]:
@@ -39,7 +34,7 @@ def _overrides(tmp: Path, name: str, epochs: int = 2) -> list[str]:
 def _run(tmp: Path, name: str, epochs: int = 2, resume: Path | None = None):
     cfg = load_config(CONFIG, _overrides(tmp, name, epochs))
     seed_everything(cfg.train.seed)
-    return cfg, fit(cfg, build_segmentation_task(cfg), resume=resume)
+    return cfg, fit(cfg, build_task(cfg), resume=resume)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +103,7 @@ def test_resume_reaches_the_same_result(straight, tmp_path, monkeypatch):
 def test_eval_seg_reproduces_test_metrics(straight, capsys):
     _, cfg, test = straight
     out = cfg.run_dir / "eval_again"
-    rc = _tool("eval_seg").main([str(cfg.run_dir / "config.yaml"), "--checkpoint",
+    rc = load_tool("eval_seg").main([str(cfg.run_dir / "config.yaml"), "--checkpoint",
                                  str(cfg.run_dir / "checkpoint_best.pt"), "--out", str(out)])
     assert rc == 0
     got = json.loads((out / "metrics.json").read_text())
@@ -127,7 +122,7 @@ def test_eval_seg_rejects_checkpoint_of_other_class_count(straight, capsys):
     ckpt["num_classes"] = 21
     bad = cfg.run_dir / "other_classes.pt"
     torch.save(ckpt, bad)
-    rc = _tool("eval_seg").main([str(cfg.run_dir / "config.yaml"), "--checkpoint", str(bad)])
+    rc = load_tool("eval_seg").main([str(cfg.run_dir / "config.yaml"), "--checkpoint", str(bad)])
     assert rc == 2
     assert "21 classes" in capsys.readouterr().err
 
@@ -185,15 +180,15 @@ def test_config_errors(tmp_path):
 
 
 def test_train_seg_cli_reports_bad_config(tmp_path, capsys):
-    rc = _tool("train_seg").main([str(CONFIG), "--set", *_overrides(tmp_path, "bad"),
+    rc = load_tool("train_seg").main([str(CONFIG), "--set", *_overrides(tmp_path, "bad"),
                                   "loss.name=dice"])
     assert rc == 2
     assert "valid names are" in capsys.readouterr().err
 
 
 def test_bf16_autocast_on_cpu_trains_and_fp16_is_refused():
-    from cals_seg.precision import autocast_context, resolve_amp
     from cals_seg.losses import build_loss
+    from cals_seg.precision import autocast_context, resolve_amp
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),

@@ -12,7 +12,7 @@ import pytest
 
 from cals_seg.config import load_config
 from cals_seg.engine import seed_everything
-from cals_seg.tasks import build_segmentation_task
+from cals_seg.tasks import build_task
 from cals_seg.trainer import fit
 
 from .test_pipeline import CONFIG, ROOT, _overrides
@@ -35,7 +35,7 @@ def single_run(tmp_path_factory):
         "data.synthetic={num_train: 23, num_test: 7, image_size: 32}", "eval.batch_size=2"]
     cfg = load_config(CONFIG, sets)
     seed_everything(cfg.train.seed)
-    fit(cfg, build_segmentation_task(cfg))
+    fit(cfg, build_task(cfg))
     return tmp, cfg, sets
 
 

@@ -3,7 +3,6 @@ GPCN, the embedded corpus, and 2-epoch runs of the embedded configs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,8 +19,11 @@ from cals_seg.data.text import (
     tokenize,
     twenty_news_paper_split,
 )
+from cals_seg.metrics.groups import shot_groups
 from cals_seg.models.text import GlobalPoolingCNN
-from cals_seg.tasks_classification import build_text_task, shot_groups
+from cals_seg.tasks import build_task
+
+from .conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)  # the machine is shared: 2 threads spin under contention
@@ -102,7 +104,7 @@ def test_vocabulary_comes_from_the_training_split_only(tmp_path):
                  "data.val_count=3", "data.split_seed=0", "data.max_len=32", "data.min_freq=1"]
     cfg = load_config(ROOT / "configs" / "synthetic_text_ce.yaml", overrides)
     split = twenty_news_paper_split(root, 3, 0)
-    task = build_text_task(cfg)
+    task = build_task(cfg)
     vocab = task.train_set.vocab
     train_tokens = {t for text in split["train"][0] for t in tokenize(text)}
     assert set(vocab.itos[2:]) == train_tokens
@@ -160,10 +162,7 @@ def test_synthetic_corpus_layout_and_determinism(tmp_path):
 
 # ----------------------------------------------------------------------------- end to end
 def _train_cls():
-    spec = importlib.util.spec_from_file_location("train_cls", ROOT / "tools" / "train_cls.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("train_cls")
 
 
 @pytest.mark.parametrize("method", ["ce", "cals_alm"])
@@ -186,7 +185,7 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
     if method == "cals_alm":
         assert all(len(h["lambda"]) == len(TEXT_GROUPS) for h in history)
     test = json.loads((run / "test_metrics.json").read_text())
-    counts = test["class_counts"]
+    counts = test["pre_ts"]["class_counts"]
     assert sum(counts) == 6 * 30 - 30  # validation posts come out of train
     for key in ("pre_ts", "post_ts"):
         assert {"acc", "ece", "aece", "cwce", "nll"} <= set(test[key])
@@ -204,7 +203,7 @@ def test_paper_config_builds_with_glove(tmp_path):
     cfg = load_config(ROOT / "configs" / "20news_gpcn_cals_alm.yaml", [
         f"data.root={root}", "data.num_classes=2", "data.val_count=2", f"model.glove_path={glove}"])
     assert cfg.loss.params["margin"] == 6.0 and cfg.data.text_strip == ["headers"]
-    task = build_text_task(cfg)
+    task = build_task(cfg)
     vocab, model = task.train_set.vocab, task.model
     assert torch.equal(model.embedding.weight[vocab.stoi["words"]], torch.full((100,), 0.5))
     assert model.trainable_rows[vocab.stoi["here"]] == 0  # freeze_glove: true
@@ -229,4 +228,4 @@ def test_resume_continues_and_rewrites_groups(tmp_path, capsys):
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [0, 1]
     test = json.loads((run / "test_metrics.json").read_text())
-    assert "groups" in test["pre_ts"] and len(test["class_counts"]) == len(TEXT_GROUPS)
+    assert "groups" in test["pre_ts"] and len(test["pre_ts"]["class_counts"]) == len(TEXT_GROUPS)

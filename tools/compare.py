@@ -1,10 +1,11 @@
 """Compare calibration methods: train (or reuse) one run per config and seed, then tabulate.
 
-    python tools/compare.py configs/synthetic_deeplabv3_*.yaml --out runs/compare \
-        [--seeds 0 1 2] [--jobs 2 --set train.threads=1] [--set train.epochs=20 ...]
-        [--checkpoints best|all|none]
+    python tools/compare.py configs/synthetic_deeplabv3.yaml --methods ce cals_alm \
+        --out runs/compare [--seeds 0 1 2] [--jobs 2 --set train.threads=1]
+        [--set train.epochs=20 ...] [--checkpoints best|all|none]
+    python tools/compare.py configs/synthetic_deeplabv3_ce.yaml configs/my_setup_ce.yaml ...
 
-Each config is one method (its ``loss``). Runs go to ``OUT/runs/<config name>_seed<s>`` and are
+Each (config, method) is one row of the table. Runs go to ``OUT/runs/<config name>_seed<s>`` and are
 reused when their ``test_metrics.json`` exists, so an interrupted comparison continues where it
 stopped (only if the saved config matches). A finished run keeps ``checkpoint_best.pt`` only
 (``--checkpoints all`` keeps ``checkpoint_last.pt`` too, ``none`` neither). Segmentation
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,8 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cals_seg import plotting  # noqa: E402
+from cals_seg.cli import add_set_argument  # noqa: E402
 from cals_seg.config import Config, ConfigError, config_to_dict, load_config  # noqa: E402
-from cals_seg.tasks import SEGMENTATION_DATASETS, build_segmentation_datasets  # noqa: E402
+from cals_seg.precision import resolve_amp  # noqa: E402
+from cals_seg.rundir import RunDir  # noqa: E402
+from cals_seg.tasks import build_task, task_family  # noqa: E402
+from cals_seg.trainer import resolve_device  # noqa: E402
 
 # (key in test_metrics, column title, lower is better, shown in percent)
 COLUMNS = [
@@ -65,28 +71,46 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _resolved_precision(run: RunDir) -> str | None:
+    """The precision a run used (``none``/``bf16``/``fp16``), from its files; None if unknown."""
+    if run.test_metrics.is_file():
+        return json.loads(run.test_metrics.read_text()).get("precision")
+    history = run.history()
+    return history[-1].get("precision") if history else None
+
+
 def config_differences(run_dir: Path, expected: Config) -> list[str]:
-    """Dotted keys whose value in ``run_dir/config.yaml`` differs from ``expected``."""
+    """Dotted keys whose value in ``run_dir/config.yaml`` differs from ``expected``, and
+    ``train.amp (resolved)`` when ``amp: auto`` resolved to another precision there (another
+    CPU or GPU) than it does here."""
     saved = _flatten(config_to_dict(load_config(run_dir / "config.yaml")))
     wanted = _flatten(config_to_dict(expected))
     keys = (saved.keys() | wanted.keys()) - _IGNORED_KEYS
-    return sorted(k for k in keys if saved.get(k) != wanted.get(k))
+    differ = sorted(k for k in keys if saved.get(k) != wanted.get(k))
+    there = _resolved_precision(RunDir(run_dir))
+    here = resolve_amp(expected.train.amp, resolve_device(expected.train.device), warn=False)
+    if there is not None and there != here:
+        differ.append(f"train.amp (resolved: {there} there, {here} here)")
+    return differ
 
 
 def run_one(
-    config: Path, seed: int, out: Path, sets: list[str], checkpoints: str = "best"
+    config: Path, method: str | None, seed: int, out: Path, sets: list[str],
+    checkpoints: str = "best",
 ) -> tuple[Path, str | None]:
-    """Train one (config, seed) run unless it has finished already; return (run dir, error).
+    """Train one (config, method, seed) run unless it has finished already; return
+    (run dir, error).
 
     A run directory left by an earlier call is reused (finished) or resumed (interrupted) only
-    if it was trained with the same config; otherwise the run is reported as failed with the
-    keys that differ, and nothing is overwritten."""
-    cfg = load_config(config, sets)
+    if it was trained with the same config, in the same resolved precision; otherwise the run is
+    reported as failed with the keys that differ, and nothing is overwritten."""
+    cfg = load_config(config, sets, method)
     name = f"{cfg.name}_seed{seed}"
     run_dir = out / "runs" / name
     if (run_dir / "config.yaml").is_file():
         expected = load_config(
-            config, [*sets, f"name={name}", f"output_dir={out / 'runs'}", f"train.seed={seed}"]
+            config, [*sets, f"name={name}", f"output_dir={out / 'runs'}", f"train.seed={seed}"],
+            method,
         )
         differ = config_differences(run_dir, expected)
         if differ:
@@ -97,11 +121,12 @@ def run_one(
     if (run_dir / "test_metrics.json").is_file():
         print(f"reusing {run_dir}", flush=True)
         return run_dir, None
-    tool = "train_seg.py" if cfg.data.name in SEGMENTATION_DATASETS else "train_cls.py"
+    tool = "train_seg.py" if task_family(cfg) == "segmentation" else "train_cls.py"
     cmd = [
         sys.executable,
         str(ROOT / "tools" / tool),
         str(config),
+        *(["--method", method] if method else []),
         "--set",
         *sets,
         f"name={name}",
@@ -111,6 +136,8 @@ def run_one(
     ]
     if (run_dir / "checkpoint_last.pt").is_file():  # interrupted: continue it
         cmd += ["--resume", str(run_dir)]
+    elif run_dir.exists():  # stopped (with a matching config) before its first checkpoint
+        shutil.rmtree(run_dir)
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -205,7 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("configs", nargs="+", type=Path, help="one config per method")
+    parser.add_argument(
+        "configs", nargs="+", type=Path,
+        help="configs, one per method (configs/<setup>_<method>.yaml), or setup files with "
+        "--methods",
+    )
+    parser.add_argument(
+        "--methods", nargs="+", default=None,
+        help="methods of each setup file given (default: the methods the config names)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at the same time")
@@ -216,49 +251,39 @@ def main(argv: list[str] | None = None) -> int:
         help="checkpoints kept once a run has finished (default: best, for tools/eval_seg.py; "
         "DeepLabV3-ResNet18 with its optimizer state is about 160 MB per file)",
     )
-    parser.add_argument(
-        "--set",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="overrides applied to every run (e.g. train.epochs=20)",
-    )
+    add_set_argument(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
     first_run: dict[str, Path] = {}
     score_name = "mIoU"
-    jobs = []  # (method, config, seed) in table order
-    for config in args.configs:
-        try:
-            cfg = load_config(config, args.set)
-        except ConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        method = cfg.loss.name if cfg.loss.name not in rows else cfg.name
-        rows.setdefault(method, {"summaries": [], "failed": []})
-        jobs += [(method, config, seed) for seed in args.seeds]
-    # Build each dataset once here (the embedded ones are generated on first use), so that
-    # parallel runs never race to write the same files.
+    jobs = []  # (row name, config, method, seed) in table order
     prepared = set()
-    for _, config, _ in jobs:
-        cfg = load_config(config, args.set)
-        if (cfg.data.name, cfg.data.root) not in prepared:
-            prepared.add((cfg.data.name, cfg.data.root))
-            if cfg.data.name in SEGMENTATION_DATASETS:
-                build_segmentation_datasets(cfg)
-            else:
-                from cals_seg.tasks_classification import build_classification_task
-
-                build_classification_task(cfg)
+    for config in args.configs:
+        for method in args.methods or [None]:
+            try:
+                cfg = load_config(config, args.set, method)
+                # Build each dataset once here (the embedded ones are generated on first
+                # use), so that parallel runs never race to write the same files.
+                if (cfg.data.name, cfg.data.root) not in prepared:
+                    prepared.add((cfg.data.name, cfg.data.root))
+                    build_task(cfg)
+            except (ConfigError, ValueError, FileNotFoundError) as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            row = cfg.loss.name if cfg.loss.name not in rows else cfg.name
+            rows.setdefault(row, {"summaries": [], "failed": []})
+            jobs += [(row, config, method, seed) for seed in args.seeds]
     # Runs are independent processes: with --jobs N they share the CPU cores (give each run
     # fewer threads with --set train.threads=...).
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(
-            pool.map(lambda j: run_one(j[1], j[2], args.out, args.set, args.checkpoints), jobs)
+            pool.map(
+                lambda j: run_one(j[1], j[2], j[3], args.out, args.set, args.checkpoints), jobs
+            )
         )
-    for (method, _, seed), (run_dir, error) in zip(jobs, results, strict=True):
+    for (method, _, _, seed), (run_dir, error) in zip(jobs, results, strict=True):
         row = rows[method]
         if error is not None:
             print(f"FAILED {method} seed {seed}: {error}", file=sys.stderr)
@@ -285,14 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     for method, run_dir in first_run.items():
         metrics = json.loads((run_dir / "test_metrics.json").read_text())
         grid.append((method, metrics["pre_ts"]["reliability"]))
-        history = [json.loads(x) for x in (run_dir / "history.jsonl").read_text().splitlines()]
-        cfg = load_config(run_dir / "config.yaml")
-        names = None
-        if cfg.data.name in SEGMENTATION_DATASETS:
-            from cals_seg.tasks import segmentation_class_names
-
-            names = segmentation_class_names(cfg)
-        plotting.plot_multiplier_curves(history, args.out / f"lambda_curves_{method}.png", names)
+        plotting.plot_multiplier_curves(
+            RunDir(run_dir).history(), args.out / f"lambda_curves_{method}.png",
+            metrics.get("class_names"),
+        )
     if grid:
         plotting.plot_reliability_grid(grid, args.out / "reliability_grid.png")
     print(

@@ -12,7 +12,7 @@ and DIR/maps/<id>.png (image, ground truth, prediction, confidence, errors, conf
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import sys
 from pathlib import Path
 
@@ -22,14 +22,23 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from cals_seg import plotting  # noqa: E402
-from cals_seg.cli import USER_ERRORS, launch, report  # noqa: E402
+from cals_seg.cli import USER_ERRORS, add_method_argument, add_set_argument, launch, report  # noqa: E402
 from cals_seg.config import load_config  # noqa: E402
 from cals_seg.data.transforms import eval_transform  # noqa: E402
 from cals_seg.data.voc import voc_palette  # noqa: E402
 from cals_seg.distributed import is_main_process  # noqa: E402
-from cals_seg.engine import load_checkpoint  # noqa: E402
-from cals_seg.tasks import build_segmentation_task  # noqa: E402
-from cals_seg.trainer import Task, _json_safe, _read_history, calibrated_test, resolve_device  # noqa: E402
+from cals_seg.engine import make_loader  # noqa: E402
+from cals_seg.precision import resolve_amp  # noqa: E402
+from cals_seg.rundir import RunDir, load_checkpoint, write_json  # noqa: E402
+from cals_seg.tasks import build_task  # noqa: E402
+from cals_seg.trainer import calibrated_test, resolve_device  # noqa: E402
+
+
+def _count(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return n
 
 
 @torch.no_grad()
@@ -46,7 +55,7 @@ def calibration_maps(
     """One six-panel PNG per image id, at the image's own resolution (no resizing)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.eval()
-    to_tensor = eval_transform(None)
+    to_tensor = eval_transform(None, ignore_index=ignore_index)
     written = []
     for sample_id in ids:
         image, mask = dataset.load_image(sample_id), dataset.load_mask(sample_id)
@@ -81,15 +90,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output folder (default: <run>/eval_<split>)")
     parser.add_argument(
         "--num-maps",
-        type=int,
+        type=_count,
         default=None,
         help="calibration maps for the first N images (default: eval.num_maps)",
     )
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    add_method_argument(parser)
+    add_set_argument(parser)
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set)
-        task = build_segmentation_task(cfg)
+        cfg = load_config(args.config, args.set, args.method)
+        task = build_task(cfg, "segmentation")
         ckpt = load_checkpoint(args.checkpoint)
         if ckpt.get("num_classes") != task.num_classes:
             raise ValueError(
@@ -98,33 +108,32 @@ def main(argv: list[str] | None = None) -> int:
                 f"{task.num_classes}; use the config the run was trained with."
             )
         task.model.load_state_dict(ckpt["model"])
+        device = resolve_device(cfg.train.device)
+        amp = resolve_amp(cfg.train.amp, device)
     except USER_ERRORS as err:
         return report(err)
-    device = resolve_device(cfg.train.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     model = task.model.to(device)
     split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
-    if args.split == "train":  # evaluate the training images without augmentation
+    if args.split == "train":  # the training images without augmentation (a copy, not the task's)
+        split_set = copy.copy(split_set)
         split_set.transform = task.val_set.transform
-    eval_task = Task(
-        task.train_set,
-        task.val_set,
-        split_set,
-        model,
-        task.num_classes,
-        task.ignore_index,
-        task.class_names,
+    e, workers = cfg.eval, cfg.data.num_workers
+    result = calibrated_test(
+        model, task, make_loader(task.val_set, e.batch_size, False, workers),
+        make_loader(split_set, e.batch_size, False, workers), device, amp, e.n_bins,
+        e.temperature_scaling, cfg.train.progress,
     )
-    result = calibrated_test(model, eval_task, cfg, device, progress=cfg.train.progress)
-    result.update(checkpoint=str(args.checkpoint), epoch=ckpt.get("epoch"), split=args.split)
+    result.update(checkpoint=str(args.checkpoint), epoch=ckpt.get("epoch"), split=args.split,
+                  precision=amp)
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
-    run_dir = Path(args.checkpoint).resolve().parent
-    out = Path(args.out) if args.out else run_dir / f"eval_{args.split}"
+    run = RunDir(Path(args.checkpoint).resolve().parent)
+    out = Path(args.out) if args.out else run.path / f"eval_{args.split}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(_json_safe(result), indent=1))
+    write_json(out / "metrics.json", result)
     for key in ("pre_ts", "post_ts"):
         if result.get(key):
             title = f"{cfg.name} {args.split}, {key.replace('_', '-')}"
@@ -136,9 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 title=title,
                 ece=result[key]["ece"],
             )
-    plotting.plot_multiplier_curves(
-        _read_history(run_dir / "history.jsonl"), out / "lambda_curves.png", task.class_names
-    )
+    plotting.plot_multiplier_curves(run.history(), out / "lambda_curves.png", task.class_names)
     num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
     maps = calibration_maps(
         model,

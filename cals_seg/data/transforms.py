@@ -53,17 +53,22 @@ def train_transform(
     crop_size: int,
     scale_range: tuple[float, float] = (0.5, 2.0),
     hflip: bool = True,
-    color_jitter: bool = True,
+    color_jitter: float = 0.2,
+    ignore_index: int = VOID_LABEL,
 ) -> SegmentationTransform:
-    """Training augmentation: random scale, pad, random crop, flip, light colour jitter.
+    """Training augmentation: random scale, pad, random crop, flip, colour jitter.
 
-    The image is padded with 0 and the mask with 255 (void), so padding never counts as a class.
+    The image is padded with 0 and the mask with ``ignore_index`` (void), so padding never
+    counts as a class.
 
     Args:
         crop_size: side of the square output crop.
         scale_range: range of the random scale factor (one factor for both sides).
         hflip: random horizontal flip with probability 0.5.
-        color_jitter: light brightness/contrast/saturation/hue jitter with probability 0.5.
+        color_jitter: brightness/contrast/saturation jitter strength (hue: a tenth of it),
+            applied with probability 0.5; 0 switches it off. The same meaning as
+            ``data.color_jitter`` for classification.
+        ignore_index: the mask value of padded pixels.
 
     Returns:
         A pipeline producing ``image (3, crop_size, crop_size)`` and
@@ -82,13 +87,17 @@ def train_transform(
                                    mask_interpolation=cv2.INTER_NEAREST, p=1.0))
     steps += [
         A.PadIfNeeded(min_height=crop_size, min_width=crop_size, border_mode=cv2.BORDER_CONSTANT,
-                      fill=0, fill_mask=VOID_LABEL),
+                      fill=0, fill_mask=ignore_index),
         A.RandomCrop(height=crop_size, width=crop_size),
     ]
     if hflip:
         steps.append(A.HorizontalFlip(p=0.5))
-    if color_jitter:
-        steps.append(A.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.02, p=0.5))
+    if color_jitter < 0:
+        raise ValueError(f"Expected `color_jitter` to be a strength >= 0, but got {color_jitter}.")
+    if color_jitter > 0:
+        s = float(color_jitter)
+        steps.append(A.ColorJitter(brightness=s, contrast=s, saturation=s, hue=min(s / 10, 0.5),
+                                   p=0.5))
     return SegmentationTransform(steps + _normalise_and_tensor())
 
 
@@ -103,17 +112,21 @@ def _shrink_longest_side(array: np.ndarray, max_size: int, interpolation: int,
     return cv2.resize(array, size, interpolation=interpolation)
 
 
-def eval_transform(size: int | None, upscale: bool = False) -> SegmentationTransform:
+def eval_transform(
+    size: int | None, upscale: bool = False, ignore_index: int = VOID_LABEL
+) -> SegmentationTransform:
     """Deterministic evaluation pipeline giving every image the same ``(size, size)`` shape.
 
     Images whose longest side exceeds ``size`` are shrunk to it (bilinear image, nearest mask);
-    then image and mask are padded at the bottom/right to ``size x size`` with 0 and 255 (void), so
+    then image and mask are padded at the bottom/right to ``size x size`` with 0 and
+    ``ignore_index`` (void), so
     the padding is excluded from every metric and ``out[:h, :w]`` recovers the resized image.
 
     Args:
         size: output side, or ``None`` for normalisation and conversion to tensors only.
         upscale: also enlarge images whose longest side is below ``size`` (default: pad only, so
             no label is duplicated by resizing).
+        ignore_index: the mask value of padded pixels.
 
     Returns:
         A pipeline producing ``image (3, size, size)`` and ``mask (size, size)``.
@@ -132,5 +145,5 @@ def eval_transform(size: int | None, upscale: bool = False) -> SegmentationTrans
             name="shrink_longest_side",
         )
     pad = A.PadIfNeeded(min_height=size, min_width=size, position="top_left",
-                        border_mode=cv2.BORDER_CONSTANT, fill=0, fill_mask=VOID_LABEL)
+                        border_mode=cv2.BORDER_CONSTANT, fill=0, fill_mask=ignore_index)
     return SegmentationTransform([resize, pad, *_normalise_and_tensor()])

@@ -1,0 +1,116 @@
+"""Evaluation: stream a model's logits into whatever consumes them.
+
+One pass of the model over a loader feeds a list of *consumers*: objects with
+``update(logits, target)`` (the meters, :class:`Scaled` groups of meters) or plain callables
+(``criterion.observe``). Which meters a task reports is the task's business
+(:meth:`cals_seg.tasks.Task.meters`); this module only moves logits::
+
+    pre = task.meters(n_bins=15)
+    post = task.meters(n_bins=15)
+    evaluate(model, test_loader, device, [*pre.values(), Scaled(T, post.values())])
+    metrics = compute(pre)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from .distributed import is_main_process
+from .precision import autocast_context
+
+
+class Meter(Protocol):
+    """What the evaluation feeds: ``update(logits (N, K, *S), target (N, *S))``."""
+
+    def update(self, logits: Tensor, target: Tensor) -> None: ...
+
+
+Consumer = Meter | Callable[[Tensor, Tensor], None]
+
+
+def unpack_batch(batch: Any) -> tuple[Tensor, Tensor]:
+    """``(inputs, target)`` from a dict (``image``/``mask`` or ``input``/``target``) or tuple."""
+    if isinstance(batch, dict):
+        if "image" in batch:
+            return batch["image"], batch["mask"]
+        return batch["input"], batch["target"]
+    return batch[0], batch[1]
+
+
+class Scaled:
+    """Consumers fed ``logits / temperature`` (the post-temperature-scaling view)."""
+
+    def __init__(self, temperature: float, consumers: Iterable[Consumer]) -> None:
+        if not temperature > 0:
+            raise ValueError(f"Expected a positive temperature, got {temperature}.")
+        self.temperature = float(temperature)
+        self.consumers = list(consumers)
+
+    def update(self, logits: Tensor, target: Tensor) -> None:
+        scaled = logits / self.temperature if self.temperature != 1.0 else logits
+        _feed(self.consumers, scaled, target)
+
+
+def _feed(consumers: Sequence[Consumer], logits: Tensor, target: Tensor) -> None:
+    for consumer in consumers:
+        update = getattr(consumer, "update", consumer)
+        update(logits, target)
+
+
+@torch.no_grad()
+def predict(
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    amp: str = "none",
+    progress: bool = False,
+    desc: str = "eval",
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Yield ``(logits (N, K, *S) float32, target (N, *S))`` per batch, model in eval mode.
+
+    ``amp`` is a resolved precision (``none``, ``bf16``, ``fp16``) for the forward pass only.
+    """
+    model.eval()
+    progress = progress and is_main_process()
+    for batch in tqdm(loader, desc=desc, leave=False, disable=not progress, dynamic_ncols=True):
+        inputs, target = unpack_batch(batch)
+        with autocast_context(device, amp):
+            logits = model(inputs.to(device, non_blocking=True))
+        yield logits.float(), target.to(device, non_blocking=True)
+
+
+def evaluate(
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    consumers: Sequence[Consumer],
+    amp: str = "none",
+    progress: bool = False,
+    desc: str = "eval",
+) -> None:
+    """One pass of ``model`` over ``loader``; every batch goes to every consumer."""
+    for logits, target in predict(model, loader, device, amp, progress, desc):
+        _feed(consumers, logits, target)
+
+
+def compute(meters: Mapping[str, Any]) -> dict[str, Any]:
+    """The merged ``compute()`` dicts of ``meters`` (all-reduced under torch.distributed)."""
+    out: dict[str, Any] = {}
+    for meter in meters.values():
+        out.update(meter.compute())
+    return out
+
+
+def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric entries of a metrics dict, keys prefixed (lists, dicts and None dropped)."""
+    return {
+        f"{prefix}{k}": v
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }

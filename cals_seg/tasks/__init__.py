@@ -1,0 +1,138 @@
+"""Tasks: what a config's ``data`` and ``model`` sections build, and which meters report on it.
+
+A :class:`Task` is the three splits, the model and the meters of one task family. Each family has
+one module here and registers its dataset builders by ``data.name``::
+
+    @register_dataset("voc", family="segmentation")
+    def voc(cfg: Config) -> SegmentationTask: ...
+
+:func:`build_task` looks the name up (a typo lists the valid names). The trainer only ever sees a
+``Task``; it never reads ``data`` or ``model`` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from ..config import Config
+from ..metrics import CalibrationMeter, SegmentationMeter
+from ..metrics.groups import ShotGroupMeter
+
+
+@dataclass
+class Task:
+    """Splits, model and display information of a run (a classification-like task: logits
+    ``(N, K)``, targets ``(N,)``). Subclasses add the meters of their family."""
+
+    train_set: Dataset
+    val_set: Dataset
+    test_set: Dataset
+    model: nn.Module
+    num_classes: int
+    ignore_index: int
+    class_names: list[str] = field(default_factory=list)
+
+    family = "classification"
+    score_metric = "acc"  # the headline metric of the family, printed and compared
+
+    def meters(self, n_bins: int = 15, test: bool = False) -> dict[str, nn.Module]:
+        """Fresh meters for one evaluation pass (``test``: the full set, e.g. class-wise ECE)."""
+        return {
+            "calibration": CalibrationMeter(
+                self.num_classes, n_bins, self.ignore_index, classwise=test
+            )
+        }
+
+
+@dataclass
+class SegmentationTask(Task):
+    """Logits ``(N, K, H, W)``, masks ``(N, H, W)``: calibration and segmentation meters."""
+
+    family = "segmentation"
+    score_metric = "miou"
+
+    def meters(self, n_bins: int = 15, test: bool = False) -> dict[str, nn.Module]:
+        out = super().meters(n_bins, test)
+        out["segmentation"] = SegmentationMeter(self.num_classes, self.ignore_index)
+        return out
+
+
+@dataclass
+class ClassificationTask(Task):
+    """Image or text classification; the test pass adds the many / medium / few-shot view."""
+
+    def meters(self, n_bins: int = 15, test: bool = False) -> dict[str, nn.Module]:
+        out = super().meters(n_bins, test)
+        if test:
+            counts = self.train_set.class_counts()
+            out["groups"] = ShotGroupMeter(counts, n_bins, self.ignore_index)
+        return out
+
+
+Builder = Callable[[Config], Task]
+DATASETS: dict[str, tuple[str, Builder]] = {}  # data.name -> (family, builder)
+
+
+def register_dataset(name: str, family: str) -> Callable[[Builder], Builder]:
+    """Decorator: make ``builder(cfg) -> Task`` the one for ``data.name == name``."""
+
+    def add(builder: Builder) -> Builder:
+        if name in DATASETS:
+            raise ValueError(f"data.name {name!r} is registered twice.")
+        DATASETS[name] = (family, builder)
+        return builder
+
+    return add
+
+
+def dataset_names(family: str | None = None) -> list[str]:
+    """Registered ``data.name`` values (of one family, or all)."""
+    return [n for n, (f, _) in DATASETS.items() if family is None or f == family]
+
+
+def task_family(cfg: Config) -> str:
+    """``segmentation`` or ``classification`` (images and text) for ``cfg.data.name``."""
+    if cfg.data.name not in DATASETS:
+        raise ValueError(
+            f"data.name: unknown dataset {cfg.data.name!r}; valid names are {dataset_names()}."
+        )
+    return DATASETS[cfg.data.name][0]
+
+
+def build_task(cfg: Config, family: str | None = None) -> Task:
+    """The task of ``cfg`` (``family``: also check that it is one, naming the right tool)."""
+    found = task_family(cfg)
+    if family is not None and found != family:
+        tool = "tools/train_seg.py" if found == "segmentation" else "tools/train_cls.py"
+        raise ValueError(
+            f"data.name={cfg.data.name!r} is a {found} dataset; train it with {tool}."
+        )
+    return DATASETS[cfg.data.name][1](cfg)
+
+
+def class_names_or_default(names: Any, num_classes: int) -> list[str]:
+    """``names[:K]`` when there are enough of them, else ``class 0 .. class K-1``."""
+    names = list(names or [])
+    return names[:num_classes] if len(names) >= num_classes else [
+        f"class {i}" for i in range(num_classes)
+    ]
+
+
+# The families register their datasets on import.
+from . import classification, segmentation, text  # noqa: E402, F401
+
+__all__ = [
+    "DATASETS",
+    "ClassificationTask",
+    "SegmentationTask",
+    "Task",
+    "build_task",
+    "dataset_names",
+    "register_dataset",
+    "task_family",
+]

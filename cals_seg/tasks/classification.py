@@ -1,0 +1,96 @@
+"""Image classification datasets and the timm model: ``data.name`` ``imagefolder``,
+``split_files``, ``tiny_imagenet``, ``imagenet``, ``imagenet_lt``, ``synthetic_cls``.
+
+Classification is the flattened special case of segmentation: the model maps a batch to logits
+``(N, K)``, the targets are ``(N,)``, and the same trainer, criterion and meters run on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..config import Config
+from ..data.classification import (
+    IMAGENET_LT_FILES,
+    ImageClassification,
+    classification_eval_transform,
+    classification_train_transform,
+    image_folder_splits,
+    imagenet_paper_split,
+    split_file_splits,
+    tiny_imagenet_paper_split,
+)
+from ..data.synthetic_cls import IMAGE_CLASSES, generate_synthetic_images
+from ..models.classification import build_classification_model
+from . import ClassificationTask, register_dataset
+
+
+def check_classification_config(cfg: Config, classes: Sequence[str]) -> None:
+    """No class label may be void, and the data must have ``data.num_classes`` classes."""
+    d = cfg.data
+    if d.ignore_index >= 0:
+        raise ValueError(
+            f"data.ignore_index={d.ignore_index} could be a class label; classification and text "
+            "configs use data.ignore_index: -100 (no sample is ignored)."
+        )
+    if len(classes) != d.num_classes:
+        raise ValueError(
+            f"data.num_classes={d.num_classes}, but {d.root} has {len(classes)} classes "
+            f"({list(classes)[:5]}...)."
+        )
+
+
+def image_task(cfg: Config, splits: dict[str, Any]) -> ClassificationTask:
+    """Datasets of ``splits`` (``{"train", "val", "test": [(path, label)], "classes": names}``)
+    with albumentations transforms, and the timm model."""
+    d, m = cfg.data, cfg.model
+    if m.arch != "timm":
+        raise ValueError(f"model.arch: image classification uses 'timm', got {m.arch!r}.")
+    classes = splits["classes"]
+    check_classification_config(cfg, classes)
+    train_tf = classification_train_transform(
+        d.image_size, tuple(d.crop_scale), d.color_jitter, d.random_erasing
+    )
+    eval_tf = classification_eval_transform(d.image_size, d.eval_size)
+    k = d.num_classes
+    sets = {
+        split: ImageClassification(splits[split], tf, k, classes)
+        for split, tf in (("train", train_tf), ("val", eval_tf), ("test", eval_tf))
+    }
+    model = build_classification_model(m.encoder_name, k, m.encoder_weights, **m.params)
+    return ClassificationTask(
+        sets["train"], sets["val"], sets["test"], model, k, d.ignore_index, list(classes)
+    )
+
+
+def _image_dataset(name: str, splits: Callable[[Config], dict[str, Any]]) -> None:
+    register_dataset(name, family="classification")(lambda cfg: image_task(cfg, splits(cfg)))
+
+
+def _synthetic_splits(cfg: Config) -> dict[str, Any]:
+    d = cfg.data
+    if d.num_classes != len(IMAGE_CLASSES):
+        raise ValueError(
+            f"data.num_classes: the synthetic image set has {len(IMAGE_CLASSES)} classes, "
+            f"but the config says {d.num_classes}."
+        )
+    try:
+        generate_synthetic_images(d.root, **d.synthetic)
+    except TypeError as err:
+        raise ValueError(f"data.synthetic: {err}") from None
+    return image_folder_splits(d.root)
+
+
+# root/{train,val,test}/<class>/*
+_image_dataset("imagefolder", lambda cfg: image_folder_splits(cfg.data.root))
+# `<path> <label>` list files named by data.split_files
+_image_dataset("split_files", lambda cfg: split_file_splits(
+    cfg.data.root, cfg.data.split_files, cfg.data.num_classes))
+_image_dataset("tiny_imagenet", lambda cfg: tiny_imagenet_paper_split(
+    cfg.data.root, cfg.data.val_per_class, cfg.data.split_seed))
+_image_dataset("imagenet", lambda cfg: imagenet_paper_split(
+    cfg.data.root, cfg.data.val_fraction, cfg.data.split_seed))
+_image_dataset("imagenet_lt", lambda cfg: split_file_splits(
+    cfg.data.root, {**IMAGENET_LT_FILES, **cfg.data.split_files}, cfg.data.num_classes))
+_image_dataset("synthetic_cls", _synthetic_splits)
