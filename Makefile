@@ -20,10 +20,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # The README "Results" table: eight methods x three seeds on the embedded dataset, two runs
-# side by side with one thread each (49 to 52 min on 2 CPU cores from a fresh clone, venv included).
+# side by side with one thread each (see README for the duration on each kind of CPU).
 METHODS := ce ls fl flsd ecp mbls cals_hr cals_alm
 compare: $(STAMP)
-	$(PY) tools/compare.py $(foreach m,$(METHODS),configs/synthetic_deeplabv3_$(m).yaml) \
+	$(PY) tools/compare.py configs/synthetic_deeplabv3.yaml --methods $(METHODS) \
 		--out runs/compare --seeds 0 1 2 --jobs 2 --set train.threads=1
 
 lint: $(STAMP)

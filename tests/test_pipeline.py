@@ -11,6 +11,7 @@ import torch
 from cals_seg import trainer as trainer_mod
 from cals_seg.config import ConfigError, load_config
 from cals_seg.engine import NonFiniteLossError, seed_everything, train_one_epoch
+from cals_seg.precision import resolve_amp
 from cals_seg.rundir import load_checkpoint
 from cals_seg.tasks import build_task
 from cals_seg.trainer import fit
@@ -50,15 +51,21 @@ def test_run_directory_has_every_artefact(straight):
     for name in ("config.yaml", "history.jsonl", "checkpoint_last.pt", "checkpoint_best.pt",
                  "test_metrics.json", "plots/reliability_pre_ts.png",
                  "plots/reliability_post_ts.png", "plots/lambda_curves.png",
-                 "plots/training_curves.png"):
+                 "plots/training_curves.png", "temperature.json"):
         assert (run / name).is_file() and (run / name).stat().st_size > 0, name
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [0, 1]
+    # the precision train.amp=auto resolved to on this CPU is recorded
+    used = resolve_amp("auto", torch.device("cpu"), warn=False)
+    assert cfg.train.amp == "auto" and {h["precision"] for h in history} == {used}
     for h in history:
         assert len(h["lambda"]) == len(h["rho"]) == 11
         assert {"train_loss", "train_ce", "train_penalty", "val_ece", "val_miou", "lr"} <= set(h)
     metrics = json.loads((run / "test_metrics.json").read_text())
     assert metrics["temperature"] > 0 and metrics["checkpoint"] == "checkpoint_best.pt"
+    assert metrics["precision"] == used
+    saved_t = json.loads((run / "temperature.json").read_text())["temperature"]
+    assert saved_t == metrics["temperature"]
     assert {"ece", "aece", "cwce", "miou", "ece_image_mean"} <= set(metrics["pre_ts"])
     # temperature scaling never changes the arg-max
     assert metrics["post_ts"]["acc"] == metrics["pre_ts"]["acc"]

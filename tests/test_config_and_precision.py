@@ -1,0 +1,186 @@
+"""Setup files with a methods table, --set groups, train.amp auto, and the run directory."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from cals_seg import precision
+from cals_seg.config import ConfigError, load_config
+from cals_seg.rundir import RunDir
+
+from .conftest import load_tool
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+SETUPS = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+
+
+# ----------------------------------------------------------------------------- setup files
+def test_every_setup_file_resolves_each_method_to_its_loss():
+    assert len(SETUPS) == 9
+    for setup in SETUPS:
+        raw = (CONFIGS / f"{setup}.yaml").read_text()
+        methods = load_config(CONFIGS / f"{setup}.yaml").name  # the default method
+        assert methods.startswith(setup + "_")
+        import yaml
+
+        table = yaml.safe_load(raw)["methods"]
+        for method, loss in table.items():
+            cfg = load_config(CONFIGS / f"{setup}_{method}.yaml")
+            assert cfg.name == f"{setup}_{method}"
+            assert cfg.loss.name == loss["name"] and cfg.loss.params == loss.get("params", {})
+            assert load_config(CONFIGS / f"{setup}.yaml", method=method) == cfg
+
+
+def test_documented_command_names_and_alias():
+    # the card's command: configs/voc_deeplabv3_cals.yaml (cals = cals_alm)
+    cfg = load_config(CONFIGS / "voc_deeplabv3_cals.yaml")
+    assert cfg.name == "voc_deeplabv3_cals_alm" and cfg.loss.name == "cals_alm"
+    assert cfg.loss.params["margin"] == 10.0
+    m5 = load_config(CONFIGS / "synthetic_cls_cals_alm_m5.yaml")
+    assert m5.loss.name == "cals_alm" and m5.loss.params["margin"] == 5.0
+    assert m5.name == "synthetic_cls_cals_alm_m5"
+
+
+def test_setup_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown method 'dice'; valid methods are \["):
+        load_config(CONFIGS / "synthetic_deeplabv3_dice.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(CONFIGS / "nowhere_ce.yaml")
+    with pytest.raises(ConfigError, match="names the method 'ce', but --method says 'ls'"):
+        load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml", method="ls")
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("data: {name: synthetic}\nloss: {name: ce}\n")
+    with pytest.raises(ConfigError, match="no `methods` table"):
+        load_config(plain, method="ce")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_config(empty)
+    both = tmp_path / "both.yaml"
+    both.write_text("methods: {ce: {name: ce}}\nmethod: ce\nloss: {name: ls}\n")
+    with pytest.raises(ConfigError, match="must not also set `loss`"):
+        load_config(both)
+
+
+def test_overrides_apply_after_the_method_in_order():
+    cfg = load_config(CONFIGS / "synthetic_deeplabv3_cals_alm.yaml",
+                      ["loss.params.margin=3", "train.epochs=4", "train.epochs=5"])
+    assert cfg.loss.params["margin"] == 3 and cfg.train.epochs == 5
+    assert cfg.loss.params["rho_init"] == 1.0  # the rest of the method's loss is kept
+
+
+@pytest.mark.parametrize("tool", ["train_seg", "train_cls", "eval_seg", "compare", "demo"])
+def test_repeated_set_groups_merge_in_order(tool, monkeypatch):
+    module = load_tool(tool)
+    seen = {}
+
+    def fake_parse(self, argv=None, namespace=None):
+        seen["args"] = real(self, argv, namespace)
+        raise SystemExit(0)
+
+    import argparse
+
+    real = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", fake_parse)
+    argv = {"eval_seg": ["c.yaml", "--checkpoint", "x.pt"],
+            "compare": ["c.yaml", "--out", "o"], "demo": []}.get(tool, ["c.yaml"])
+    with pytest.raises(SystemExit):
+        module.main([*argv, "--set", "data.name=voc", "data.root=X", "--set", "train.amp=none"])
+    assert seen["args"].set == ["data.name=voc", "data.root=X", "train.amp=none"]
+
+
+# ----------------------------------------------------------------------------- precision
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_resolves_by_the_native_bf16_probe(native, monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")
+    cpu = torch.device("cpu")
+    assert precision.cpu_has_native_bf16() is native
+    assert precision.resolve_amp("auto", cpu) == ("bf16" if native else "none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert precision.resolve_amp("bf16", cpu) == "bf16"  # asked for: kept, but warned
+    assert bool(caught) is not native
+    if caught:
+        assert "emulated" in str(caught[0].message) and "train.amp=auto" in str(caught[0].message)
+
+
+def test_avx2_kernels_mean_no_native_bf16(monkeypatch):
+    # oneDNN may report bf16 while ATen is capped at AVX2 (ATEN_CPU_CAPABILITY=avx2)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")
+    assert precision.resolve_amp("auto", torch.device("cpu")) == "none"
+
+
+def test_resolve_amp_errors_and_fp16_only_on_cuda():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+        precision.resolve_amp("fp16", cpu)
+    with pytest.raises(ValueError, match=r"train.amp: expected one of \['auto'"):
+        precision.resolve_amp("fp8", cpu)
+    assert precision.resolve_amp("none", cpu) == "none"
+    assert precision.resolve_amp("fp16", torch.device("cuda")) == "fp16"
+    with pytest.raises(ValueError, match="resolved precision"):
+        precision.autocast_context(cpu, "auto")
+
+
+def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch):
+    compare = load_tool("compare")
+    cfg = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
+                      [f"output_dir={tmp_path}", "name=r"])
+    from cals_seg.config import save_config
+
+    run = RunDir(tmp_path / "r")
+    run.path.mkdir()
+    save_config(cfg, run.config)
+    here = precision.resolve_amp("auto", torch.device("cpu"), warn=False)
+    there = "bf16" if here == "none" else "none"
+    run.test_metrics.write_text(json.dumps({"precision": here}))
+    assert compare.config_differences(run.path, cfg) == []
+    run.test_metrics.write_text(json.dumps({"precision": there}))
+    assert compare.config_differences(run.path, cfg) == [
+        f"train.amp (resolved: {there} there, {here} here)"
+    ]
+
+
+# ----------------------------------------------------------------------------- run directory
+def test_a_folder_holding_any_run_file_is_refused(tmp_path):
+    from cals_seg.trainer import _check_before_training
+
+    cfg = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml", [f"output_dir={tmp_path}"])
+    run = RunDir(cfg.run_dir)
+    _check_before_training(cfg, run, resume=False)  # nothing there yet
+    run.path.mkdir(parents=True)
+    _check_before_training(cfg, run, resume=False)  # an empty folder is fine
+    with pytest.raises(FileNotFoundError, match="no checkpoint_last.pt"):
+        _check_before_training(cfg, run, resume=True)
+    (run.path / "history.jsonl").write_text('{"epoch": 0}\n')
+    with pytest.raises(FileExistsError, match=r"history.jsonl.*--resume"):
+        _check_before_training(cfg, run, resume=False)
+    bad = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml", ["train.best_mode=maximize"])
+    with pytest.raises(ValueError, match="best_mode"):
+        _check_before_training(bad, RunDir(tmp_path / "other"), resume=False)
+
+
+def test_history_trim_and_best_repair(tmp_path):
+    from cals_seg.rundir import load_checkpoint, save_checkpoint
+
+    run = RunDir(tmp_path)
+    for epoch in range(3):
+        run.append_history({"epoch": epoch})
+    run.trim_history(2)
+    assert [h["epoch"] for h in run.history()] == [0, 1]
+    save_checkpoint({"model": {}, "epoch": 0}, run.best)
+    last = {"model": {}, "epoch": 1, "best_epoch": 1}  # died before the best file was written
+    run.repair_best(last)
+    assert load_checkpoint(run.best)["epoch"] == 1
+    run.repair_best({"model": {}, "epoch": 2, "best_epoch": 1})  # not improving: untouched
+    assert load_checkpoint(run.best)["epoch"] == 1
