@@ -36,7 +36,25 @@ _EXPORTS = {
     "TemperatureScaler": "cals_seg.temperature",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "__version__",
+    "LOSSES",
+    "build_loss",
+    "SegLoss",
+    "CrossEntropyLoss",
+    "LabelSmoothingLoss",
+    "FocalLoss",
+    "FocalLossSD",
+    "ConfidencePenaltyLoss",
+    "MbLSLoss",
+    "CALSHRLoss",
+    "CALSALMLoss",
+    "CalibrationMeter",
+    "SegmentationMeter",
+    "fit_temperature",
+    "nll_at_temperature",
+    "TemperatureScaler",
+]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects
     from cals_seg.losses import (

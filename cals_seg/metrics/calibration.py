@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
     NUM_FINE_CELLS,
     bin_index,
-    check_finite,
     check_ignore_index,
     check_int_arg,
     fine_cell,

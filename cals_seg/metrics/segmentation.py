@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
-    check_finite,
     check_ignore_index,
     check_int_arg,
     max_argmax,
