@@ -1,6 +1,6 @@
 """Shared math of the margin-based losses (MbLS, CALS-HR, CALS-ALM).
 
-Notation (DESIGN.md section 2): logits ``l (N, K, S)``, valid positions ``V``,
+Notation (docs/design.md, "The loss"): logits ``l (N, K, S)``, valid positions ``V``,
 
     d_ik = max_j l_ij - l_ik        (the max is NOT detached)
     z_ik = d_ik / m - 1              (normalised constraint, z <= 0 is satisfied)

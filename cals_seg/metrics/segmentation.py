@@ -1,4 +1,4 @@
-"""Streaming segmentation metrics from an int64 confusion matrix (DESIGN.md section 3).
+"""Streaming segmentation metrics from an int64 confusion matrix (docs/design.md, "Metrics").
 
 ``_confusion_update`` turns one batch into a ``(K, K)`` confusion matrix (rows = target,
 columns = prediction), ``_segmentation_compute`` turns the accumulated matrix into IoU and
