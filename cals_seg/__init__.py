@@ -1,3 +1,87 @@
-"""cals_seg: calibrated semantic segmentation with CALS-ALM (Class Adaptive Network Calibration)."""
+"""cals_seg: calibrated semantic segmentation with CALS-ALM (Class Adaptive Network Calibration).
+
+The public API, for use in any PyTorch training loop::
+
+    from cals_seg import build_loss, CalibrationMeter, SegmentationMeter, fit_temperature
+
+Names are imported on first access, so ``import cals_seg`` is cheap (it does not even import
+torch) and never pulls in the optional heavy dependencies of the tools (matplotlib,
+albumentations, segmentation-models-pytorch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> submodule that defines it
+_EXPORTS = {
+    "LOSSES": "cals_seg.losses",
+    "build_loss": "cals_seg.losses",
+    "SegLoss": "cals_seg.losses",
+    "CrossEntropyLoss": "cals_seg.losses",
+    "LabelSmoothingLoss": "cals_seg.losses",
+    "FocalLoss": "cals_seg.losses",
+    "FocalLossSD": "cals_seg.losses",
+    "ConfidencePenaltyLoss": "cals_seg.losses",
+    "MbLSLoss": "cals_seg.losses",
+    "CALSHRLoss": "cals_seg.losses",
+    "CALSALMLoss": "cals_seg.losses",
+    "CalibrationMeter": "cals_seg.metrics",
+    "SegmentationMeter": "cals_seg.metrics",
+    "fit_temperature": "cals_seg.temperature",
+    "nll_at_temperature": "cals_seg.temperature",
+    "TemperatureScaler": "cals_seg.temperature",
+}
+
+__all__ = [
+    "__version__",
+    "LOSSES",
+    "build_loss",
+    "SegLoss",
+    "CrossEntropyLoss",
+    "LabelSmoothingLoss",
+    "FocalLoss",
+    "FocalLossSD",
+    "ConfidencePenaltyLoss",
+    "MbLSLoss",
+    "CALSHRLoss",
+    "CALSALMLoss",
+    "CalibrationMeter",
+    "SegmentationMeter",
+    "fit_temperature",
+    "nll_at_temperature",
+    "TemperatureScaler",
+]
+
+if TYPE_CHECKING:  # static analysers and IDEs see the real objects
+    from cals_seg.losses import (
+        LOSSES,
+        CALSALMLoss,
+        CALSHRLoss,
+        ConfidencePenaltyLoss,
+        CrossEntropyLoss,
+        FocalLoss,
+        FocalLossSD,
+        LabelSmoothingLoss,
+        MbLSLoss,
+        SegLoss,
+        build_loss,
+    )
+    from cals_seg.metrics import CalibrationMeter, SegmentationMeter
+    from cals_seg.temperature import TemperatureScaler, fit_temperature, nll_at_temperature
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cals_seg' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

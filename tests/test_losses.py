@@ -128,7 +128,7 @@ def test_hand_computed_cals_alm_and_update():
 
 # ---------------------------------------------------------------- reference CALS-ALM
 def _reference_alm_loss(x, y, lam, rho, m, ignore=IGN):
-    """Loop-based float64 reference of DESIGN.md section 2 (PHR)."""
+    """Loop-based float64 reference of docs/design.md, "The loss" (PHR)."""
     xn, yn = x.detach().numpy(), y.numpy()
     n, k = xn.shape[:2]
     xf = xn.reshape(n, k, -1)

@@ -1,6 +1,6 @@
 """Tests for the streaming meters against independent loop / sort-based float64 references.
 
-The references below re-derive every metric from DESIGN.md section 3 with numpy in float64.
+The references below re-derive every metric from docs/design.md, "Metrics", with numpy in float64.
 Their only shared input with the meters is the probability tensor, ``torch.softmax`` of the
 float32 logits (the meters' documented definition of ``p``); binning, sums, the adaptive
 ECE's sort, NLL (float64 log-softmax of the logits) and IoU are recomputed from scratch.

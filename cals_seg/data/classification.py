@@ -4,7 +4,7 @@ Every reader returns a list of ``(path, label)`` samples (labels in ``[0, K)``) 
 names; :class:`ImageClassification` turns such a list into a dataset of
 ``(float32 image (3, h, w), int label)`` items through an albumentations pipeline.
 
-Layouts on disk (DESIGN.md section 6):
+Layouts on disk (docs/design.md, "Evaluation protocol"):
 
 - ImageFolder: ``root/<split>/<class>/<image>``; classes are the sorted folder names of the
   training split, and every split must have the same class folders.

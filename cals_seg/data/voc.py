@@ -1,6 +1,6 @@
 """PASCAL VOC 2012 semantic segmentation: layout, split files and a validating dataset.
 
-The on-disk layout is the unmodified VOC one (DESIGN.md section 6)::
+The on-disk layout is the unmodified VOC one (docs/design.md, "Evaluation protocol")::
 
     VOCdevkit/VOC2012/JPEGImages/<id>.jpg
     VOCdevkit/VOC2012/SegmentationClass/<id>.png      palette PNG, index = class, 255 = void

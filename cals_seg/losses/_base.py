@@ -1,13 +1,36 @@
-"""Machinery shared by every loss: input checks and the valid-position mask.
+"""Machinery shared by every loss: input checks, float32 computation, the valid-position mask.
 
 A reader who wants a loss formula can skip this file: it only enforces the common contract
-(logits ``(N, K, *S)``, targets ``(N, *S)``, means over valid positions only).
+(logits ``(N, K, *S)``, targets ``(N, *S)``, means over valid positions only, float32 whatever
+autocast context surrounds the call).
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from torch import Tensor, nn
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def autocast_off(device: torch.device) -> AbstractContextManager:
+    """A context that switches autocast off on ``device`` (a no-op where it has none).
+
+    Autocast would run the criterion's reductions in the autocast dtype; the losses, ``observe``
+    and the analytic backward compute in float32 instead, whatever context surrounds them.
+    """
+    try:
+        return torch.autocast(device_type=device.type, enabled=False)
+    except (RuntimeError, ValueError):  # a device type without autocast support
+        return nullcontext()
+
+
+def as_float32(logits: Tensor) -> Tensor:
+    """float16 / bfloat16 logits upcast to float32 (differentiable: the gradient comes back in
+    the logits' dtype); float32 and float64 unchanged."""
+    return logits.float() if logits.dtype in _HALF else logits
 
 
 class SegLoss(nn.Module):
@@ -36,15 +59,18 @@ class SegLoss(nn.Module):
         """Scalar loss.
 
         Shape:
-            logits: ``(N, K, *S)`` floating point, any number of spatial dims (zero included).
+            logits: ``(N, K, *S)`` floating point, any number of spatial dims (zero included);
+                float16 / bfloat16 are computed in float32 (the gradient has their dtype).
             target: ``(N, *S)`` integer class indices in ``[0, K)`` or ``ignore_index``.
+
+        Autocast is switched off inside: under ``torch.autocast`` the value and gradient are
+        the float32 ones.
         """
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # the criterion computes in float32 under autocast
-        logits3, target2, valid = check_and_flatten(
-            logits, target, self.num_classes, self.ignore_index
-        )
-        return self._forward(logits3, target2, valid)
+        with autocast_off(logits.device):
+            logits3, target2, valid = check_and_flatten(
+                as_float32(logits), target, self.num_classes, self.ignore_index
+            )
+            return self._forward(logits3, target2, valid)
 
     def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
         """Loss on flattened inputs: logits ``(N, K, S)``, target ``(N, S)``, valid ``(N, S)``."""

@@ -1,6 +1,6 @@
 """Shared math of the margin-based losses (MbLS, CALS-HR, CALS-ALM).
 
-Notation (DESIGN.md section 2): logits ``l (N, K, S)``, valid positions ``V``,
+Notation (docs/design.md, "The loss"): logits ``l (N, K, S)``, valid positions ``V``,
 
     d_ik = max_j l_ij - l_ik        (the max is NOT detached)
     z_ik = d_ik / m - 1              (normalised constraint, z <= 0 is satisfied)
@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
+
+from ._base import autocast_off
 
 ElementFn = Callable[[Tensor], Tensor]
 
@@ -77,42 +79,50 @@ def class_sums(
         mx = x.amax(dim=1, keepdim=True)
         if maxima is not None:
             maxima[im, :, pos] = mx
-        weight = valid[im, pos].to(x.dtype).unsqueeze(2)  # (n, s, 1)
+        void = ~valid[im, pos].unsqueeze(1)  # (n, 1, s)
         z = _constraint(x, mx, margin)
         for f, total in zip(fns, sums, strict=True):
             values = f(z.clone() if len(fns) > 1 else z)
-            # sum over valid positions as one GEMV per image: (n, K, s) @ (n, s, 1)
-            total += torch.bmm(values, weight).sum(dim=(0, 2), dtype=torch.float64)
+            # Sum over valid positions: zero the void ones in place, reduce the block's positions
+            # in the logits' dtype (a plain reduction, never TF32 or the autocast dtype, unlike
+            # a GEMV with the mask), and the blocks in float64.
+            values.masked_fill_(void, 0.0)
+            total += values.sum(dim=2).sum(dim=0, dtype=torch.float64)
     return sums
 
 
 class _ClassPenalty(torch.autograd.Function):
+    # Both passes run with autocast off: a backward called inside an autocast block (legal on
+    # CPU, where backward runs on the calling thread) computes in float32 as well.
     @staticmethod
     def forward(ctx, logits, valid, margin, value_fn, grad_fn):  # type: ignore[override]
-        n, _, s = logits.shape
-        maxima = torch.empty((n, 1, s), dtype=logits.dtype, device=logits.device)
-        (per_class,) = class_sums(logits, valid, margin, [value_fn], maxima=maxima)
-        denom = valid.sum().clamp(min=1) * logits.shape[1]
-        ctx.save_for_backward(logits, maxima, valid)
-        ctx.margin, ctx.grad_fn, ctx.denom = margin, grad_fn, denom
-        return (per_class.sum() / denom).to(logits.dtype)
+        with autocast_off(logits.device):
+            n, _, s = logits.shape
+            maxima = torch.empty((n, 1, s), dtype=logits.dtype, device=logits.device)
+            (per_class,) = class_sums(logits, valid, margin, [value_fn], maxima=maxima)
+            denom = valid.sum().clamp(min=1) * logits.shape[1]
+            ctx.save_for_backward(logits, maxima, valid)
+            ctx.margin, ctx.grad_fn, ctx.denom = margin, grad_fn, denom
+            return (per_class.sum() / denom).to(logits.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         logits, maxima, valid = ctx.saved_tensors
         m = ctx.margin
-        grad = torch.empty_like(logits)
-        # -g_ik = -f'(z_ik) * valid_i * grad_out / (|V| K m); the arg-max class gets sum_c g_ic.
-        scale = -grad_out / (ctx.denom * m)
-        for im, pos in blocks(logits):
-            x, mx, g = logits[im, :, pos], maxima[im, :, pos], grad[im, :, pos]
-            _constraint(x, mx, m, out=g)
-            g = ctx.grad_fn(g)  # in place: g holds f'(z)
-            g.mul_(valid[im, pos].unsqueeze(1).to(g.dtype) * scale)
-            is_max = (x == mx).to(g.dtype)
-            share = g.sum(dim=1, keepdim=True).div_(is_max.sum(dim=1, keepdim=True)).neg_()
-            g.addcmul_(is_max, share)
-            grad[im, :, pos] = g  # a no-op when grad_fn worked in place
+        with autocast_off(logits.device):
+            grad = torch.empty_like(logits)
+            # -g_ik = -f'(z_ik) * valid_i * grad_out / (|V| K m); the arg-max class gets
+            # sum_c g_ic.
+            scale = -grad_out / (ctx.denom * m)
+            for im, pos in blocks(logits):
+                x, mx, g = logits[im, :, pos], maxima[im, :, pos], grad[im, :, pos]
+                _constraint(x, mx, m, out=g)
+                g = ctx.grad_fn(g)  # in place: g holds f'(z)
+                g.mul_(valid[im, pos].unsqueeze(1).to(g.dtype) * scale)
+                is_max = (x == mx).to(g.dtype)
+                share = g.sum(dim=1, keepdim=True).div_(is_max.sum(dim=1, keepdim=True)).neg_()
+                g.addcmul_(is_max, share)
+                grad[im, :, pos] = g  # a no-op when grad_fn worked in place
         return grad, None, None, None, None
 
 
@@ -126,7 +136,7 @@ def class_penalty(
         valid: ``(N, S)`` bool, True where the target is not ``ignore_index``.
         margin: m > 0.
         value_fn: elementwise ``f(z)`` on a block ``z (n, K, s)``; may modify its argument in
-            place. Values at void positions must be finite (they are multiplied by 0).
+            place. Its values at void positions are discarded.
         grad_fn: elementwise ``f'(z)``; should work in place (it is handed a block of the
             gradient buffer holding ``z``).
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._validation import check_finite
 from ..distributed import all_reduce_sum_
-from ._base import SegLoss, check_and_flatten
+from ._base import SegLoss, as_float32, autocast_off, check_and_flatten
 from ._functional import ce_sum, class_penalty, class_sums
 from .penalties import Penalty, PenaltyFn, get_penalty
 
@@ -69,17 +70,26 @@ class _ClassAdaptiveLoss(SegLoss):
     def observe(self, logits: Tensor, target: Tensor) -> None:
         """Accumulate the validation statistics of one batch (no gradient, valid positions only).
 
+        Computes in float32 (sums in float64) whatever autocast context surrounds the call.
+
         Shape:
             logits: ``(N, K, *S)``; target: ``(N, *S)``.
+
+        Raises:
+            ValueError: bad shapes or labels (as the forward pass), or NaN / inf logits.
         """
-        logits3, _, valid = check_and_flatten(logits, target, self.num_classes, self.ignore_index)
-        if logits3.dtype in (torch.float16, torch.bfloat16):
-            logits3 = logits3.float()
-        fns = self._observed_functions(logits3)
-        for total, value in zip(self._sums(), class_sums(logits3, valid, self.margin, fns),
-                                strict=True):
-            total += value
-        self._count += valid.sum()
+        with autocast_off(logits.device):
+            logits3, _, valid = check_and_flatten(
+                as_float32(logits), target, self.num_classes, self.ignore_index
+            )
+            n, _, s = logits3.shape
+            maxima = torch.empty((n, 1, s), dtype=logits3.dtype, device=logits3.device)
+            fns = self._observed_functions(logits3)
+            sums = class_sums(logits3, valid, self.margin, fns, maxima=maxima)
+            check_finite(logits3, maxima)  # before anything is accumulated
+            for total, value in zip(self._sums(), sums, strict=True):
+                total += value
+            self._count += valid.sum()
 
     def _observed_functions(self, like: Tensor) -> list:
         """Elementwise functions of z whose per-class sums :meth:`observe` accumulates, in the

@@ -1,4 +1,6 @@
-"""Streaming evaluators whose state does not grow with the number of pixels (DESIGN.md section 3).
+"""Streaming evaluators whose state does not grow with the number of pixels.
+
+Definitions: docs/design.md, "Metrics".
 
 ``CalibrationMeter``: ECE, adaptive ECE, class-wise ECE, MCE, NLL, Brier, accuracy, per-image
 means and reliability-diagram data. ``SegmentationMeter``: confusion matrix, IoU, mIoU,

@@ -152,7 +152,7 @@ def max_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     dimension is vectorised along the positions, while ``max`` with indices is not. The first
     maximal index is recovered as ``K - max_k ([l_k == max] * (K - k))`` on uint8 (one uint8
     temporary of ``(N, K, P)`` bytes). NaN positions give the out-of-range index K, so call
-    ``check_finite`` before using the indices.
+    ``cals_seg._validation.check_finite`` before using the indices.
 
     Shape:
         - logits: ``(N, K, P)``; returns maxima ``(N, P)`` and int64 indices ``(N, P)``.
@@ -164,25 +164,6 @@ def max_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     weights = torch.arange(k, 0, -1, dtype=torch.uint8, device=logits.device).view(1, k, 1)
     hit = (logits == maxima.unsqueeze(1)).view(torch.uint8).mul_(weights)
     return maxima, hit.amax(dim=1).long().neg_().add_(k)
-
-
-def check_finite(logits: Tensor, maxima: Tensor) -> None:
-    """Raise ``ValueError`` if ``logits`` holds NaN or +-inf.
-
-    Cheap path: NaN and +inf show in the per-position maximum (already computed by the caller),
-    -inf in the per-position minimum, and any of them makes the sum of both non-finite; the
-    full count is only taken when that sum is not finite (it can also overflow on huge but
-    finite logits, which then pass).
-
-    Shape:
-        - logits: ``(N, K, P)``; maxima: ``(N, P)``.
-    """
-    if not bool(torch.isfinite(logits.amin(dim=1).add_(maxima).sum())):
-        bad = int((~torch.isfinite(logits)).sum())
-        if bad:
-            raise ValueError(
-                f"Expected `logits` to be finite, but got {bad} non-finite values (NaN or inf)."
-            )
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Streaming pixel-level calibration metrics (DESIGN.md section 3).
+"""Streaming pixel-level calibration metrics (docs/design.md, "Metrics").
 
 ``_calibration_update`` turns one batch into sufficient statistics (counts and sums),
 ``_calibration_compute`` turns accumulated statistics into metric values, and
@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
     NUM_FINE_CELLS,
     bin_index,
-    check_finite,
     check_ignore_index,
     check_int_arg,
     fine_cell,
@@ -243,10 +243,10 @@ def _calibration_compute(states: dict[str, Tensor], n_bins: int) -> dict[str, An
 class CalibrationMeter(nn.Module):
     """Pixel-level calibration metrics with O(K * n_bins + fine_bins) state, exact over DDP.
 
-    Definitions (DESIGN.md section 3), over the valid positions ``i`` (``y_i != ignore_index``),
-    ``m`` of them, with ``p = softmax(l)``, ``c_i = max_k p_ik``, ``a_i = [argmax_k l_ik == y_i]``
-    and ``n = n_bins`` equal-width bins ``(b/n, (b+1)/n]`` (0 in the first bin, 1.0 in the last;
-    a float32 confidence is binned by its exact value):
+    Definitions (docs/design.md, "Metrics"), over the valid positions ``i``
+    (``y_i != ignore_index``), ``m`` of them, with ``p = softmax(l)``, ``c_i = max_k p_ik``,
+    ``a_i = [argmax_k l_ik == y_i]`` and ``n = n_bins`` equal-width bins ``(b/n, (b+1)/n]``
+    (0 in the first bin, 1.0 in the last; a float32 confidence is binned by its exact value):
 
     - ``ece  = sum_b |B_b| / m * |acc(B_b) - conf(B_b)|``; ``mce = max_{b: B_b != {}}
       |acc(B_b) - conf(B_b)|``.

@@ -1,4 +1,4 @@
-"""Streaming segmentation metrics from an int64 confusion matrix (DESIGN.md section 3).
+"""Streaming segmentation metrics from an int64 confusion matrix (docs/design.md, "Metrics").
 
 ``_confusion_update`` turns one batch into a ``(K, K)`` confusion matrix (rows = target,
 columns = prediction), ``_segmentation_compute`` turns the accumulated matrix into IoU and
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
-    check_finite,
     check_ignore_index,
     check_int_arg,
     max_argmax,
