@@ -31,6 +31,8 @@ _EXPORTS = {
     "CALSALMLoss": "cals_seg.losses",
     "CalibrationMeter": "cals_seg.metrics",
     "SegmentationMeter": "cals_seg.metrics",
+    "ShotGroupMeter": "cals_seg.metrics",
+    "resolve_amp": "cals_seg.precision",
     "fit_temperature": "cals_seg.temperature",
     "nll_at_temperature": "cals_seg.temperature",
     "TemperatureScaler": "cals_seg.temperature",
@@ -51,6 +53,8 @@ __all__ = [
     "CALSALMLoss",
     "CalibrationMeter",
     "SegmentationMeter",
+    "ShotGroupMeter",
+    "resolve_amp",
     "fit_temperature",
     "nll_at_temperature",
     "TemperatureScaler",
@@ -70,7 +74,8 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
         SegLoss,
         build_loss,
     )
-    from cals_seg.metrics import CalibrationMeter, SegmentationMeter
+    from cals_seg.metrics import CalibrationMeter, SegmentationMeter, ShotGroupMeter
+    from cals_seg.precision import resolve_amp
     from cals_seg.temperature import TemperatureScaler, fit_temperature, nll_at_temperature
 
 

@@ -107,7 +107,7 @@ def _draw_reliability(ax, rel: dict[str, np.ndarray], fontsize: float) -> list:
 
 def plot_reliability_diagram(
     reliability: Mapping, path: PathLike, title: str = "", ece: float | None = None
-) -> None:
+) -> dict[str, float | None]:
     """Reliability diagram with the pixel-count histogram below it.
 
     Top: per-bin accuracy bars, the gap to the bin's mean confidence, and the diagonal.
@@ -152,6 +152,11 @@ def plot_reliability_diagram(
     bottom.set_ylabel("Pixels", fontsize=10)
     bottom.tick_params(labelsize=9)
     _save(fig, path)
+    return {
+        "ece": value,
+        "accuracy": float(acc) if full.any() else None,
+        "confidence": float(conf) if full.any() else None,
+    }
 
 
 def plot_reliability_grid(
@@ -388,7 +393,7 @@ def plot_calibration_map(
     ignore_index: int = 255,
     palette: np.ndarray | None = None,
     title: str = "",
-) -> None:
+) -> dict[str, float | None]:
     """Six panels for one image: where the model is wrong and how confident it is there.
 
     Panels: image; ground truth (palette colours, void white); prediction; confidence heat map
@@ -486,6 +491,11 @@ def plot_calibration_map(
     if title:
         fig.suptitle(title)
     _save(fig, path)
+    return {
+        "valid": n_valid,
+        "error_rate": float(wrong.sum() / n_valid) if n_valid else None,
+        "mean_confidence_on_errors": float(conf[wrong].mean()) if wrong.any() else None,
+    }
 
 
 # ----------------------------------------------------------------------------- comparisons

@@ -31,7 +31,7 @@ from cals_seg.metrics.groups import ShotGroupMeter, shot_groups
 from cals_seg.models.classification import WeightsUnavailableError, build_classification_model
 from cals_seg.tasks import build_task
 
-from .conftest import load_tool
+from .conftest import load_tool, recomputed_test_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)  # the machine is shared: 2 threads spin under contention
@@ -166,6 +166,13 @@ def test_transforms_and_timm_model():
     train = classification_train_transform(32, (0.5, 1.0), 0.4, random_erasing=0.5)
     assert train(image).shape == (3, 32, 32)
     assert classification_eval_transform(32, 36)(image).shape == (3, 32, 32)
+    # a constant image comes out as ((v / 255 - mean) / std) per channel, everywhere
+    flat = np.full((40, 50, 3), (30, 120, 250), dtype=np.uint8)
+    out = classification_eval_transform(32, 36)(flat)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet statistics
+    for c, v in enumerate((30, 120, 250)):
+        torch.testing.assert_close(out[c], torch.full((32, 32), (v / 255 - mean[c]) / std[c]),
+                                   rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="at least image_size"):
         classification_eval_transform(32, 16)
     model = build_classification_model("resnet18", num_classes=7)
@@ -273,6 +280,10 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
         assert (run / "plots" / "lambda_curves.png").is_file()
     test = json.loads((run / "test_metrics.json").read_text())
     assert test["best_metric"] == "acc"
+    acc, n = recomputed_test_accuracy(run)
+    assert test["pre_ts"]["acc"] == pytest.approx(acc, abs=1e-12)
+    assert test["post_ts"]["acc"] == pytest.approx(acc, abs=1e-12)  # T never changes the argmax
+    assert test["pre_ts"]["count"] == n
     counts = test["pre_ts"]["class_counts"]
     assert sorted(counts, reverse=True) == long_tail_counts(10, 120, 5)
     for key in ("pre_ts", "post_ts"):

@@ -70,5 +70,14 @@ def test_train_seg_under_torchrun(single_run):
     history = [json.loads(x) for x in (run / "history.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [0, 1]  # written once, by rank 0
     assert all(len(h["lambda"]) == 11 for h in history)
+    # the sharded evaluation saw every valid pixel exactly once (no padding duplicates)
+    task = build_task(load_config(run / "config.yaml"))
+
+    def valid_pixels(dataset) -> int:
+        return sum(int((dataset[i]["mask"] != 255).sum()) for i in range(len(dataset)))
+
+    assert {h["val_count"] for h in history} == {valid_pixels(task.val_set)}
+    test = json.loads((run / "test_metrics.json").read_text())
+    assert test["pre_ts"]["count"] == valid_pixels(task.test_set)
     assert (run / "test_metrics.json").is_file() and (run / "checkpoint_best.pt").is_file()
     assert out.stdout.count("run directory:") == 1  # only rank 0 reports

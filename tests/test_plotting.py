@@ -71,9 +71,20 @@ def test_voc_palette():
 
 
 def test_reliability_diagram_with_empty_bins(tmp_path):
+    rel = _reliability()
     path = tmp_path / "sub" / "rel.png"
-    plot_reliability_diagram(_reliability(), path, title="test", ece=0.05)
+    shown = plot_reliability_diagram(rel, path, title="test")
     _check_png(path)
+    # the numbers drawn on the figure, recomputed bin by bin
+    n = sum(rel["count"])
+    ece = sum(c * abs(a - f) for c, a, f in zip(rel["count"], rel["accuracy"],
+                                                rel["confidence"], strict=True)) / n
+    acc = sum(c * a for c, a in zip(rel["count"], rel["accuracy"], strict=True)) / n
+    conf = sum(c * f for c, f in zip(rel["count"], rel["confidence"], strict=True)) / n
+    assert shown["ece"] == pytest.approx(ece, rel=1e-12)
+    assert shown["accuracy"] == pytest.approx(acc, rel=1e-12)
+    assert shown["confidence"] == pytest.approx(conf, rel=1e-12)
+    assert plot_reliability_diagram(rel, path, ece=0.05)["ece"] == 0.05  # a given ECE wins
 
 
 def test_reliability_diagram_all_empty_and_rejects_bad_dicts(tmp_path):
@@ -149,9 +160,22 @@ def _map_inputs(h: int = 48, w: int = 64):
 
 def test_calibration_map(tmp_path):
     image, target, pred, conf = _map_inputs()
-    plot_calibration_map(image, target, pred, conf, tmp_path / "map.png", title="img 0")
+    shown = plot_calibration_map(image, target, pred, conf, tmp_path / "map.png", title="img 0")
     pixels = _check_png(tmp_path / "map.png")
     assert pixels.shape[1] > 3 * pixels.shape[0]  # six panels side by side
+    valid = wrong = 0
+    conf_sum = 0.0
+    for i in range(target.shape[0]):  # loop reference of the numbers shown in the titles
+        for j in range(target.shape[1]):
+            if target[i, j] == 255:
+                continue
+            valid += 1
+            if pred[i, j] != target[i, j]:
+                wrong += 1
+                conf_sum += conf[i, j]
+    assert shown["valid"] == valid == 45 * 64
+    assert shown["error_rate"] == pytest.approx(wrong / valid, rel=1e-12)
+    assert shown["mean_confidence_on_errors"] == pytest.approx(conf_sum / wrong, rel=1e-12)
     # Tensors, a custom palette, class names and another ignore_index are accepted.
     names = [f"c{i}" for i in range(21)]
     target_t = torch.from_numpy(np.where(target == 255, -1, target))

@@ -23,7 +23,7 @@ from cals_seg.metrics.groups import shot_groups
 from cals_seg.models.text import GlobalPoolingCNN
 from cals_seg.tasks import build_task
 
-from .conftest import load_tool
+from .conftest import load_tool, recomputed_test_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)  # the machine is shared: 2 threads spin under contention
@@ -186,7 +186,11 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
         assert all(len(h["lambda"]) == len(TEXT_GROUPS) for h in history)
     test = json.loads((run / "test_metrics.json").read_text())
     counts = test["pre_ts"]["class_counts"]
-    assert sum(counts) == 6 * 30 - 30  # validation posts come out of train
+    assert sum(counts) == 6 * 30 - 30
+    acc, n = recomputed_test_accuracy(run)
+    assert test["pre_ts"]["acc"] == pytest.approx(acc, abs=1e-12)
+    assert test["post_ts"]["acc"] == pytest.approx(acc, abs=1e-12)  # T never changes the argmax
+    assert test["pre_ts"]["count"] == n  # validation posts come out of train
     for key in ("pre_ts", "post_ts"):
         assert {"acc", "ece", "aece", "cwce", "nll"} <= set(test[key])
         groups = test[key]["groups"]
