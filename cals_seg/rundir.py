@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,23 @@ def write_json(path: str | Path, obj: Any) -> None:
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> None:
     """``torch.save`` atomically (see :func:`atomic_write`)."""
     atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def link_checkpoint(src: str | Path, dst: str | Path) -> None:
+    """Make ``dst`` an atomic copy of the checkpoint ``src`` without serialising it again: a
+    hard link (``src`` is later *replaced*, never rewritten in place, so the link keeps this
+    content), or a byte copy where the file system has no hard links."""
+    src, dst = Path(src), Path(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, dst)
+    _fsync_dir(dst.parent)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -37,6 +37,7 @@ from .losses import build_loss
 from .precision import precision_name, resolve_amp
 from .rundir import (
     RunDir,
+    link_checkpoint,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -333,7 +334,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             run.append_history(record)
             save_checkpoint(state, run.last)
             if improved:
-                save_checkpoint(state, run.best)
+                link_checkpoint(run.last, run.best)
             remaining = sum(durations) / len(durations) * (t.epochs - epoch - 1)
             print(_epoch_line(epoch, t.epochs, train_stats, val, t.best_metric, score,
                               multipliers.get("lambda"), improved, durations[-1], remaining),

@@ -184,3 +184,14 @@ def test_history_trim_and_best_repair(tmp_path):
     assert load_checkpoint(run.best)["epoch"] == 1
     run.repair_best({"model": {}, "epoch": 2, "best_epoch": 1})  # not improving: untouched
     assert load_checkpoint(run.best)["epoch"] == 1
+
+
+def test_best_checkpoint_link_survives_the_next_last(tmp_path):
+    from cals_seg.rundir import link_checkpoint, load_checkpoint, save_checkpoint
+
+    run = RunDir(tmp_path)
+    save_checkpoint({"model": {}, "epoch": 3}, run.last)
+    link_checkpoint(run.last, run.best)
+    save_checkpoint({"model": {}, "epoch": 4}, run.last)  # the next epoch replaces last
+    assert load_checkpoint(run.best)["epoch"] == 3 and load_checkpoint(run.last)["epoch"] == 4
+    assert not list(tmp_path.glob(".*.tmp"))
