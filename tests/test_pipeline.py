@@ -192,8 +192,8 @@ def test_train_seg_cli_reports_bad_config(tmp_path, capsys):
 
 
 def test_bf16_autocast_on_cpu_trains_and_fp16_is_refused():
-    from cals_seg.precision import autocast_context, resolve_amp
     from cals_seg.losses import build_loss
+    from cals_seg.precision import autocast_context, resolve_amp
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
