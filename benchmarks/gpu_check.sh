@@ -11,7 +11,7 @@
 #    and test_metrics.json (pre_ts.ece finite);
 # 3. bench_loss (8x21x512x512), bench_metrics (against torchmetrics), bench_train_step
 #    (DeepLabV3-ResNet50, 512x512, batch 8, amp auto -> bf16 and fp16), then the torch.compile
-#    variants (compiled loss rows last: the stage most likely to run long);
+#    work last (the compile run of 2., then bench_loss --compile: what most likely runs long);
 # and writes ONE markdown report, $OUT/gpu_check.md ($OUT unset: runs/gpu_check/gpu_check.md),
 # with the targets and the measured values, plus the raw output of every stage in
 # gpu_check.log beside it.
@@ -146,22 +146,26 @@ else
   EPOCHS=3
   stage synthetic_data 60 "$PY" tools/make_synthetic.py --root "$DATA"
   COMMON=()
-  RUNS=("fp16|train.amp=fp16" "bf16|train.amp=bf16"
-    "bf16_channels_last_compile|train.amp=bf16 train.channels_last=true train.compile=true")
+  RUNS=("fp16|train.amp=fp16" "bf16|train.amp=bf16")
+  # after the eager benchmarks: compilation is what most likely runs long
+  LATE_RUNS=("bf16_channels_last_compile|train.amp=bf16 train.channels_last=true train.compile=true")
 fi
 RUN_ROWS=$WORK/runs.md
 "$PY" benchmarks/gpu_check_report.py run-header >"$RUN_ROWS"
-for spec in "${RUNS[@]}"; do
-  label=${spec%%|*}
+train_run() {  # train_run "LABEL|KEY=VALUE ...": one run, its row in the run table
+  local spec=$1 label=${1%%|*} budget=75
+  local -a extra
   read -r -a extra <<<"${spec#*|}"
-  budget=75
-  case $label in *compile*) budget=150 ;; esac
+  case $label in *compile*) budget=130 ;; esac
   stage "run_$label" $budget "$PY" tools/train_seg.py "$CONFIG" --set train.epochs=$EPOCHS \
     train.progress=false "output_dir=$WORK/runs" "name=$label" "data.root=$DATA" \
     ${COMMON[@]+"${COMMON[@]}"} "${extra[@]}"
   "$PY" benchmarks/gpu_check_report.py run "$WORK/runs/$label" "$label (${spec#*|})" \
     $EPOCHS "$STATUS" "$SECONDS_TAKEN" >>"$RUN_ROWS" 2>>"$LOG" \
     || echo "| $label | $STATUS | report failed | | | | $SECONDS_TAKEN | FAIL |" >>"$RUN_ROWS"
+}
+for spec in "${RUNS[@]}"; do
+  train_run "$spec"
 done
 
 # ---------------------------------------------------------------------------- 3. benchmarks
@@ -188,6 +192,9 @@ for amp in "${STEP_AMPS[@]}"; do
   stage "bench_train_step_$amp" 60 "$PY" benchmarks/bench_train_step.py --device $DEV \
     --amp "$amp" "${STEP_ARGS[@]}"
   BENCH_OUTS+=("$WORK/bench_train_step_$amp.out")
+done
+for spec in ${LATE_RUNS[@]+"${LATE_RUNS[@]}"}; do
+  train_run "$spec"
 done
 stage bench_loss_compiled 100 "$PY" benchmarks/bench_loss.py --device $DEV "${COMPILE_ARGS[@]}"
 BENCH_OUTS+=("$WORK/bench_loss_compiled.out")
