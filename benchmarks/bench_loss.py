@@ -1,15 +1,21 @@
 """Forward+backward time and memory of every loss, as ratios to F.cross_entropy.
 
     python benchmarks/bench_loss.py [--shape 8 21 256 256] [--void 0.1] [--repeats 7]
-        [--threads 2] [--device cpu|cuda]
+        [--threads 2] [--device cpu|cuda] [--losses F.cross_entropy ce cals_alm] [--compile]
 
 Each loss runs on the same ``(N, K, H, W)`` logits with a fraction of void (255) pixels. Time is
 the fastest of ``--repeats`` forward+backward passes after one warm-up, the losses taking turns
 in every round; ``F.cross_entropy`` is measured in the same run. "saved" is what the autograd
 graph keeps for backward besides the logits (measured with saved-tensor hooks). Peak memory is
-measured in a fresh subprocess per loss: on CUDA with ``torch.cuda.max_memory_allocated``; on
-CPU (Linux) as the growth of the peak RSS (VmHWM, reset just before the pass) over the state
+measured per loss: on CUDA in this process with ``torch.cuda.max_memory_allocated`` (reset
+before each pass; the caching allocator does not affect it); on CPU (Linux) in a fresh
+subprocess as the growth of the peak RSS (VmHWM, reset just before the pass) over the state
 with logits and target allocated.
+
+``--compile`` also times ``torch.compile`` of ``F.cross_entropy`` and of CALS-ALM (rows marked
+"compiled"; a failed compilation is reported, not raised). The lines starting with ``TARGET``
+state the performance targets (CALS-ALM forward+backward at most 1.5x ``F.cross_entropy``;
+peak memory at most CE's plus one logits-sized tensor) with the measured value.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cals_seg.losses import LOSSES, build_loss  # noqa: E402
 
 NAMES = ["F.cross_entropy", *LOSSES]
+COMPILED = " (compiled)"
 
 
 def make_inputs(shape: list[int], void: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +48,12 @@ def make_inputs(shape: list[int], void: float, device: str) -> tuple[torch.Tenso
     return logits, target.to(device)
 
 
+COMPILE_BACKEND = "inductor"
+
+
 def make_fn(name: str, k: int):
+    if name.endswith(COMPILED):
+        return torch.compile(make_fn(name[: -len(COMPILED)], k), backend=COMPILE_BACKEND)
     if name == "F.cross_entropy":
         return lambda x, y: F.cross_entropy(x, y, ignore_index=255)
     loss = build_loss(name, k, ignore_index=255)
@@ -61,18 +73,22 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_all(names: list[str], logits, target, repeats: int, device: str) -> dict[str, float]:
+def time_all(names: list[str], logits, target, repeats: int, device: str,
+             fns: dict | None = None) -> dict[str, float]:
     """Fastest of ``repeats`` forward+backward passes per loss, the losses taking turns in each
-    round so that a change of machine load affects every loss alike."""
-    fns = {name: make_fn(name, logits.shape[1]) for name in names}
-    for fn in fns.values():  # warm-up
-        step(fn, logits, target)
+    round so that a change of machine load affects every loss alike. The functions are left in
+    ``fns`` when given (a compiled one is reused, not compiled again)."""
+    fns = {} if fns is None else fns
+    for name in names:
+        fns[name] = make_fn(name, logits.shape[1])
+    for name in names:  # warm-up (a compiled function compiles here)
+        step(fns[name], logits, target)
     best = dict.fromkeys(names, float("inf"))
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name in names:
             sync(device)
             t0 = time.perf_counter()
-            step(fn, logits, target)
+            step(fns[name], logits, target)
             sync(device)
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
@@ -97,12 +113,15 @@ def saved_for_backward(name: str, logits: torch.Tensor, target: torch.Tensor) ->
     return sum(seen.values()) / 2**20
 
 
-def peak_memory(name: str, args: argparse.Namespace) -> float:
-    """Peak extra memory (MiB) of one forward+backward, measured in this (fresh) process."""
-    logits, target = make_inputs(args.shape, args.void, args.device)
-    fn = make_fn(name, logits.shape[1])
+def peak_memory(name: str, args: argparse.Namespace, inputs=None, fn=None) -> float:
+    """Peak extra memory (MiB) of one forward+backward: on CUDA in this process (the peak
+    counter is reset first), on CPU in a fresh process (the peak RSS cannot be reset)."""
+    logits, target = inputs or make_inputs(args.shape, args.void, args.device)
+    fn = fn or make_fn(name, logits.shape[1])
     x = logits.detach().requires_grad_(True)
     if args.device.startswith("cuda"):
+        fn(x, target).backward()  # warm-up (a compiled fn compiles here), then measure
+        x.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -132,21 +151,39 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--losses", nargs="+", default=None, choices=NAMES, metavar="NAME",
+                   help=f"losses to measure (default: all of {NAMES})")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also time torch.compile(backend=BACKEND, default inductor) of "
+                   "F.cross_entropy and cals_alm ('eager': dynamo only, a cheap check)")
     p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compile:
+        global COMPILE_BACKEND
+        COMPILE_BACKEND = args.compile
 
     if args.memory_of:  # child process: one memory measurement
         print(json.dumps({"mib": peak_memory(args.memory_of, args)}))
         return
 
+    names = list(args.losses or NAMES)
+    for must in ("F.cross_entropy", "cals_alm"):  # the targets compare these two
+        if must not in names:
+            names.append(must)
+    names.sort(key=NAMES.index)
+    cuda = args.device.startswith("cuda")
     logits, target = make_inputs(args.shape, args.void, args.device)
     logits_mib = logits.numel() * logits.element_size() / 2**20
-    times = time_all(NAMES, logits, target, args.repeats, args.device)
-    saved = {name: saved_for_backward(name, logits, target) for name in NAMES}
+    fns: dict = {}
+    times = time_all(names, logits, target, args.repeats, args.device, fns)
+    saved = {name: saved_for_backward(name, logits, target) for name in names}
     mems = {}
-    for name in NAMES:
+    for name in names:
+        if cuda:
+            mems[name] = peak_memory(name, args, (logits, target), fns[name])
+            continue
         cmd = [
             sys.executable,
             __file__,
@@ -161,24 +198,59 @@ def main() -> None:
         ]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         mems[name] = json.loads(out.strip().splitlines()[-1])["mib"]
+    compiled_errors: dict[str, str] = {}
+    if args.compile:
+        for base in ("F.cross_entropy", "cals_alm"):
+            name = base + COMPILED
+            try:
+                times.update(time_all([name], logits, target, args.repeats, args.device, fns))
+                saved[name] = float("nan")
+                mems[name] = (peak_memory(name, args, (logits, target), fns[name]) if cuda
+                              else float("nan"))
+                names.append(name)
+            except Exception as err:  # noqa: BLE001 - reported, the eager rows stand
+                compiled_errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
 
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    dev = torch.cuda.get_device_name() if cuda else "CPU"
+    if args.compile:
+        print(f"# compiled rows: torch.compile(backend={args.compile!r})")
     print(
         f"# forward+backward on logits {tuple(args.shape)} float32, {args.void:.0%} void, "
         f"{dev}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     print(
         f"# logits tensor: {logits_mib:.0f} MiB; saved = kept for backward besides the logits; "
-        "peak = peak extra memory of one pass (fresh process)"
+        "peak = peak extra memory of one pass "
+        f"({'max_memory_allocated' if cuda else 'fresh process, VmHWM'})"
     )
     print("| loss | time (ms) | time / F.cross_entropy | saved (MiB) | peak (MiB) | peak / CE |")
     print("|---|---:|---:|---:|---:|---:|")
     ce_t, ce_m = times["F.cross_entropy"], mems["F.cross_entropy"]
-    for name in NAMES:
+    for name in names:
         print(
-            f"| {name} | {times[name] * 1e3:.1f} | {times[name] / ce_t:.2f}x | "
+            f"| {name} | {times[name] * 1e3:.2f} | {times[name] / ce_t:.2f}x | "
             f"{saved[name]:.0f} | {mems[name]:.0f} | {mems[name] / max(ce_m, 1e-9):.2f}x |"
         )
+    for name, err in compiled_errors.items():
+        print(f"# {name}: compilation failed: {err}")
+
+    def target_line(what: str, value: float, op: str, limit: float) -> None:
+        met = value <= limit if op == "<=" else value >= limit
+        print(f"TARGET | {what} | {value:.4g} | {op} {limit:g} | {'MET' if met else 'NOT MET'}")
+
+    target_line("loss: cals_alm fwd+bwd time / F.cross_entropy (eager)",
+                times["cals_alm"] / ce_t, "<=", 1.5)
+    if "cals_alm" + COMPILED in times and "F.cross_entropy" + COMPILED in times:
+        target_line("loss: cals_alm fwd+bwd time / F.cross_entropy (both torch.compile)",
+                    times["cals_alm" + COMPILED] / times["F.cross_entropy" + COMPILED], "<=", 1.5)
+    elif args.compile:
+        print("TARGET | loss: cals_alm fwd+bwd time / F.cross_entropy (both torch.compile) | "
+              "n/a | <= 1.5 | NOT MEASURED (compilation failed)")
+    # peak(cals_alm) <= peak(CE) + one logits tensor, i.e. (peak - peak_CE) / logits <= 1
+    target_line("loss: (cals_alm peak - F.cross_entropy peak) / logits size",
+                (mems["cals_alm"] - ce_m) / logits_mib, "<=", 1.0)
+    print(f"# peak memory: F.cross_entropy {ce_m:.1f} MiB, cals_alm {mems['cals_alm']:.1f} MiB, "
+          f"logits {logits_mib:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,14 @@
-"""Throughput and peak memory of the streaming meters against torchmetrics, on CPU.
+"""Throughput and peak memory of the streaming meters against torchmetrics, on CPU or CUDA.
 
     python benchmarks/bench_metrics.py [--pixels 1e7 1e8] [--batch 8 21 512 512] [--threads 1]
+        [--device cpu|cuda]
     python benchmarks/bench_metrics.py --quick
+
+``--device cuda``: the two batches live on the GPU, both sides run there, each timed region is
+closed by ``torch.cuda.synchronize()``, and peak memory is ``torch.cuda.max_memory_allocated``
+(reset after the batches exist, so "above setup" is what the metrics add); the pinned-malloc runs
+are skipped (they concern the CPU heap). A ``TARGET`` line per configuration states the target:
+our two meters together at least 5x torchmetrics' throughput at the same pixel count.
 
 Each configuration streams VOC-sized batches of 21-class logits (8 x 21 x 512 x 512 = 2.1e6
 pixels, 5% void) through update() until the pixel budget is reached, then calls compute():
@@ -58,7 +65,8 @@ def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def make_batches(shape: list[int], count: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(shape: list[int], count: int = 2,
+                 device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Logits informative on ~70% of the positions (so confidences spread over the bins)."""
     g = torch.Generator().manual_seed(0)
     n, k, h, w = shape
@@ -69,17 +77,18 @@ def make_batches(shape: list[int], count: int = 2) -> list[tuple[torch.Tensor, t
         boost = (torch.rand(n, h, w, generator=g) < 0.7).float() * 4.0
         logits.scatter_add_(1, target.unsqueeze(1), boost.unsqueeze(1))
         target.masked_fill_(torch.rand(n, h, w, generator=g) < 0.05, VOID)
-        out.append((logits, target))
+        out.append((logits.to(device), target.to(device)))
     return out
 
 
-def make_pair(config: str, k: int):
+def make_pair(config: str, k: int, device: str = "cpu"):
     """(update(logits, target), compute(), reset()) of one configuration."""
     if config.startswith("ours"):
         from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 
         cal = CalibrationMeter(k, n_bins=15, ignore_index=VOID, classwise=config.endswith("True"))
         seg = SegmentationMeter(k, ignore_index=VOID)
+        cal, seg = cal.to(device), seg.to(device)
 
         def update(x: torch.Tensor, y: torch.Tensor) -> None:
             cal.update(x, y)
@@ -90,6 +99,7 @@ def make_pair(config: str, k: int):
 
     ce = MulticlassCalibrationError(num_classes=k, n_bins=15, norm="l1", ignore_index=VOID)
     ji = MulticlassJaccardIndex(num_classes=k, ignore_index=VOID)
+    ce, ji = ce.to(device), ji.to(device)
 
     def update_tm(x: torch.Tensor, y: torch.Tensor) -> None:
         p = torch.softmax(x, dim=1)
@@ -99,22 +109,32 @@ def make_pair(config: str, k: int):
     return update_tm, lambda: (float(ce.compute()), float(ji.compute())), (ce, ji)
 
 
-def child(config: str, pixels: float, shape: list[int]) -> dict:
+def child(config: str, pixels: float, shape: list[int], device: str = "cpu") -> dict:
     """One configuration in this (fresh) process; returns timings and memory as a dict."""
-    batches = make_batches(shape)
+    cuda = device.startswith("cuda")
+    batches = make_batches(shape, device=device)
     per_batch = shape[0] * shape[2] * shape[3]
     steps = max(1, math.ceil(pixels / per_batch))
-    setup = _maxrss_mb()  # Python + torch + the two batches
-    update, compute, meters = make_pair(config, shape[1])
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        setup = torch.cuda.memory_allocated() / 2**20  # the two batches
+    else:
+        setup = _maxrss_mb()  # Python + torch + the two batches
+    update, compute, meters = make_pair(config, shape[1], device)
     update(*batches[0])  # warm-up (lazy initialisation, not timed), then start from empty states
     for m in meters:
         m.reset()
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(steps):
         update(*batches[i % len(batches)])
-    values = compute()
+    values = compute()  # returns Python floats: a device synchronisation
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    peak = _maxrss_mb()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _maxrss_mb()
     return {"config": config, "pixels": steps * per_batch, "seconds": seconds,
             "setup_mb": setup, "peak_mb": peak, "values": values}
 
@@ -127,9 +147,9 @@ def tm_estimate_gb(pixels: float, shape: list[int]) -> float:
 
 
 def run_child(config: str, pixels: float, shape: list[int], threads: int | None,
-              pinned: bool = False) -> dict:
+              pinned: bool = False, device: str = "cpu") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--pixels", str(pixels),
-           "--batch", *map(str, shape)]
+           "--batch", *map(str, shape), "--device", device]
     if threads:
         cmd += ["--threads", str(threads)]
     env = dict(os.environ)
@@ -165,19 +185,24 @@ def main() -> None:
                     help="skip the memory runs with glibc's mmap threshold pinned")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 2e6 and 8e6 pixels in batches of 4x21x256x256")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.child:
-        print(json.dumps(child(args.child, args.pixels[0], args.batch)))
+        print(json.dumps(child(args.child, args.pixels[0], args.batch, args.device)))
         return
     if args.quick:
         args.pixels, args.batch = [2e6, 8e6], [4, 21, 256, 256]
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        args.no_pinned = True  # the pinned-malloc runs concern the CPU heap
 
     have_tm = importlib.util.find_spec("torchmetrics") is not None
     print(f"torch {torch.__version__}, threads per child: {args.threads or torch.get_num_threads()}"
-          f", batch {'x'.join(map(str, args.batch))}, CPU")
+          f", batch {'x'.join(map(str, args.batch))}, "
+          f"{torch.cuda.get_device_name() if cuda else 'CPU'}")
     if not have_tm:
         print("torchmetrics is not installed (it is not a dependency of cals_seg): its column is "
               "skipped. `pip install torchmetrics==1.9.0` to compare.")
@@ -191,10 +216,10 @@ def main() -> None:
                         rows[pixels, config] = "skipped: torchmetrics not installed"
                         continue
                     gb = tm_estimate_gb(pixels, args.batch)
-                    if gb > TM_LIMIT_GB:
+                    if gb > TM_LIMIT_GB * (4 if cuda else 1):
                         rows[pixels, config] = f"skipped: would need ~{gb:.0f} GB (> {TM_LIMIT_GB})"
                         continue
-                r = run_child(config, pixels, args.batch, args.threads)
+                r = run_child(config, pixels, args.batch, args.threads, device=args.device)
                 print(f"  run {repeat + 1}: {config:14s} {r['pixels']:.3g} px: "
                       f"{r['seconds']:.2f} s, peak {r['peak_mb']:.0f} MB", flush=True)
                 best = rows.get((pixels, config))
@@ -206,8 +231,9 @@ def main() -> None:
                 print(f"  pinned malloc: {config:14s} {r['pixels']:.3g} px: "
                       f"peak {r['peak_mb']:.0f} MB", flush=True)
 
-    print("\n| pixels | configuration | time (s) | Mpx/s | time / torchmetrics | peak RSS (MB) "
-          "| above setup (MB) | peak RSS, pinned malloc (MB) |")
+    peak_name = "peak CUDA memory (MiB)" if cuda else "peak RSS (MB)"
+    print(f"\n| pixels | configuration | time (s) | Mpx/s | time / torchmetrics | {peak_name} "
+          "| above setup | peak RSS, pinned malloc (MB) |")
     print("|---|---|---|---|---|---|---|---|")
     for (pixels, config), r in rows.items():
         if isinstance(r, str):
@@ -233,6 +259,18 @@ def main() -> None:
                     line += (f"; {pb['peak_mb'] / pa['peak_mb']:.3f} "
                              f"({pa['peak_mb']:.0f} -> {pb['peak_mb']:.0f} MB)")
                 print(line)
+    for pixels in args.pixels:
+        tm = rows.get((pixels, "torchmetrics"))
+        for config in CONFIGS[:2]:
+            r = rows.get((pixels, config))
+            what = f"metrics {pixels:.0e} px: {config} throughput / torchmetrics"
+            if isinstance(r, dict) and isinstance(tm, dict):
+                speedup = tm["seconds"] / r["seconds"]
+                print(f"TARGET | {what} | {speedup:.4g} | >= 5 | "
+                      f"{'MET' if speedup >= 5 else 'NOT MET'}")
+            else:
+                why = tm if isinstance(tm, str) else "not measured"
+                print(f"TARGET | {what} | n/a | >= 5 | NOT MEASURED ({why})")
     lo = min(args.pixels)
     tm = rows.get((lo, "torchmetrics"))
     if isinstance(tm, dict):
