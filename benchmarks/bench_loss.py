@@ -51,12 +51,13 @@ def make_inputs(shape: list[int], void: float, device: str) -> tuple[torch.Tenso
 COMPILE_BACKEND = "inductor"
 
 
-def make_fn(name: str, k: int):
+def make_fn(name: str, k: int, device: torch.device | str = "cpu"):
+    """The loss ``name`` for K classes, its buffers (multipliers) on ``device``."""
     if name.endswith(COMPILED):
-        return torch.compile(make_fn(name[: -len(COMPILED)], k), backend=COMPILE_BACKEND)
+        return torch.compile(make_fn(name[: -len(COMPILED)], k, device), backend=COMPILE_BACKEND)
     if name == "F.cross_entropy":
         return lambda x, y: F.cross_entropy(x, y, ignore_index=255)
-    loss = build_loss(name, k, ignore_index=255)
+    loss = build_loss(name, k, ignore_index=255).to(device)
     if name == "cals_alm":  # multipliers as after some training, so the penalty is active
         loss.lambdas.fill_(0.5)
         loss.rhos.fill_(2.0)
@@ -80,7 +81,7 @@ def time_all(names: list[str], logits, target, repeats: int, device: str,
     ``fns`` when given (a compiled one is reused, not compiled again)."""
     fns = {} if fns is None else fns
     for name in names:
-        fns[name] = make_fn(name, logits.shape[1])
+        fns[name] = make_fn(name, logits.shape[1], logits.device)
     for name in names:  # warm-up (a compiled function compiles here)
         step(fns[name], logits, target)
     best = dict.fromkeys(names, float("inf"))
@@ -97,7 +98,7 @@ def time_all(names: list[str], logits, target, repeats: int, device: str,
 def saved_for_backward(name: str, logits: torch.Tensor, target: torch.Tensor) -> float:
     """MiB of distinct tensor storages the autograd graph keeps for backward, the input logits
     excluded (every loss needs them or something of their size)."""
-    fn = make_fn(name, logits.shape[1])
+    fn = make_fn(name, logits.shape[1], logits.device)
     x = logits.detach().requires_grad_(True)
     seen: dict[int, int] = {}
 
@@ -117,7 +118,7 @@ def peak_memory(name: str, args: argparse.Namespace, inputs=None, fn=None) -> fl
     """Peak extra memory (MiB) of one forward+backward: on CUDA in this process (the peak
     counter is reset first), on CPU in a fresh process (the peak RSS cannot be reset)."""
     logits, target = inputs or make_inputs(args.shape, args.void, args.device)
-    fn = fn or make_fn(name, logits.shape[1])
+    fn = fn or make_fn(name, logits.shape[1], logits.device)
     x = logits.detach().requires_grad_(True)
     if args.device.startswith("cuda"):
         fn(x, target).backward()  # warm-up (a compiled fn compiles here), then measure

@@ -16,6 +16,9 @@
 # with the targets and the measured values, plus the raw output of every stage in
 # gpu_check.log beside it.
 #
+# GPU_CHECK_SKIP="stage names ..." skips those stages (e.g. a rerun of the benchmarks only:
+# GPU_CHECK_SKIP="run_fp16 run_bf16 run_bf16_channels_last_compile bench_metrics").
+#
 # Every stage runs under `timeout`, limited both by its own budget and by what is left of the
 # global deadline (GPU_CHECK_DEADLINE seconds, default 450 = 7.5 min), and a failed or timed-out
 # stage is recorded and the next one runs.
@@ -61,6 +64,9 @@ stage() {
   echo "===== $name (limit ${limit}s, at $(elapsed)s): $*" >>"$LOG"
   if [ "$limit" -lt 5 ]; then
     STATUS="SKIPPED (time budget spent)"
+    : >"$WORK/$name.out"
+  elif [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]]; then
+    STATUS="SKIPPED (GPU_CHECK_SKIP)"
     : >"$WORK/$name.out"
   else
     timeout -k 10 "$limit" "$@" >"$WORK/$name.out" 2>&1

@@ -171,6 +171,7 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
         f"name=run_{method}", f"output_dir={tmp_path / 'runs'}", f"data.root={tmp_path / 'data'}",
         "data.synthetic={num_train: 30, num_test: 10}", "data.val_count=30", "train.epochs=2",
         "train.batch_size=16", "train.progress=false", "train.threads=1",
+        "train.amp=none",  # float32, like the per-sample recomputation below
     ]
     code = _train_cls().main([str(ROOT / "configs" / f"synthetic_text_{method}.yaml"),
                               "--set", *overrides])
