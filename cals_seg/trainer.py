@@ -33,7 +33,7 @@ from .distributed import (
     is_distributed,
     is_main_process,
 )
-from .engine import make_loader, seed_epoch, train_one_epoch
+from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from .evaluation import Scaled, compute, evaluate, predict, scalars
 from .losses import build_loss
 from .precision import precision_name, resolve_amp
@@ -155,11 +155,21 @@ def validate(
     """One validation pass feeding the task's meters and, for adaptive losses,
     ``criterion.observe`` (the statistics of the multiplier update)."""
     meters = {k: m.to(device) for k, m in task.meters(n_bins).items()}
-    consumers: list[Any] = list(meters.values())
+    consumers: list[Any] = [_check_outputs, *meters.values()]
     if hasattr(criterion, "observe"):
         consumers.append(criterion.observe)
     evaluate(model, loader, device, consumers, amp, progress, desc="val")
     return compute(meters)
+
+
+def _check_outputs(logits: torch.Tensor, target: torch.Tensor) -> None:
+    """A diverged training can leave finite weights whose outputs are not: stop with advice."""
+    if not bool(logits.isfinite().all()):
+        raise NonFiniteLossError(
+            "validation: the model's outputs are NaN or infinite after this epoch (the training "
+            "diverged); stopping. The last good checkpoint is left intact: lower the learning "
+            "rate (optim.lr), enable train.grad_clip, or check the labels."
+        )
 
 
 def calibrated_test(
@@ -284,12 +294,12 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    check_splits(task, t.batch_size, getattr(cfg.data, "eval_size", None))
+    check_best_metric(task, t.best_metric, cfg.eval.n_bins)
     workers = cfg.data.num_workers
     train_loader = make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed)
     val_loader = make_loader(task.val_set, cfg.eval.batch_size, False, workers)
     test_loader = make_loader(task.test_set, cfg.eval.batch_size, False, workers)
-    check_splits(task, t.batch_size, getattr(cfg.data, "eval_size", None))
-    check_best_metric(task, t.best_metric, cfg.eval.n_bins)
     if len(train_loader) == 0:
         raise ValueError(
             f"The training split has {len(task.train_set)} samples, fewer than "
