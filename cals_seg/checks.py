@@ -87,6 +87,12 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    a, b = _flat(old), _flat(new)
+    return sorted(k for k in b if k in a and a[k] != b[k])
+
+
 def check_resume(cfg: Config, saved: dict[str, Any], where: Any) -> list[str]:
     """The keys a resume changes; refuse any but :data:`RESUMABLE_KEYS`.
 
@@ -99,7 +105,7 @@ def check_resume(cfg: Config, saved: dict[str, Any], where: Any) -> list[str]:
         ConfigError: a key that a resume cannot change (the model, the loss, the data ...).
     """
     old, new = _flat(saved), _flat(config_to_dict(cfg))
-    changed = sorted(k for k in new if k in old and old[k] != new[k])
+    changed = changed_keys(saved, config_to_dict(cfg))
     refused = [k for k in changed if k not in RESUMABLE_KEYS]
     if refused:
         shown = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in refused)

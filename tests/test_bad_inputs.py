@@ -114,7 +114,7 @@ ERRORS = {
     "5-empty-yaml": ("train_seg", lambda t, f: [str(_write(t / "empty.yaml", ""))], r"is empty"),
     "6-truncated-checkpoint-on-resume": (
         "train_seg",
-        lambda t, f: [str(SETUP), "--resume", str(_truncated_run(f, "trunc_resume"))],
+        lambda t, f: _resume(_truncated_run(f, "trunc_resume")),
         r"checkpoint_last.pt cannot be read.*truncated"),
     "6-truncated-checkpoint-on-eval": (
         "eval_seg",
@@ -150,12 +150,16 @@ ERRORS = {
                          r"(loss is nan|NaN or infinite).*lower the learning rate \(optim.lr\)"),
     "own-resume-changes-the-loss": (
         "train_seg",
-        lambda t, f: [str(SETUP), "--resume", str(_copy_run(f, "change_loss")), "--set",
-                      "loss.params={alpha: 0.1}", "loss.name=ls"],
+        lambda t, f: _resume(_copy_run(f, "change_loss"), "loss.params={alpha: 0.1}",
+                             "loss.name=ls"),
         r"trained with other settings \(loss.name: 'ce' -> 'ls'.*start a new run"),
     "own-resume-finished-run": (
-        "train_seg", lambda t, f: [str(SETUP), "--resume", str(_finished_copy(f))],
+        "train_seg", lambda t, f: _resume(_finished_copy(f)),
         r"has no checkpoint_last.pt \(a finished run keeps only checkpoint_best.pt\)"),
+    "own-resume-with-an-edited-config-file": (
+        "train_seg", lambda t, f: _resume(_copy_run(f, "edited"), config=_edited(f, t)),
+        r"differs \(train.epochs: 1 in the run, 3 in .*\); pass a change with --set "
+        r"\(e.g. --set train.epochs=3\)"),
     "own-eval-other-architecture": (
         "eval_seg",
         lambda t, f: [str(f[1] / "config.yaml"), "--checkpoint", str(f[1] / "checkpoint_best.pt"),
@@ -173,6 +177,17 @@ ERRORS = {
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def _resume(run: Path, *sets: str, config: Path | None = None) -> list[str]:
+    return [str(config or run / "config.yaml"), "--resume", str(run),
+            *(["--set", *sets] if sets else [])]
+
+
+def _edited(finished, tmp: Path) -> Path:
+    text = (finished[1] / "config.yaml").read_text()
+    assert "  epochs: 1\n" in text
+    return _write(tmp / "edited.yaml", text.replace("  epochs: 1\n", "  epochs: 3\n"))
 
 
 def _mkdir(path: Path) -> Path:
