@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .checks import changed_keys, check_config
-from .config import Config, ConfigError, config_to_dict, load_config
+from .checks import check_config
+from .config import Config, ConfigError, load_config
 from .distributed import cleanup, init_from_env, is_main_process
 from .engine import NonFiniteLossError, seed_everything
 from .models.segmentation import WeightsUnavailableError
@@ -70,7 +70,7 @@ def run_config(args: argparse.Namespace) -> Config:
     """The config of a training command: the given file, or, with ``--resume``, the run's own
     resolved ``config.yaml``; ``--set`` overrides on top."""
     if args.resume:
-        given = load_config(args.config, args.set, args.method)  # still validate what was given
+        load_config(args.config, args.set, args.method)  # still validate what was given
         run = Path(args.resume)
         if not (run / "config.yaml").is_file() or not (run / "checkpoint_last.pt").is_file():
             what = "does not exist" if not run.exists() else (
@@ -80,26 +80,9 @@ def run_config(args: argparse.Namespace) -> Config:
                 f"--resume {run}: the folder {what}, so there is nothing to continue; start a "
                 "new run without --resume (or name the run directory, runs/<name>)."
             )
-        cfg = load_config(run / "config.yaml", args.set)
-        differ = [k for k in changed_keys(config_to_dict(cfg), config_to_dict(given))
-                  if k not in ("name", "output_dir")]
-        if differ:  # an edited config file would otherwise be ignored silently
-            shown = ", ".join(f"{k}: {getattr_dotted(cfg, k)!r} in the run, "
-                              f"{getattr_dotted(given, k)!r} in {args.config}" for k in differ)
-            raise ConfigError(
-                f"--resume {run} continues the run's own config.yaml, but {args.config} differs "
-                f"({shown}); pass a change with --set (e.g. --set {differ[0]}="
-                f"{getattr_dotted(given, differ[0])}), or start a new run without --resume."
-            )
-        return cfg
+        # the run's own resolved config (CONFIG is only validated): --set is the way to change
+        return load_config(run / "config.yaml", args.set)
     return load_config(args.config, args.set, args.method)
-
-
-def getattr_dotted(cfg: Config, key: str) -> Any:
-    """``cfg.train.epochs`` for ``"train.epochs"``."""
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
 
 
 def report(err: Exception) -> int:

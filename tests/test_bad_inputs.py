@@ -156,10 +156,6 @@ ERRORS = {
     "own-resume-finished-run": (
         "train_seg", lambda t, f: _resume(_finished_copy(f)),
         r"has no checkpoint_last.pt \(a finished run keeps only checkpoint_best.pt\)"),
-    "own-resume-with-an-edited-config-file": (
-        "train_seg", lambda t, f: _resume(_copy_run(f, "edited"), config=_edited(f, t)),
-        r"differs \(train.epochs: 1 in the run, 3 in .*\); pass a change with --set "
-        r"\(e.g. --set train.epochs=3\)"),
     "own-eval-other-architecture": (
         "eval_seg",
         lambda t, f: [str(f[1] / "config.yaml"), "--checkpoint", str(f[1] / "checkpoint_best.pt"),
@@ -182,12 +178,6 @@ def _write(path: Path, text: str) -> Path:
 def _resume(run: Path, *sets: str, config: Path | None = None) -> list[str]:
     return [str(config or run / "config.yaml"), "--resume", str(run),
             *(["--set", *sets] if sets else [])]
-
-
-def _edited(finished, tmp: Path) -> Path:
-    text = (finished[1] / "config.yaml").read_text()
-    assert "  epochs: 1\n" in text
-    return _write(tmp / "edited.yaml", text.replace("  epochs: 1\n", "  epochs: 3\n"))
 
 
 def _mkdir(path: Path) -> Path:
