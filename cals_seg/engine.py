@@ -146,7 +146,8 @@ def train_one_epoch(
                 {k: f"{float(v) / seen:.4f}" for k, v in sums.items()}
                 | {"img/s": f"{seen / elapsed:.1f}"}
             )
-    weights = [p.detach().float().sum() for p in model.parameters()]
+    # the trained weights only (a model may hold unused, uninitialised parameters)
+    weights = [p.detach().float().sum() for p in model.parameters() if p.grad is not None]
     if weights and not bool(torch.stack(weights).isfinite().all()):
         raise NonFiniteLossError(
             f"{desc}: the weights became NaN or infinite in the epoch's last optimizer steps "
