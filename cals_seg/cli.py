@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .checks import check_config
 from .config import Config, ConfigError, load_config
 from .distributed import cleanup, init_from_env, is_main_process
 from .engine import NonFiniteLossError, seed_everything
@@ -70,7 +71,17 @@ def run_config(args: argparse.Namespace) -> Config:
     resolved ``config.yaml``; ``--set`` overrides on top."""
     if args.resume:
         load_config(args.config, args.set, args.method)  # still validate what was given
-        return load_config(Path(args.resume) / "config.yaml", args.set)
+        run = Path(args.resume)
+        if not (run / "config.yaml").is_file() or not (run / "checkpoint_last.pt").is_file():
+            what = "does not exist" if not run.exists() else (
+                "holds no run" if not (run / "config.yaml").is_file()
+                else "has no checkpoint_last.pt (a finished run keeps only checkpoint_best.pt)")
+            raise FileNotFoundError(
+                f"--resume {run}: the folder {what}, so there is nothing to continue; start a "
+                "new run without --resume (or name the run directory, runs/<name>)."
+            )
+        # the run's own resolved config (CONFIG is only validated): --set is the way to change
+        return load_config(run / "config.yaml", args.set)
     return load_config(args.config, args.set, args.method)
 
 
@@ -91,6 +102,7 @@ def train_command(
         args = training_parser(doc).parse_args(argv)
         try:
             cfg = run_config(args)
+            check_config(cfg)  # before any data is generated or read
             seed_everything(cfg.train.seed)  # the model's initialisation depends on it
             task = build_task(cfg, family)
             test = fit(cfg, task, resume=args.resume)

@@ -24,7 +24,7 @@ from .distributed import (
     is_distributed,
     is_main_process,
 )
-from .evaluation import unpack_batch
+from .evaluation import eval_collate, unpack_batch
 from .precision import autocast_context
 
 
@@ -65,9 +65,10 @@ def make_loader(
         sampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **common)
     if is_distributed():
-        return DataLoader(
-            dataset, batch_sampler=ShardedBatchSampler(len(dataset), batch_size), **common
-        )
+        return DataLoader(dataset, batch_sampler=ShardedBatchSampler(len(dataset), batch_size),
+                          collate_fn=eval_collate, **common)
+    if not train:  # evaluation: samples of different sizes are evaluated one at a time
+        common["collate_fn"] = eval_collate
     return DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=train, **common)
 
 
@@ -99,7 +100,8 @@ def train_one_epoch(
 
     Raises:
         NonFiniteLossError: when the loss is NaN or infinite (before the optimizer step, so the
-            weights stay those of the last good step).
+            weights stay those of the last good step), or when the last steps left non-finite
+            weights (checked once, at the end of the epoch).
     """
     model.train()
     sums: dict[str, Tensor] = {}
@@ -118,8 +120,8 @@ def train_one_epoch(
         if not torch.isfinite(check):
             raise NonFiniteLossError(
                 f"{desc}: the loss is {check.item()} at step {step}; stopping. The last good "
-                "checkpoint is left intact: lower the learning rate, enable grad_clip, or check "
-                "the labels."
+                "checkpoint is left intact: lower the learning rate (optim.lr), enable "
+                "train.grad_clip, or check the labels."
             )
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
@@ -144,6 +146,14 @@ def train_one_epoch(
                 {k: f"{float(v) / seen:.4f}" for k, v in sums.items()}
                 | {"img/s": f"{seen / elapsed:.1f}"}
             )
+    # the trained weights only (a model may hold unused, uninitialised parameters)
+    weights = [p.detach().float().sum() for p in model.parameters() if p.grad is not None]
+    if weights and not bool(torch.stack(weights).isfinite().all()):
+        raise NonFiniteLossError(
+            f"{desc}: the weights became NaN or infinite in the epoch's last optimizer steps "
+            "(the training diverged); stopping. The last good checkpoint is left intact: lower "
+            "the learning rate (optim.lr), enable train.grad_clip, or check the labels."
+        )
     elapsed = time.perf_counter() - start
     keys = sorted(sums)
     totals = torch.stack(

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
 from .distributed import is_main_process
@@ -41,6 +41,24 @@ def unpack_batch(batch: Any) -> tuple[Tensor, Tensor]:
             return batch["image"], batch["mask"]
         return batch["input"], batch["target"]
     return batch[0], batch[1]
+
+
+class RaggedBatch(list):
+    """Samples of different sizes that cannot be stacked: a list of batches of one, evaluated
+    one at a time (:func:`eval_collate`)."""
+
+
+def _shapes(sample: Any) -> tuple[tuple[int, ...], ...]:
+    items = sample.values() if isinstance(sample, dict) else sample
+    return tuple(tuple(v.shape) for v in items if isinstance(v, Tensor))
+
+
+def eval_collate(samples: list[Any]) -> Any:
+    """``default_collate``, or a :class:`RaggedBatch` when the samples differ in size (images
+    evaluated at their own resolution), so that no evaluation fails on a mixed-size split."""
+    if len({_shapes(s) for s in samples}) > 1:
+        return RaggedBatch(default_collate([s]) for s in samples)
+    return default_collate(samples)
 
 
 class Scaled:
@@ -79,10 +97,11 @@ def predict(
     model.eval()
     progress = progress and is_main_process()
     for batch in tqdm(loader, desc=desc, leave=False, disable=not progress, dynamic_ncols=True):
-        inputs, target = unpack_batch(batch)
-        with autocast_context(device, amp):
-            logits = model(inputs.to(device, non_blocking=True))
-        yield logits.float(), target.to(device, non_blocking=True)
+        for part in batch if isinstance(batch, RaggedBatch) else (batch,):
+            inputs, target = unpack_batch(part)
+            with autocast_context(device, amp):
+                logits = model(inputs.to(device, non_blocking=True))
+            yield logits.float(), target.to(device, non_blocking=True)
 
 
 def evaluate(

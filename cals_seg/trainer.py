@@ -16,6 +16,7 @@ The task (data, model, meters) is built from the config by :func:`cals_seg.tasks
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .checks import check_best_metric, check_config, check_resume, check_splits
 from .config import Config, config_to_dict, save_config
 from .distributed import (
     barrier,
@@ -31,11 +33,12 @@ from .distributed import (
     is_distributed,
     is_main_process,
 )
-from .engine import make_loader, seed_epoch, train_one_epoch
+from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from .evaluation import Scaled, compute, evaluate, predict, scalars
 from .losses import build_loss
 from .precision import precision_name, resolve_amp
 from .rundir import (
+    CheckpointError,
     RunDir,
     link_checkpoint,
     load_checkpoint,
@@ -46,8 +49,6 @@ from .rundir import (
 )
 from .tasks import Task
 from .temperature import fit_temperature
-
-BEST_MODES = ("max", "min")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,7 +118,13 @@ def restore_training_state(
             f"{where} was trained with {state['num_classes']} classes, but the config has "
             f"data.num_classes={num_classes}."
         )
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as err:  # another architecture: the user's input, not a bug
+        raise CheckpointError(
+            f"{where} does not fit the model of the config ({str(err).splitlines()[0]}); "
+            "resume with the run's own config.yaml."
+        ) from None
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     criterion.load_state_dict(state["criterion"])
@@ -125,6 +132,20 @@ def restore_training_state(
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
     return state["epoch"] + 1, state["best_score"], state.get("best_epoch")
+
+
+def replay_schedule(cfg: Config, optimizer: torch.optim.Optimizer, epochs_done: int):
+    """The schedule of a fresh ``cfg.train.epochs``-epoch run after ``epochs_done`` epochs: what
+    a resume that changes ``train.epochs`` continues with (the restored schedule was built for
+    the old length, e.g. a cosine that has already reached zero)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"]
+    scheduler = build_scheduler(cfg, optimizer)
+    with warnings.catch_warnings():  # stepped without optimizer steps: only the lr moves
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(epochs_done):
+            scheduler.step()
+    return scheduler
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -135,11 +156,21 @@ def validate(
     """One validation pass feeding the task's meters and, for adaptive losses,
     ``criterion.observe`` (the statistics of the multiplier update)."""
     meters = {k: m.to(device) for k, m in task.meters(n_bins).items()}
-    consumers: list[Any] = list(meters.values())
+    consumers: list[Any] = [_check_outputs, *meters.values()]
     if hasattr(criterion, "observe"):
         consumers.append(criterion.observe)
     evaluate(model, loader, device, consumers, amp, progress, desc="val")
     return compute(meters)
+
+
+def _check_outputs(logits: torch.Tensor, target: torch.Tensor) -> None:
+    """A diverged training can leave finite weights whose outputs are not: stop with advice."""
+    if not bool(logits.isfinite().all()):
+        raise NonFiniteLossError(
+            "validation: the model's outputs are NaN or infinite after this epoch (the training "
+            "diverged); stopping. The last good checkpoint is left intact: lower the learning "
+            "rate (optim.lr), enable train.grad_clip, or check the labels."
+        )
 
 
 def calibrated_test(
@@ -200,18 +231,19 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
 
 # ----------------------------------------------------------------------------- the run
 def _check_before_training(cfg: Config, run: RunDir, resume: bool) -> None:
-    t = cfg.train
-    if t.best_mode not in BEST_MODES:
-        raise ValueError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
+    check_config(cfg)
     if not resume and run.holds_run():
         raise FileExistsError(
             f"{run.path} already holds a run ({', '.join(run.holds_run())}). Continue it with "
             f"--resume {run.path}, or choose another name (--set name=...)."
         )
     if resume and not run.last.is_file():
+        found = run.holds_run()
         raise FileNotFoundError(
-            f"--resume {run.path}: there is no checkpoint_last.pt to continue from (start a new "
-            "run without --resume)."
+            f"--resume {run.path}: there is no checkpoint_last.pt to continue from "
+            + (f"(it holds {', '.join(found)}: a finished run keeps only checkpoint_best.pt); "
+               if found else "(no run there); ")
+            + "start a new run without --resume."
         )
 
 
@@ -263,6 +295,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    check_splits(task, t.batch_size, getattr(cfg.data, "eval_size", None))
+    check_best_metric(task, t.best_metric, cfg.eval.n_bins)
     workers = cfg.data.num_workers
     train_loader = make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed)
     val_loader = make_loader(task.val_set, cfg.eval.batch_size, False, workers)
@@ -270,16 +304,19 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     if len(train_loader) == 0:
         raise ValueError(
             f"The training split has {len(task.train_set)} samples, fewer than "
-            f"train.batch_size={t.batch_size} per process."
+            f"train.batch_size={t.batch_size} per process; lower train.batch_size."
         )
 
     start_epoch, best_score, best_epoch = 0, None, None
     run.path.mkdir(parents=True, exist_ok=True)
     if resume is not None:
         state = load_checkpoint(run.last, map_location=device)
+        changed = check_resume(cfg, state["config"], run.last)
         start_epoch, best_score, best_epoch = restore_training_state(
             state, model, optimizer, scheduler, criterion, scaler, k, run.last
         )
+        if "train.epochs" in changed:
+            scheduler = replay_schedule(cfg, optimizer, start_epoch)
         if main:
             run.trim_history(start_epoch)
             run.repair_best(state)

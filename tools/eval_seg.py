@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from cals_seg import plotting  # noqa: E402
+from cals_seg.checks import warn_large_images  # noqa: E402
 from cals_seg.cli import USER_ERRORS, add_method_argument, add_set_argument, launch, report  # noqa: E402
 from cals_seg.config import load_config  # noqa: E402
 from cals_seg.data.transforms import eval_transform  # noqa: E402
@@ -107,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"classes, but {args.config} has data.num_classes="
                 f"{task.num_classes}; use the config the run was trained with."
             )
-        task.model.load_state_dict(ckpt["model"])
+        try:
+            task.model.load_state_dict(ckpt["model"])
+        except RuntimeError as err:  # another architecture than the config's
+            raise ValueError(
+                f"{args.checkpoint} does not fit the model of {args.config} "
+                f"({str(err).splitlines()[0]}); use the config the run was trained with."
+            ) from None
         device = resolve_device(cfg.train.device)
         amp = resolve_amp(cfg.train.amp, device)
     except USER_ERRORS as err:
@@ -116,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.train.threads)
     model = task.model.to(device)
     split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
+    warn_large_images(split_set, args.split, cfg.data.eval_size)
     if args.split == "train":  # the training images without augmentation (a copy, not the task's)
         split_set = copy.copy(split_set)
         split_set.transform = task.val_set.transform

@@ -113,7 +113,7 @@ def _shrink_longest_side(array: np.ndarray, max_size: int, interpolation: int,
 
 
 def eval_transform(
-    size: int | None, upscale: bool = False, ignore_index: int = VOID_LABEL
+    size: int | None, upscale: bool = False, ignore_index: int = VOID_LABEL, multiple: int = 1
 ) -> SegmentationTransform:
     """Deterministic evaluation pipeline giving every image the same ``(size, size)`` shape.
 
@@ -127,12 +127,17 @@ def eval_transform(
         upscale: also enlarge images whose longest side is below ``size`` (default: pad only, so
             no label is duplicated by resizing).
         ignore_index: the mask value of padded pixels.
+        multiple: also pad (bottom/right, void) to sides divisible by it: the output stride of
+            a network that needs it, so that images of any size can be evaluated.
 
     Returns:
         A pipeline producing ``image (3, size, size)`` and ``mask (size, size)``.
     """
+    to_multiple = [] if multiple <= 1 else [A.PadIfNeeded(
+        min_height=None, min_width=None, pad_height_divisor=multiple, pad_width_divisor=multiple,
+        position="top_left", border_mode=cv2.BORDER_CONSTANT, fill=0, fill_mask=ignore_index)]
     if size is None:
-        return SegmentationTransform(_normalise_and_tensor())
+        return SegmentationTransform(to_multiple + _normalise_and_tensor())
     if size < 1:
         raise ValueError(f"Expected `size` to be a positive integer or None, but got {size}.")
     if upscale:
@@ -146,4 +151,4 @@ def eval_transform(
         )
     pad = A.PadIfNeeded(min_height=size, min_width=size, position="top_left",
                         border_mode=cv2.BORDER_CONSTANT, fill=0, fill_mask=ignore_index)
-    return SegmentationTransform([resize, pad, *_normalise_and_tensor()])
+    return SegmentationTransform([resize, pad, *to_multiple, *_normalise_and_tensor()])

@@ -237,6 +237,11 @@ class VOCSegmentation(Dataset):
                 "file."
             )
 
+    def image_size(self, sample_id: str) -> tuple[int, int]:
+        """``(width, height)`` of an image, from its header (nothing is decoded)."""
+        with Image.open(self.image_path(sample_id)) as image:
+            return image.size
+
     def load_image(self, sample_id: str) -> np.ndarray:
         """Raw RGB image, not normalised (for plotting).
 

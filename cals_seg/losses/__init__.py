@@ -7,6 +7,7 @@ positions from every mean and returns a scalar, so it is a drop-in for ``F.cross
 from __future__ import annotations
 
 import inspect
+import typing
 from typing import Any
 
 from ._base import SegLoss
@@ -46,7 +47,27 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(f"Unknown parameter(s) {unknown} for loss {name!r}; it takes {accepted}.")
+    hints = typing.get_type_hints(cls.__init__)
+    for key, value in params.items():
+        _check_number(value, hints.get(key), f"loss.params.{key}")
     return cls(num_classes=num_classes, ignore_index=ignore_index, **params)
+
+
+def _check_number(value: Any, hint: Any, key: str) -> None:
+    """Numeric parameters must be numbers: ``margin: ten`` is a message, not a TypeError deep
+    inside the loss."""
+    options = set(typing.get_args(hint)) or {hint}
+    if value is None and type(None) in options:
+        return
+    if options & {float, int} and not options - {float, int, type(None)}:
+        wanted = float if float in options else int
+        if isinstance(value, bool) or not isinstance(value, int | float) or (
+            wanted is int and not isinstance(value, int)
+        ):
+            raise ValueError(f"{key}: expected {'a number' if wanted is float else 'an integer'}, "
+                             f"got {value!r}.")
+    elif hint is bool and not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {value!r}.")
 
 
 __all__ = [

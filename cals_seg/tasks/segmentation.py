@@ -7,6 +7,7 @@ returns :func:`segmentation_task` of its three splits.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 from ..config import Config
@@ -22,18 +23,21 @@ def segmentation_task(cfg: Config, splits: dict[str, list[str]],
     """VOC-layout datasets of ``splits`` (``{"train", "val", "test": ids}`` under
     ``data.root``) with the config's transforms, and the smp model."""
     d, m = cfg.data, cfg.model
+    model = build_segmentation_model(
+        m.arch, m.encoder_name, m.encoder_weights, d.num_classes, **m.params
+    )
     train_tf = train_transform(d.crop_size, scale_range=tuple(d.scale_range),
                                color_jitter=d.color_jitter, ignore_index=d.ignore_index)
-    eval_tf = eval_transform(d.eval_size, ignore_index=d.ignore_index)
+    # smp networks need sides divisible by their output stride: evaluation pads with void
+    stride = getattr(getattr(model, "encoder", None), "output_stride", 1)
+    multiple = stride if getattr(model, "requires_divisible_input_shape", False) else 1
+    eval_tf = eval_transform(d.eval_size, ignore_index=d.ignore_index, multiple=multiple)
     common = dict(num_classes=d.num_classes, ignore_index=d.ignore_index)
     sets = {
         split: VOCSegmentation(d.root, splits[split], train_tf if split == "train" else eval_tf,
                                **common)
         for split in ("train", "val", "test")
     }
-    model = build_segmentation_model(
-        m.arch, m.encoder_name, m.encoder_weights, d.num_classes, **m.params
-    )
     return SegmentationTask(
         sets["train"], sets["val"], sets["test"], model, d.num_classes, d.ignore_index,
         class_names_or_default(class_names, d.num_classes),
@@ -58,6 +62,10 @@ def synthetic(cfg: Config) -> SegmentationTask:
             f"data.num_classes: the synthetic dataset has {len(SYNTHETIC_CLASSES)} classes, but "
             f"the config says {d.num_classes}."
         )
+    accepted = [p for p in inspect.signature(generate_synthetic_voc).parameters if p != "root"]
+    unknown = sorted(set(d.synthetic) - set(accepted))
+    if unknown:
+        raise ValueError(f"data.synthetic: unknown key(s) {unknown}; valid keys are {accepted}.")
     try:
         generate_synthetic_voc(d.root, **d.synthetic)
     except TypeError as err:

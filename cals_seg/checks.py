@@ -1,0 +1,184 @@
+"""Everything checkable before a run trains, in one place, so that a mistake costs seconds, not
+an epoch: the config's values (:func:`check_config`), the data (:func:`check_splits`) and what a
+resume may change (:func:`check_resume`).
+
+Each error names the config key and how to get what was wanted.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+from .config import Config, ConfigError, config_to_dict
+from .losses import build_loss
+
+# The direction of each validation metric a run can select its best epoch by.
+LOWER_BETTER = ("ece", "aece", "mce", "cwce", "nll", "brier", "loss")
+HIGHER_BETTER = ("miou", "acc")
+BEST_MODES = ("max", "min")
+
+# Keys a resume may change; any other difference is refused. ``train.epochs`` rebuilds the
+# learning-rate schedule for the new length (see ``trainer.restore_training_state``).
+RESUMABLE_KEYS = (
+    "name", "output_dir", "data.root", "data.num_workers", "train.epochs", "train.device",
+    "train.threads", "train.progress", "eval.batch_size", "eval.n_bins",
+    "eval.temperature_scaling", "eval.num_maps",
+)
+
+# An evaluation image above this many pixels gets a warning (a 4000 x 3000 image takes
+# minutes per forward pass of a ResNet encoder on a CPU).
+LARGE_IMAGE_PIXELS = 2048 * 2048
+
+
+def _positive(value: Any, key: str, fix: str, allow_zero: bool = False) -> None:
+    ok = isinstance(value, int | float) and math.isfinite(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}: expected a number {bound}, got {value!r}; {fix}.")
+
+
+def check_config(cfg: Config) -> None:
+    """Refuse a config whose values cannot give a sensible run (before any data or model work).
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    t, o, e = cfg.train, cfg.optim, cfg.eval
+    for key, value in (("train.epochs", t.epochs), ("train.batch_size", t.batch_size),
+                       ("eval.batch_size", e.batch_size), ("eval.n_bins", e.n_bins)):
+        if value < 1:
+            raise ConfigError(f"{key}: expected an integer >= 1, got {value}; e.g. --set {key}="
+                              f"{ {'train.epochs': 30, 'eval.n_bins': 15}.get(key, 8) }.")
+    _positive(o.lr, "optim.lr", "e.g. --set optim.lr=0.001")
+    _positive(o.weight_decay, "optim.weight_decay", "use 0 for none", allow_zero=True)
+    if t.grad_clip is not None:
+        _positive(t.grad_clip, "train.grad_clip", "use null for no clipping")
+    if e.num_maps < 0:
+        raise ConfigError(f"eval.num_maps: expected a number >= 0, got {e.num_maps}.")
+    if t.best_mode not in BEST_MODES:
+        raise ConfigError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
+    direction = ("min" if t.best_metric in LOWER_BETTER
+                 else "max" if t.best_metric in HIGHER_BETTER else None)
+    if direction is not None and direction != t.best_mode:
+        better = "lower" if direction == "min" else "higher"
+        raise ConfigError(
+            f"train.best_metric={t.best_metric!r} is {better}-better, but train.best_mode="
+            f"{t.best_mode!r} would keep its worst epoch; set train.best_mode={direction}."
+        )
+    try:  # types and ranges of the loss parameters, before any data is read
+        build_loss(cfg.loss.name, cfg.data.num_classes, ignore_index=cfg.data.ignore_index,
+                   **cfg.loss.params)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k not in ("params", "synthetic", "split_files"):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    a, b = _flat(old), _flat(new)
+    return sorted(k for k in b if k in a and a[k] != b[k])
+
+
+def check_resume(cfg: Config, saved: dict[str, Any], where: Any) -> list[str]:
+    """The keys a resume changes; refuse any but :data:`RESUMABLE_KEYS`.
+
+    Args:
+        cfg: the config of the resumed run (the run's own config and ``--set`` overrides).
+        saved: the config stored in the checkpoint.
+        where: the checkpoint, for the message.
+
+    Raises:
+        ConfigError: a key that a resume cannot change (the model, the loss, the data ...).
+    """
+    old, new = _flat(saved), _flat(config_to_dict(cfg))
+    changed = changed_keys(saved, config_to_dict(cfg))
+    refused = [k for k in changed if k not in RESUMABLE_KEYS]
+    if refused:
+        shown = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in refused)
+        raise ConfigError(
+            f"--resume: {where} was trained with other settings ({shown}); a resume may only "
+            f"change {list(RESUMABLE_KEYS)}. To train with the new settings, start a new run "
+            "without --resume (--set name=...)."
+        )
+    return changed
+
+
+def check_best_metric(task: Any, best_metric: str, n_bins: int) -> None:
+    """Refuse a ``train.best_metric`` the task's validation meters do not compute (found by
+    feeding them one dummy prediction, so no epoch is spent to find out)."""
+    import torch
+
+    shape = (1, task.num_classes, 1, 1) if task.family == "segmentation" else (1, task.num_classes)
+    meters = task.meters(n_bins)
+    for meter in meters.values():
+        meter.update(torch.zeros(shape), torch.zeros((1, *shape[2:]), dtype=torch.long))
+    names = sorted(k for m in meters.values() for k, v in m.compute().items()
+                   if isinstance(v, int | float) and not isinstance(v, bool))
+    if best_metric not in names:
+        raise ConfigError(
+            f"train.best_metric: the validation split has no metric {best_metric!r}; choose one "
+            f"of {names}."
+        )
+
+
+def check_splits(task: Any, batch_size: int, eval_size: int | None) -> None:
+    """Refuse splits that would fail later (empty, fewer training samples than a batch, no
+    valid validation label) and warn about evaluation images large enough to take minutes.
+
+    Raises:
+        ValueError: naming the split and the fix.
+    """
+    for split in ("train", "val", "test"):
+        if len(getattr(task, f"{split}_set")) == 0:
+            raise ValueError(
+                f"The {split} split is empty; check the split files under data.root (for VOC "
+                "layouts, ImageSets/Segmentation/train.txt holds train + validation, val.txt the "
+                "test set) and data.val_fraction."
+            )
+    if len(task.train_set) < batch_size:
+        raise ValueError(
+            f"The training split has {len(task.train_set)} samples, fewer than "
+            f"train.batch_size={batch_size} per process; lower train.batch_size."
+        )
+    val = task.val_set
+    if hasattr(val, "load_mask") and not any(
+        (val.load_mask(i) != task.ignore_index).any() for i in val.ids
+    ):
+        raise ValueError(
+            f"Every pixel of the {len(val)} validation images is void ({task.ignore_index}): "
+            "nothing to validate or select the best epoch on. Check the masks, or raise "
+            "data.val_fraction."
+        )
+    for split in ("val", "test"):
+        warn_large_images(getattr(task, f"{split}_set"), split, eval_size)
+
+
+def warn_large_images(dataset: Any, split: str, eval_size: int | None) -> None:
+    """Warn (once per split) when an image evaluated at its own size is large enough to take
+    minutes: reads image headers only."""
+    if eval_size is not None or not hasattr(dataset, "image_size"):
+        return
+    for sample_id in dataset.ids:
+        width, height = dataset.image_size(sample_id)
+        if width * height > LARGE_IMAGE_PIXELS:
+            warnings.warn(
+                f"The {split} split holds a {width}x{height} image ({sample_id}); with "
+                "data.eval_size: null it is evaluated at that size, which can take minutes "
+                "per image on a CPU. Set data.eval_size (e.g. 512) to shrink it.",
+                stacklevel=2,
+            )
+            return
