@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from cals_seg.losses import LOSSES, build_loss  # noqa: E402
+from cals_seg.losses import _functional as penalty_blocks  # noqa: E402
 
 NAMES = ["F.cross_entropy", *LOSSES]
 COMPILED = " (compiled)"
@@ -158,7 +159,12 @@ def main() -> None:
                    help="also time torch.compile(backend=BACKEND, default inductor) of "
                    "F.cross_entropy and cals_alm ('eager': dynamo only, a cheap check)")
     p.add_argument("--memory-of", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="blocks per penalty pass on an accelerator (default: the library's)")
     args = p.parse_args()
+    if args.gpu_blocks is not None:
+        penalty_blocks.GPU_BLOCKS = args.gpu_blocks
+    print(f"# penalty blocks on an accelerator: {penalty_blocks.GPU_BLOCKS}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compile:

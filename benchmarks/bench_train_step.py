@@ -23,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cals_seg.losses import _functional as penalty_blocks  # noqa: E402
 from cals_seg.losses import build_loss  # noqa: E402
 from cals_seg.models import build_segmentation_model  # noqa: E402
 from cals_seg.precision import AMP_CHOICES, precision_name, resolve_amp  # noqa: E402
@@ -41,7 +42,12 @@ def main() -> None:
     p.add_argument("--amp", default="none", choices=list(AMP_CHOICES),
                    help="auto: bf16 where native on the device, else float32 (resolve_amp)")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--gpu-blocks", type=int, default=None,
+                   help="blocks per penalty pass on an accelerator (default: the library's)")
     args = p.parse_args()
+    if args.gpu_blocks is not None:
+        penalty_blocks.GPU_BLOCKS = args.gpu_blocks
+    print(f"# penalty blocks on an accelerator: {penalty_blocks.GPU_BLOCKS}")
     device = torch.device(args.device)
     asked = args.amp
     args.amp = resolve_amp(args.amp, device)

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("ce", "cals_alm")
 SETUP = "configs/synthetic_deeplabv3.yaml"
-DEMO_SETS = ["data.crop_size=48"]
+DEMO_SETS: list[str] = []
 
 
 def run(cmd: list[str]) -> None:
