@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test compare lint bench clean
+.PHONY: demo test compare margin lint bench clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ METHODS := ce ls fl flsd ecp mbls cals_hr cals_alm
 compare: $(STAMP)
 	$(PY) tools/compare.py configs/synthetic_deeplabv3.yaml --methods $(METHODS) \
 		--out runs/compare --seeds 0 1 2 --jobs 2 --set train.threads=1
+
+# Margin of CALS-ALM chosen on the validation split: CE + margins 4 6 8 10, 20 epochs each, two
+# runs side by side with one thread each; then the logit gaps of the CE run.
+margin: $(STAMP)
+	$(PY) tools/margin.py sweep configs/synthetic_deeplabv3.yaml --out runs/margin_sweep
+	$(PY) tools/margin.py gaps runs/margin_sweep/runs/synthetic_deeplabv3_ce_seed0 \
+		--out runs/margin_sweep/gaps_ce_val.json
 
 lint: $(STAMP)
 	$(PY) -m pip install --quiet ruff==0.17.5

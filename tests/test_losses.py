@@ -95,7 +95,7 @@ def test_hand_computed_baselines():
     # p_y = 0.1 < 0.2 -> gamma = 5
     assert _one([math.log(9.0), 0.0], 1, "flsd") == pytest.approx(0.9**5 * math.log(10), rel=1e-12)
     ent = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    assert _one([0.0, ln3], 1, "ecp", beta=0.1) == pytest.approx(
+    assert _one([0.0, ln3], 1, "ecp", beta=0.1, entropy="sum") == pytest.approx(
         math.log(4 / 3) - 0.1 * ent, rel=1e-12
     )
     ce3 = math.log(1 + math.exp(-3.0))  # logits (0, 3), y = 1; d = (3, 0)
@@ -359,7 +359,7 @@ def test_update_without_observe_is_an_error():
 
 
 def test_cals_hr_rule():
-    hr = CALSHRLoss(2, margin=1.0, lambda_init=0.1)
+    hr = CALSHRLoss(2, margin=1.0, lambda_init=0.1, score="unweighted")
     y = torch.tensor([1])
     seq = [3.0, 6.0, 6.1, 3.0]  # d_0 = 3 -> P_0 = 2, then 5 (up), 5.1 (same), 2 (down)
     lams = []
@@ -432,3 +432,143 @@ def test_ties_at_the_max_share_the_gradient_like_amax():
     alm(a, y).backward()
     naive(b).backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- ECP at the authors' scale
+def _ecp_reference(rows, targets, beta, ignore=IGN, per_class=True):
+    """float64 loops: CE - beta * mean over valid positions (and classes) of -p log p."""
+    ce = ent = 0.0
+    n = 0
+    for row, y in zip(rows, targets, strict=True):
+        if y == ignore:
+            continue
+        n += 1
+        z = sum(math.exp(v) for v in row)
+        p = [math.exp(v) / z for v in row]
+        ce -= math.log(p[y])
+        ent += sum(-q * math.log(q) for q in p)
+    k = len(rows[0])
+    return ce / n - beta * ent / (n * k if per_class else n)
+
+
+def test_ecp_class_mean_hand_computed_2x3():
+    # p = (1/6, 2/6, 3/6) with y = 2, and p = (1/3, 1/3, 1/3) with y = 0.
+    rows = [[0.0, math.log(2.0), math.log(3.0)], [0.0, 0.0, 0.0]]
+    h1 = -(1 / 6 * math.log(1 / 6) + 1 / 3 * math.log(1 / 3) + 1 / 2 * math.log(1 / 2))
+    h2 = math.log(3.0)
+    ce = (math.log(2.0) + math.log(3.0)) / 2
+    hand = ce - 0.1 * (h1 + h2) / (2 * 3)  # mean of -p log p over 2 positions x 3 classes
+    assert hand == pytest.approx(_ecp_reference(rows, [2, 0], 0.1), rel=1e-14)
+    x, y = torch.tensor(rows, dtype=torch.float64), torch.tensor([2, 0])
+    loss = build_loss("ecp", 3, ignore_index=IGN, beta=0.1)
+    assert loss(x, y).item() == pytest.approx(hand, rel=1e-12)
+    assert loss.entropy == "class_mean"
+    assert loss.terms["entropy"].item() == pytest.approx((h1 + h2) / 6, rel=1e-12)
+    # the former form, kept under entropy="sum": the per-position entropy, K = 3 times stronger
+    old = build_loss("ecp", 3, ignore_index=IGN, beta=0.1, entropy="sum")
+    assert old(x, y).item() == pytest.approx(ce - 0.1 * (h1 + h2) / 2, rel=1e-12)
+
+
+def test_ecp_class_mean_with_void_matches_loop():
+    x, y = _data(n=2, s=(3, 4), scale=3.0, seed=5)
+    rows = x.permute(0, 2, 3, 1).reshape(-1, K).tolist()
+    targets = y.reshape(-1).tolist()
+    assert IGN in targets
+    got = build_loss("ecp", K, ignore_index=IGN, beta=0.3)(x, y).item()
+    assert got == pytest.approx(_ecp_reference(rows, targets, 0.3), rel=1e-12)
+    got = build_loss("ecp", K, ignore_index=IGN, beta=0.3, entropy="sum")(x, y).item()
+    assert got == pytest.approx(_ecp_reference(rows, targets, 0.3, per_class=False), rel=1e-12)
+
+
+def test_ecp_bad_entropy_form():
+    with pytest.raises(ValueError, match="entropy.*class_mean.*sum"):
+        build_loss("ecp", 3, entropy="mean")
+
+
+# ---------------------------------------------------------------- CALS-HR: the authors' score
+def _hr_batch(p0, p1, p2):
+    """3 positions, K = 3, margin 1, whose per-class mean hinges are (p0, p1, p2): position a has
+    d = (g, 0, 0), b d = (0, c, 0), c d = (0, 0, h), with relu(x - 1) / 3 = P."""
+    g, c, h = (1 + 3 * p for p in (p0, p1, p2))
+    x = torch.tensor([[[0.0, g, g], [c, 0.0, c], [h, h, 0.0]]], dtype=torch.float64)
+    return x.transpose(1, 2), torch.tensor([[0, 0, 0]])  # (1, K, S=3)
+
+
+HR_P = [(1.0, 0.0, 1.0), (1.2, 0.5, 0.8), (1.25, 0.52, 0.75)]
+
+
+def _hr_trajectory(hr, ps):
+    out = []
+    for epoch, p in enumerate(ps):
+        hr.observe(*_hr_batch(*p))
+        stats = hr.update_multipliers(epoch)
+        assert stats["penalty"] == pytest.approx(list(p), abs=1e-12)
+        out.append(stats["lambda"])
+    return out
+
+
+def test_cals_hr_weighted_score_hand_computed():
+    hr = CALSHRLoss(3, margin=1.0, lambda_init=0.1)
+    lams = _hr_trajectory(hr, HR_P)
+    # epoch 0: no previous score -> no update.
+    # epoch 1: S = 0.1 * (1.2, 0.5, 0.8) = (0.12, 0.05, 0.08) vs prev (0.1, 0, 0.1):
+    #   0.12 > 0.11 up; 0.05 > 0 up; 0.08 < 0.1 / 1.1 down.
+    # epoch 2: S = (0.11 * 1.25, 0.11 * 0.52, 0.1 / 1.1 * 0.75) = (0.1375, 0.0572, 0.0682)
+    #   vs prev (0.12, 0.05, 0.08): 0.1375 > 0.132 up; 0.0572 > 0.055 up; 0.0682 < 0.0727 down.
+    expected = [[0.1, 0.1, 0.1], [0.11, 0.11, 0.1 / 1.1], [0.121, 0.121, 0.1 / 1.21]]
+    for got, ref in zip(lams, expected, strict=True):
+        assert got == pytest.approx(ref, rel=1e-12)
+    assert hr.score == "weighted"
+
+
+def test_cals_hr_unweighted_score_hand_computed():
+    lams = _hr_trajectory(CALSHRLoss(3, margin=1.0, lambda_init=0.1, score="unweighted"), HR_P)
+    # epoch 1: P (1.2, 0.5, 0.8) vs (1, 0, 1): up, up, down (1 > 1.1 * 0.8).
+    # epoch 2: P (1.25, 0.52, 0.75) vs (1.2, 0.5, 0.8): 1.25 < 1.32, 0.52 < 0.55, 0.8 < 0.825:
+    #   all unchanged -- where the weighted rule moves all three.
+    expected = [[0.1, 0.1, 0.1], [0.11, 0.11, 0.1 / 1.1], [0.11, 0.11, 0.1 / 1.1]]
+    for got, ref in zip(lams, expected, strict=True):
+        assert got == pytest.approx(ref, rel=1e-12)
+
+
+def test_cals_hr_issue_divergence_example():
+    """P = 1.0 -> 1.2 -> 1.25: the weighted score raises lambda again, the unweighted one not."""
+    ps = [(1.0, 0.0, 0.0), (1.2, 0.0, 0.0), (1.25, 0.0, 0.0)]
+    w = _hr_trajectory(CALSHRLoss(3, margin=1.0, lambda_init=0.1), ps)
+    u = _hr_trajectory(CALSHRLoss(3, margin=1.0, lambda_init=0.1, score="unweighted"), ps)
+    assert [lam[0] for lam in w] == pytest.approx([0.1, 0.11, 0.121], rel=1e-12)
+    assert [lam[0] for lam in u] == pytest.approx([0.1, 0.11, 0.11], rel=1e-12)
+
+
+def test_cals_hr_weighted_skips_update_after_all_zero_scores():
+    ps = [(0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (1.2, 0.0, 0.0)]
+    w = _hr_trajectory(CALSHRLoss(3, margin=1.0, lambda_init=0.1), ps)
+    # epoch 1: previous scores all zero -> skipped; epoch 2: 0.12 > 1.1 * 0.1 -> up.
+    assert [lam[0] for lam in w] == pytest.approx([0.1, 0.1, 0.11], rel=1e-12)
+    u = _hr_trajectory(CALSHRLoss(3, margin=1.0, lambda_init=0.1, score="unweighted"), ps)
+    # unweighted: 1 > 1.1 * 0 -> up at epoch 1, 1.2 > 1.1 -> up again at epoch 2.
+    assert [lam[0] for lam in u] == pytest.approx([0.1, 0.11, 0.121], rel=1e-12)
+
+
+def test_cals_hr_state_round_trip_mid_trajectory_and_old_state():
+    a = CALSHRLoss(3, margin=1.0, lambda_init=0.1)
+    _hr_trajectory(a, HR_P[:2])
+    sd = a.state_dict()
+    assert {"lambdas", "penalty_prev", "lambdas_prev", "has_prev"} <= set(sd)
+    assert sd["lambdas_prev"].tolist() == pytest.approx([0.1, 0.1, 0.1])  # in force at epoch 1
+    b = CALSHRLoss(3, margin=1.0, lambda_init=0.1)
+    b.load_state_dict(sd)
+    for hr in (a, b):
+        hr.observe(*_hr_batch(*HR_P[2]))
+    assert a.update_multipliers(2) == b.update_multipliers(2)
+    assert b.lambdas.tolist() == pytest.approx([0.121, 0.121, 0.1 / 1.21], rel=1e-12)
+    # a state saved before lambdas_prev existed loads under the unweighted rule only
+    old = {k: v for k, v in sd.items() if k != "lambdas_prev"}
+    CALSHRLoss(3, score="unweighted").load_state_dict(old)
+    with pytest.raises(RuntimeError, match="lambdas_prev"):
+        CALSHRLoss(3).load_state_dict(old)
+
+
+def test_cals_hr_bad_score_rule():
+    with pytest.raises(ValueError, match="score.*weighted.*unweighted"):
+        build_loss("cals_hr", 3, score="lambda")
