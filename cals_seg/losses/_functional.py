@@ -31,17 +31,18 @@ from ._base import autocast_off
 ElementFn = Callable[[Tensor], Tensor]
 
 BLOCK_ELEMENTS = 1 << 18  # ~1 MiB of float32 per temporary: CPU cache-sized
-# On a GPU a block is a kernel launch per operation, and a 1 MiB block is launch-bound (measured
-# on an H100: CALS-ALM step 2.3x CE's with CPU-sized blocks). There, blocks are a sixteenth of
-# the logits (at least 4M elements): temporaries stay at 1/16 of the logits each, and a pass
-# is about 16 x 10 launches.
-GPU_BLOCKS = 16
+# On a GPU a block is a kernel launch per operation, and a 1 MiB block is launch-bound. Measured
+# on an H100 (docs/gpu/, DeepLabV3-ResNet50 bf16 step at 8 x 512 x 512): CALS-ALM / CE = 2.34x
+# with CPU-sized blocks, 1.12x with 16 blocks, 1.05x with 4; the loss's peak memory was CE's plus
+# one logits tensor for 16, 8, 4 and 2 blocks alike (the block temporaries are freed before the
+# gradient is allocated). So four blocks (at least 4M elements each).
+GPU_BLOCKS = 4
 GPU_MIN_BLOCK = 1 << 22
 
 
 def default_block(logits: Tensor) -> int:
-    """Elements per block for ``logits``: :data:`BLOCK_ELEMENTS` on the CPU, a sixteenth of the
-    tensor (at least :data:`GPU_MIN_BLOCK`) on an accelerator."""
+    """Elements per block for ``logits``: :data:`BLOCK_ELEMENTS` on the CPU, a
+    :data:`GPU_BLOCKS`-th of the tensor (at least :data:`GPU_MIN_BLOCK`) on an accelerator."""
     if logits.device.type == "cpu":
         return BLOCK_ELEMENTS
     return max(GPU_MIN_BLOCK, -(-logits.numel() // GPU_BLOCKS))
