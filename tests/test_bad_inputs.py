@@ -267,13 +267,13 @@ def kill_between_history_and_checkpoint(finished, tmp: Path, monkeypatch) -> Non
     cfg = _cfg(tmp, "killed", **{"train.epochs": "2"})
     real, saves = trainer_mod.save_checkpoint, []
 
-    def killed_on_third_save(state, path):
+    def killed_at_epoch_1(state, path):
         saves.append(path)
-        if len(saves) == 3:  # epoch 0: last (+ best); epoch 1: its first file
+        if state["epoch"] == 1:  # epoch 1's history line is written, its checkpoint is not
             raise KeyboardInterrupt
         real(state, path)
 
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", killed_on_third_save)
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", killed_at_epoch_1)
     with pytest.raises(KeyboardInterrupt):
         _fit(cfg)
     monkeypatch.setattr(trainer_mod, "save_checkpoint", real)

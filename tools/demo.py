@@ -9,7 +9,7 @@ run found in the output folder is reused (delete the folder to retrain).
 
 The two runs are seed 0 of the study's CE and CALS-ALM rows (``make compare``). With
 ``train.amp: auto`` they train in bfloat16 where the CPU has it natively and in float32
-elsewhere (emulated bf16 would be about 15x slower), which keeps the demo under 10 minutes on 2
+elsewhere (emulated bf16 would be about 20x slower), which keeps the demo under 10 minutes on 2
 cores of either kind (README, "The demo").
 """
 
