@@ -12,6 +12,7 @@ one module here and registers its dataset builders by ``data.name``::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +114,29 @@ def build_task(cfg: Config, family: str | None = None) -> Task:
             f"data.name={cfg.data.name!r} is a {found} dataset; train it with {tool}."
         )
     return DATASETS[cfg.data.name][1](cfg)
+
+
+def generate_embedded(cfg: Config, generate: Callable[..., Any], classes: int, what: str) -> None:
+    """Generate an embedded dataset at ``data.root`` (when missing) with the generator keyword
+    arguments of ``data.synthetic``, after checking ``data.num_classes`` against its ``classes``.
+
+    Raises:
+        ValueError: a class count or a ``data.synthetic`` key that does not fit, named.
+    """
+    d = cfg.data
+    if d.num_classes != classes:
+        raise ValueError(
+            f"data.num_classes: {what} has {classes} classes, but the config says "
+            f"{d.num_classes}."
+        )
+    accepted = [p for p in inspect.signature(generate).parameters if p != "root"]
+    unknown = sorted(set(d.synthetic) - set(accepted))
+    if unknown:
+        raise ValueError(f"data.synthetic: unknown key(s) {unknown}; valid keys are {accepted}.")
+    try:
+        generate(d.root, **d.synthetic)
+    except TypeError as err:
+        raise ValueError(f"data.synthetic: {err}") from None
 
 
 def class_names_or_default(names: Any, num_classes: int) -> list[str]:

@@ -23,7 +23,7 @@ from ..data.classification import (
 )
 from ..data.synthetic_cls import IMAGE_CLASSES, generate_synthetic_images
 from ..models.classification import build_classification_model
-from . import ClassificationTask, register_dataset
+from . import ClassificationTask, generate_embedded, register_dataset
 
 
 def check_classification_config(cfg: Config, classes: Sequence[str]) -> None:
@@ -69,17 +69,9 @@ def _image_dataset(name: str, splits: Callable[[Config], dict[str, Any]]) -> Non
 
 
 def _synthetic_splits(cfg: Config) -> dict[str, Any]:
-    d = cfg.data
-    if d.num_classes != len(IMAGE_CLASSES):
-        raise ValueError(
-            f"data.num_classes: the synthetic image set has {len(IMAGE_CLASSES)} classes, "
-            f"but the config says {d.num_classes}."
-        )
-    try:
-        generate_synthetic_images(d.root, **d.synthetic)
-    except TypeError as err:
-        raise ValueError(f"data.synthetic: {err}") from None
-    return image_folder_splits(d.root)
+    generate_embedded(cfg, generate_synthetic_images, len(IMAGE_CLASSES),
+                      "the synthetic image set")
+    return image_folder_splits(cfg.data.root)
 
 
 # root/{train,val,test}/<class>/*

@@ -7,7 +7,6 @@ returns :func:`segmentation_task` of its three splits.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 
 from ..config import Config
@@ -15,7 +14,7 @@ from ..data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
 from ..data.transforms import eval_transform, train_transform
 from ..data.voc import VOC_CLASSES, VOCSegmentation, paper_split
 from ..models import build_segmentation_model
-from . import SegmentationTask, class_names_or_default, register_dataset
+from . import SegmentationTask, class_names_or_default, generate_embedded, register_dataset
 
 
 def segmentation_task(cfg: Config, splits: dict[str, list[str]],
@@ -57,18 +56,6 @@ def synthetic(cfg: Config) -> SegmentationTask:
     """The embedded dataset (VOC layout), generated at ``data.root`` when missing
     (``data.synthetic`` holds the generator's keyword arguments), with the paper's split."""
     d = cfg.data
-    if d.num_classes != len(SYNTHETIC_CLASSES):
-        raise ValueError(
-            f"data.num_classes: the synthetic dataset has {len(SYNTHETIC_CLASSES)} classes, but "
-            f"the config says {d.num_classes}."
-        )
-    accepted = [p for p in inspect.signature(generate_synthetic_voc).parameters if p != "root"]
-    unknown = sorted(set(d.synthetic) - set(accepted))
-    if unknown:
-        raise ValueError(f"data.synthetic: unknown key(s) {unknown}; valid keys are {accepted}.")
-    try:
-        generate_synthetic_voc(d.root, **d.synthetic)
-    except TypeError as err:
-        raise ValueError(f"data.synthetic: {err}") from None
+    generate_embedded(cfg, generate_synthetic_voc, len(SYNTHETIC_CLASSES), "the synthetic dataset")
     split = paper_split(d.root, val_fraction=d.val_fraction, seed=d.split_seed)
     return segmentation_task(cfg, split, SYNTHETIC_CLASSES)

@@ -13,7 +13,7 @@ from ..data.text import (
     twenty_news_paper_split,
 )
 from ..models.text import GlobalPoolingCNN
-from . import ClassificationTask, register_dataset
+from . import ClassificationTask, generate_embedded, register_dataset
 from .classification import check_classification_config
 
 
@@ -64,14 +64,5 @@ register_dataset("20news", family="classification")(text_task)
 @register_dataset("synthetic_text", family="classification")
 def synthetic_text(cfg: Config) -> ClassificationTask:
     """The embedded topic corpus, generated at ``data.root`` when missing."""
-    d = cfg.data
-    if d.num_classes != len(TEXT_GROUPS):
-        raise ValueError(
-            f"data.num_classes: the synthetic corpus has {len(TEXT_GROUPS)} groups, but the "
-            f"config says {d.num_classes}."
-        )
-    try:
-        generate_synthetic_corpus(d.root, **d.synthetic)
-    except TypeError as err:
-        raise ValueError(f"data.synthetic: {err}") from None
+    generate_embedded(cfg, generate_synthetic_corpus, len(TEXT_GROUPS), "the synthetic corpus")
     return text_task(cfg)
