@@ -58,6 +58,7 @@ def check_config(cfg: Config) -> None:
         _positive(t.grad_clip, "train.grad_clip", "use null for no clipping")
     if e.num_maps < 0:
         raise ConfigError(f"eval.num_maps: expected a number >= 0, got {e.num_maps}.")
+    check_eval_protocol(cfg)
     if t.best_mode not in BEST_MODES:
         raise ConfigError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
     direction = ("min" if t.best_metric in LOWER_BETTER
@@ -74,6 +75,46 @@ def check_config(cfg: Config) -> None:
     except (ValueError, TypeError) as err:
         message = str(err)
         raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
+
+
+def check_eval_protocol(cfg: Config) -> None:
+    """Refuse evaluation-protocol values (``eval.mode``, ``window``, ``stride``, ``resize``,
+    ``pad``) that :class:`cals_seg.inference.EvalProtocol` cannot run, and ``data.eval_size`` for
+    segmentation, where it would shrink the masks.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    e = cfg.eval
+    if e.mode not in ("whole", "slide"):
+        raise ConfigError(
+            f"eval.mode: expected 'whole' or 'slide', got {e.mode!r}; e.g. --set eval.mode=slide "
+            "eval.window=512 eval.stride=341 (tiles), or eval.mode=whole with eval.resize=1024."
+        )
+    for key, value in (("eval.window", e.window), ("eval.resize", e.resize),
+                       ("eval.pad", e.pad)):
+        if value is None and key != "eval.window":
+            continue
+        if value < 1:
+            fix = "e.g. --set eval.window=512" if key == "eval.window" else "or null for none"
+            raise ConfigError(f"{key}: expected an integer >= 1, got {value}; {fix}.")
+    if not 1 <= e.stride <= e.window:
+        raise ConfigError(
+            f"eval.stride: expected an integer in [1, eval.window] = [1, {e.window}], got "
+            f"{e.stride}; a stride above the window leaves pixels that no tile covers. E.g. --set "
+            f"eval.stride={max(1, e.window * 2 // 3)} (two thirds of the window)."
+        )
+    from .tasks import DATASETS  # the datasets and models are imported only when needed
+
+    family = DATASETS.get(cfg.data.name, ("unknown",))[0]
+    if cfg.data.eval_size is not None and family == "segmentation":
+        raise ConfigError(
+            f"data.eval_size: {cfg.data.eval_size} would shrink the masks of a segmentation "
+            "split; metrics are now taken at each image's own resolution. Set data.eval_size: "
+            f"null and choose the network input with eval.pad: {cfg.data.eval_size} (pad, the "
+            f"paper's VOC protocol), eval.resize: {cfg.data.eval_size} (longest side), or "
+            "eval.mode: slide (tiles)."
+        )
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -135,9 +176,10 @@ def check_best_metric(task: Any, best_metric: str, n_bins: int) -> None:
         )
 
 
-def check_splits(task: Any, batch_size: int, eval_size: int | None) -> None:
+def check_splits(task: Any, batch_size: int, bounded_input: bool = False) -> None:
     """Refuse splits that would fail later (empty, fewer training samples than a batch, no
-    valid validation label) and warn about evaluation images large enough to take minutes.
+    valid validation label) and warn about evaluation images large enough to take minutes
+    (unless ``bounded_input``: the network input is resized or tiled).
 
     Raises:
         ValueError: naming the split and the fix.
@@ -164,21 +206,29 @@ def check_splits(task: Any, batch_size: int, eval_size: int | None) -> None:
             "data.val_fraction."
         )
     for split in ("val", "test"):
-        warn_large_images(getattr(task, f"{split}_set"), split, eval_size)
+        warn_large_images(getattr(task, f"{split}_set"), split, bounded_input)
 
 
-def warn_large_images(dataset: Any, split: str, eval_size: int | None) -> None:
-    """Warn (once per split) when an image evaluated at its own size is large enough to take
-    minutes: reads image headers only."""
-    if eval_size is not None or not hasattr(dataset, "image_size"):
+def bounded_input(cfg: Config) -> bool:
+    """Whether the evaluation's network input is bounded whatever the image size (resized or
+    tiled)."""
+    return cfg.eval.mode == "slide" or cfg.eval.resize is not None
+
+
+def warn_large_images(dataset: Any, split: str, bounded_input: bool = False) -> None:
+    """Warn (once per split) when an image whose network input is the whole image, at its own
+    size, is large enough to take minutes: reads image headers only."""
+    if bounded_input or not hasattr(dataset, "image_size"):
         return
     for sample_id in dataset.ids:
         width, height = dataset.image_size(sample_id)
         if width * height > LARGE_IMAGE_PIXELS:
             warnings.warn(
                 f"The {split} split holds a {width}x{height} image ({sample_id}); with "
-                "data.eval_size: null it is evaluated at that size, which can take minutes "
-                "per image on a CPU. Set data.eval_size (e.g. 512) to shrink it.",
+                "eval.mode: whole and eval.resize: null the network sees it at that size, which "
+                "can take minutes and gigabytes per image on a CPU. Set eval.resize (e.g. 1024) "
+                "or eval.mode: slide (tiles of eval.window); the metrics stay on the original "
+                "pixels either way.",
                 stacklevel=2,
             )
             return

@@ -49,6 +49,31 @@ def add_method_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+PROTOCOL_KEYS = ("mode", "resize", "pad", "window", "stride")
+
+
+def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--mode --resize --pad --window --stride``: the run's ``eval.*`` protocol, overridden
+    (see :mod:`cals_seg.inference`); the metrics and outputs stay at the image's resolution."""
+    group = parser.add_argument_group(
+        "network input (default: the run's eval section; the logits are always upsampled to "
+        "the image's own size)")
+    group.add_argument("--mode", choices=["whole", "slide"], default=None,
+                       help="whole image, or tiles of --window every --stride pixels")
+    group.add_argument("--resize", default=None, metavar="S",
+                       help="longest side of the network input, aspect kept (null: none)")
+    group.add_argument("--pad", default=None, metavar="P",
+                       help="pad the network input to at least P x P (null: none)")
+    group.add_argument("--window", default=None, metavar="W", help="tile side (slide mode)")
+    group.add_argument("--stride", default=None, metavar="S", help="tile step (slide mode)")
+
+
+def protocol_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` items of :func:`add_protocol_arguments`' options that were given."""
+    return [f"eval.{key}={getattr(args, key)}" for key in PROTOCOL_KEYS
+            if getattr(args, key, None) is not None]
+
+
 def training_parser(doc: str | None) -> argparse.ArgumentParser:
     """``CONFIG [--method M] [--set KEY=VALUE ...] [--resume RUN_DIR]``."""
     parser = argparse.ArgumentParser(

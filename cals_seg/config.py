@@ -36,10 +36,12 @@ class DataConfig:
     (``root/{train,val,test}/<class>/*``), ``split_files`` (``<path> <label>`` lists named by
     ``split_files``), ``tiny_imagenet``, ``imagenet``, ``imagenet_lt``, ``synthetic_cls`` (the
     embedded long-tailed image set, generated at ``root`` when missing); text: ``20news``,
-    ``synthetic_text``. ``eval_size`` is the shorter side images are resized to before the
-    centre crop of ``image_size`` (``None``: ``image_size``); ``val_fraction`` is the part of
-    ImageNet's official val used as validation (the rest is the test set); ``synthetic`` holds
-    the keyword arguments of the embedded generators. Fields used by classification and text:
+    ``synthetic_text``. ``eval_size`` (classification only) is the shorter side images are
+    resized to before the centre crop of ``image_size`` (``None``: ``image_size``); segmentation
+    refuses it and takes its evaluation protocol from :class:`EvalConfig`; ``val_fraction`` is
+    the part of ImageNet's official val used as validation (the rest is the test set);
+    ``synthetic`` holds the keyword arguments of the embedded generators. Fields used by
+    classification and text:
 
     - ``image_size``: input side; ``crop_scale``: area range of the training
       ``RandomResizedCrop``; ``color_jitter``: brightness/contrast/saturation strength (0: off);
@@ -143,12 +145,27 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation: calibration bins, temperature scaling, number of calibration maps."""
+    """Evaluation: calibration bins, temperature scaling, number of calibration maps, and, for
+    segmentation, how the network input is made from an image (:mod:`cals_seg.inference`).
+
+    Segmentation metrics are always taken at each image's own resolution against its
+    unmodified mask: the logits are cropped and bilinearly upsampled to the image's size before
+    the softmax. ``mode``: ``whole`` (the image in one forward pass) or ``slide`` (tiles of
+    ``window x window`` every ``stride`` pixels, overlapping logits averaged, ``batch_size``
+    tiles per pass). ``resize``: longest side of the network input (aspect kept), ``null`` for
+    the image's own size. ``pad``: pad the network input at the bottom/right to at least
+    ``pad x pad`` (``512``: the paper's VOC protocol), ``null`` for none.
+    """
 
     batch_size: int = 8
     n_bins: int = 15
     temperature_scaling: bool = True
     num_maps: int = 4
+    mode: str = "whole"
+    resize: int | None = None
+    pad: int | None = None
+    window: int = 512
+    stride: int = 341
 
 
 @dataclass

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
 from .distributed import is_main_process
+from .inference import EvalProtocol, segment_logits
 from .precision import autocast_context
 
 
@@ -81,6 +82,14 @@ def _feed(consumers: Sequence[Consumer], logits: Tensor, target: Tensor) -> None
         update(logits, target)
 
 
+def _num_samples(loader: DataLoader) -> int | None:
+    """Samples this process will see (for a per-image progress bar)."""
+    try:
+        return sum(len(b) for b in loader.batch_sampler)
+    except TypeError:  # an iterable dataset, or a sampler without a length
+        return None
+
+
 @torch.no_grad()
 def predict(
     model: nn.Module,
@@ -89,19 +98,32 @@ def predict(
     amp: str = "none",
     progress: bool = False,
     desc: str = "eval",
+    protocol: EvalProtocol | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield ``(logits (N, K, *S) float32, target (N, *S))`` per batch, model in eval mode.
 
     ``amp`` is a resolved precision (``none``, ``bf16``, ``fp16``) for the forward pass only.
+    With a ``protocol`` (segmentation) the logits come from
+    :func:`cals_seg.inference.segment_logits`: whatever the network input (resized, padded,
+    tiled), they are at each image's own resolution, like its unmodified mask. The progress bar
+    counts images.
     """
     model.eval()
     progress = progress and is_main_process()
-    for batch in tqdm(loader, desc=desc, leave=False, disable=not progress, dynamic_ncols=True):
-        for part in batch if isinstance(batch, RaggedBatch) else (batch,):
-            inputs, target = unpack_batch(part)
-            with autocast_context(device, amp):
-                logits = model(inputs.to(device, non_blocking=True))
-            yield logits.float(), target.to(device, non_blocking=True)
+    bar = tqdm(total=_num_samples(loader) if progress else None, desc=desc, unit="img",
+               leave=False, disable=not progress, dynamic_ncols=True)
+    with bar:
+        for batch in loader:
+            for part in batch if isinstance(batch, RaggedBatch) else (batch,):
+                inputs, target = unpack_batch(part)
+                inputs = inputs.to(device, non_blocking=True)
+                if protocol is not None:
+                    logits = segment_logits(model, inputs, protocol, amp)
+                else:
+                    with autocast_context(device, amp):
+                        logits = model(inputs)
+                bar.update(len(target))
+                yield logits.float(), target.to(device, non_blocking=True)
 
 
 def evaluate(
@@ -112,9 +134,11 @@ def evaluate(
     amp: str = "none",
     progress: bool = False,
     desc: str = "eval",
+    protocol: EvalProtocol | None = None,
 ) -> None:
-    """One pass of ``model`` over ``loader``; every batch goes to every consumer."""
-    for logits, target in predict(model, loader, device, amp, progress, desc):
+    """One pass of ``model`` over ``loader``; every batch goes to every consumer (``protocol``:
+    see :func:`predict`)."""
+    for logits, target in predict(model, loader, device, amp, progress, desc, protocol):
         _feed(consumers, logits, target)
 
 

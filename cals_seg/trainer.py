@@ -24,7 +24,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .checks import check_best_metric, check_config, check_resume, check_splits
+from .checks import (
+    bounded_input,
+    check_best_metric,
+    check_config,
+    check_resume,
+    check_splits,
+)
 from .config import Config, config_to_dict, save_config
 from .distributed import (
     barrier,
@@ -159,7 +165,8 @@ def validate(
     consumers: list[Any] = [_check_outputs, *meters.values()]
     if hasattr(criterion, "observe"):
         consumers.append(criterion.observe)
-    evaluate(model, loader, device, consumers, amp, progress, desc="val")
+    evaluate(model, loader, device, consumers, amp, progress, desc="val",
+             protocol=getattr(task, "protocol", None))
     return compute(meters)
 
 
@@ -185,10 +192,12 @@ def calibrated_test(
         ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}``, the metrics being the
         merged outputs of ``task.meters(n_bins, test=True)``.
     """
+    protocol = getattr(task, "protocol", None)  # segmentation: logits at the images' size
     temperature = 1.0
     if temperature_scaling:
         temperature = fit_temperature(
-            lambda: predict(model, val_loader, device, amp), ignore_index=task.ignore_index
+            lambda: predict(model, val_loader, device, amp, protocol=protocol),
+            ignore_index=task.ignore_index,
         )
     pre = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
     post = {}
@@ -196,7 +205,8 @@ def calibrated_test(
     if temperature_scaling:
         post = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
         consumers.append(Scaled(temperature, post.values()))
-    evaluate(model, test_loader, device, consumers, amp, progress, desc="test")
+    evaluate(model, test_loader, device, consumers, amp, progress, desc="test",
+             protocol=protocol)
     return {
         "temperature": temperature,
         "pre_ts": compute(pre),
@@ -295,7 +305,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
-    check_splits(task, t.batch_size, getattr(cfg.data, "eval_size", None))
+    check_splits(task, t.batch_size, bounded_input(cfg))
     check_best_metric(task, t.best_metric, cfg.eval.n_bins)
     workers = cfg.data.num_workers
     train_loader = make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed)

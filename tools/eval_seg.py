@@ -2,7 +2,11 @@
 per-image calibration maps.
 
     python tools/eval_seg.py runs/<name>/config.yaml --checkpoint runs/<name>/checkpoint_best.pt \
-        [--split test] [--out DIR] [--num-maps 4] [--set key=value ...]
+        [--split test] [--out DIR] [--num-maps 4] [--mode slide --window 512 --stride 341]
+        [--resize S] [--pad P] [--set key=value ...]
+
+Every metric is taken at each image's own resolution against its unmodified mask; the network
+input follows the run's ``eval`` section (resize, pad, whole or slide), overridden by the options.
 
 Writes DIR/metrics.json (every metric of both meters, pooled and per-image, pre- and post-TS
 with T), DIR/reliability_{pre,post}_ts.png, DIR/lambda_curves.png when the run has multipliers,
@@ -19,16 +23,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from cals_seg import plotting  # noqa: E402
-from cals_seg.checks import warn_large_images  # noqa: E402
-from cals_seg.cli import USER_ERRORS, add_method_argument, add_set_argument, launch, report  # noqa: E402
+from cals_seg.checks import bounded_input, warn_large_images  # noqa: E402
+from cals_seg.cli import (  # noqa: E402
+    USER_ERRORS,
+    add_method_argument,
+    add_protocol_arguments,
+    add_set_argument,
+    launch,
+    protocol_overrides,
+    report,
+)
 from cals_seg.config import load_config  # noqa: E402
 from cals_seg.data.transforms import eval_transform  # noqa: E402
 from cals_seg.data.voc import voc_palette  # noqa: E402
 from cals_seg.distributed import is_main_process  # noqa: E402
 from cals_seg.engine import make_loader  # noqa: E402
+from cals_seg.inference import EvalProtocol, segment_logits  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
 from cals_seg.rundir import RunDir, load_checkpoint, write_json  # noqa: E402
 from cals_seg.tasks import build_task  # noqa: E402
@@ -52,8 +64,11 @@ def calibration_maps(
     class_names: list[str],
     ignore_index: int,
     temperature: float = 1.0,
+    protocol: EvalProtocol | None = None,
+    amp: str = "none",
 ) -> list[Path]:
-    """One six-panel PNG per image id, at the image's own resolution (no resizing)."""
+    """One six-panel PNG per image id, at the image's own resolution: the logits of the
+    evaluation's ``protocol`` (:func:`cals_seg.inference.segment_logits`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.eval()
     to_tensor = eval_transform(None, ignore_index=ignore_index)
@@ -61,9 +76,7 @@ def calibration_maps(
     for sample_id in ids:
         image, mask = dataset.load_image(sample_id), dataset.load_mask(sample_id)
         x = to_tensor(image=image, mask=mask)["image"].unsqueeze(0).to(device)
-        h, w = x.shape[-2:]
-        pad_h, pad_w = (-h) % 16, (-w) % 16  # smp encoders need sizes divisible by 16 or 32
-        logits = model(F.pad(x, (0, pad_w, 0, pad_h)))[..., :h, :w].float() / temperature
+        logits = segment_logits(model, x, protocol, amp) / temperature
         conf, pred = logits.softmax(dim=1).max(dim=1)
         path = out_dir / f"{sample_id}.png"
         plotting.plot_calibration_map(
@@ -95,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="calibration maps for the first N images (default: eval.num_maps)",
     )
+    add_protocol_arguments(parser)
     add_method_argument(parser)
     add_set_argument(parser)
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set, args.method)
+        cfg = load_config(args.config, [*args.set, *protocol_overrides(args)], args.method)
         task = build_task(cfg, "segmentation")
         ckpt = load_checkpoint(args.checkpoint)
         if ckpt.get("num_classes") != task.num_classes:
@@ -123,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.train.threads)
     model = task.model.to(device)
     split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
-    warn_large_images(split_set, args.split, cfg.data.eval_size)
+    warn_large_images(split_set, args.split, bounded_input(cfg))
     if args.split == "train":  # the training images without augmentation (a copy, not the task's)
         split_set = copy.copy(split_set)
         split_set.transform = task.val_set.transform
@@ -163,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         device,
         task.class_names,
         task.ignore_index,
+        protocol=task.protocol,
+        amp=amp,
     )
     pre, post = result["pre_ts"], result["post_ts"]
     line = f"{args.split}: ECE {pre['ece']:.4f}  AECE {pre['aece']:.4f}  mIoU {pre['miou']:.4f}"

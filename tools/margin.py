@@ -240,7 +240,8 @@ def gaps_main(args: argparse.Namespace) -> int:
             torch.set_num_threads(cfg.train.threads)
         split_set = {"val": task.val_set, "test": task.test_set}[args.split]
         loader = make_loader(split_set, cfg.eval.batch_size, False, cfg.data.num_workers)
-        batches = predict(task.model.to(device), loader, device, amp, cfg.train.progress)
+        batches = predict(task.model.to(device), loader, device, amp, cfg.train.progress,
+                          protocol=getattr(task, "protocol", None))
         stats = gap_statistics(
             batches, task.num_classes, task.ignore_index, list(args.margins),
             tuple(args.percentiles), args.bin_width, args.hist_max,

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..config import Config
+from ..inference import EvalProtocol
 from ..metrics import CalibrationMeter, SegmentationMeter
 from ..metrics.groups import ShotGroupMeter
 
@@ -52,7 +53,11 @@ class Task:
 
 @dataclass
 class SegmentationTask(Task):
-    """Logits ``(N, K, H, W)``, masks ``(N, H, W)``: calibration and segmentation meters."""
+    """Logits ``(N, K, H, W)``, masks ``(N, H, W)``: calibration and segmentation meters.
+    ``protocol``: how the evaluation makes the network input from an image (the logits are
+    always at the image's own resolution, see :mod:`cals_seg.inference`)."""
+
+    protocol: EvalProtocol | None = None
 
     family = "segmentation"
     score_metric = "miou"

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import nn
+
+from ..checks import check_eval_protocol
 from ..config import Config
 from ..data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
 from ..data.transforms import eval_transform, train_transform
 from ..data.voc import VOC_CLASSES, VOCSegmentation, paper_split
+from ..inference import EvalProtocol, input_multiple
 from ..models import build_segmentation_model
 from . import SegmentationTask, class_names_or_default, generate_embedded, register_dataset
 
@@ -21,16 +25,14 @@ def segmentation_task(cfg: Config, splits: dict[str, list[str]],
                       class_names: Sequence[str]) -> SegmentationTask:
     """VOC-layout datasets of ``splits`` (``{"train", "val", "test": ids}`` under
     ``data.root``) with the config's transforms, and the smp model."""
-    d, m = cfg.data, cfg.model
-    model = build_segmentation_model(
-        m.arch, m.encoder_name, m.encoder_weights, d.num_classes, **m.params
-    )
+    d = cfg.data
+    model = build_model(cfg, cfg.model.encoder_weights)
     train_tf = train_transform(d.crop_size, scale_range=tuple(d.scale_range),
                                color_jitter=d.color_jitter, ignore_index=d.ignore_index)
-    # smp networks need sides divisible by their output stride: evaluation pads with void
-    stride = getattr(getattr(model, "encoder", None), "output_stride", 1)
-    multiple = stride if getattr(model, "requires_divisible_input_shape", False) else 1
-    eval_tf = eval_transform(d.eval_size, ignore_index=d.ignore_index, multiple=multiple)
+    # Evaluation samples are the unmodified images and masks (normalised only); the protocol
+    # makes the network input (resize / pad / tiles) and brings the logits back to their size.
+    protocol = eval_protocol(cfg, model)
+    eval_tf = eval_transform(None, ignore_index=d.ignore_index)
     common = dict(num_classes=d.num_classes, ignore_index=d.ignore_index)
     sets = {
         split: VOCSegmentation(d.root, splits[split], train_tf if split == "train" else eval_tf,
@@ -39,8 +41,38 @@ def segmentation_task(cfg: Config, splits: dict[str, list[str]],
     }
     return SegmentationTask(
         sets["train"], sets["val"], sets["test"], model, d.num_classes, d.ignore_index,
-        class_names_or_default(class_names, d.num_classes),
+        class_names_or_default(class_names, d.num_classes), protocol,
     )
+
+
+def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
+    """The evaluation protocol of ``cfg.eval`` for ``model`` (whose output stride sets the
+    padding multiple); ``eval.batch_size`` tiles per forward pass in slide mode.
+
+    Raises:
+        ConfigError: a bad ``eval.mode`` / ``window`` / ``stride`` / ``resize`` / ``pad``, or a
+            ``data.eval_size`` (see :func:`cals_seg.checks.check_eval_protocol`).
+    """
+    check_eval_protocol(cfg)
+    e = cfg.eval
+    return EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window, stride=e.stride,
+                    multiple=input_multiple(model), tile_batch=max(1, e.batch_size))
+
+
+def build_model(cfg: Config, encoder_weights: str | None = None) -> nn.Module:
+    """The config's smp model with ``encoder_weights`` (``None``: random, for loading a
+    checkpoint without downloading anything)."""
+    m = cfg.model
+    return build_segmentation_model(m.arch, m.encoder_name, encoder_weights,
+                                    cfg.data.num_classes, **m.params)
+
+
+CLASS_NAMES = {"voc": VOC_CLASSES, "synthetic": SYNTHETIC_CLASSES}
+
+
+def class_names(cfg: Config) -> list[str]:
+    """The class names of ``cfg``'s dataset, without reading the data."""
+    return class_names_or_default(CLASS_NAMES.get(cfg.data.name), cfg.data.num_classes)
 
 
 @register_dataset("voc", family="segmentation")
