@@ -3,6 +3,7 @@
 The public API, for use in any PyTorch training loop::
 
     from cals_seg import build_loss, CalibrationMeter, SegmentationMeter, fit_temperature
+    from cals_seg import predict_image  # calibrated maps of new images (cals_seg.inference)
 
 Names are imported on first access, so ``import cals_seg`` is cheap (it does not even import
 torch) and never pulls in the optional heavy dependencies of the tools (matplotlib,
@@ -36,6 +37,11 @@ _EXPORTS = {
     "fit_temperature": "cals_seg.temperature",
     "nll_at_temperature": "cals_seg.temperature",
     "TemperatureScaler": "cals_seg.temperature",
+    "EvalProtocol": "cals_seg.inference",
+    "Prediction": "cals_seg.inference",
+    "predict_image": "cals_seg.inference",
+    "segment_logits": "cals_seg.inference",
+    "calibrated_outputs": "cals_seg.inference",
 }
 
 __all__ = [
@@ -58,9 +64,21 @@ __all__ = [
     "fit_temperature",
     "nll_at_temperature",
     "TemperatureScaler",
+    "EvalProtocol",
+    "Prediction",
+    "predict_image",
+    "segment_logits",
+    "calibrated_outputs",
 ]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects
+    from cals_seg.inference import (
+        EvalProtocol,
+        Prediction,
+        calibrated_outputs,
+        predict_image,
+        segment_logits,
+    )
     from cals_seg.losses import (
         LOSSES,
         CALSALMLoss,
