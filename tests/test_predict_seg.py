@@ -1,0 +1,144 @@
+"""tools/predict_seg.py: calibrated maps of unlabelled images from a run directory."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from cals_seg.config import load_config, save_config
+from cals_seg.rundir import RunDir
+from cals_seg.tasks.segmentation import build_model
+
+from .conftest import load_tool
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
+MEAN, STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+T_RUN = 1.7
+STEP = 1 / 65535  # the storage precision of the 16-bit PNGs
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A run directory with a random-weight model, its config.yaml and a fitted temperature."""
+    run = tmp_path_factory.mktemp("predict") / "run"
+    run.mkdir()
+    cfg = load_config(SETUP, ["train.amp=none", "train.threads=1", "train.device=cpu",
+                              "model.encoder_name=tu-mobilenetv3_small_050",
+                              "model.params={encoder_output_stride: 16, decoder_channels: 16}"],
+                      "ce")
+    save_config(cfg, run / "config.yaml")
+    torch.manual_seed(0)
+    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 3},
+               run / "checkpoint_best.pt")
+    RunDir(run).write_temperature(T_RUN)
+    return run
+
+
+@pytest.fixture()
+def inputs(tmp_path) -> Path:
+    """a.jpg (64 x 48), b.png (53 x 37, not a multiple of the stride), bad.jpg, c.jpg."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(folder / "a.jpg")
+    Image.fromarray(rng.integers(0, 256, (37, 53, 3), dtype=np.uint8)).save(folder / "b.png")
+    (folder / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not a JPEG")
+    Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(folder / "c.jpg")
+    return folder
+
+
+def _reference(run: Path, image_path: Path, temperature: float):
+    """softmax(model(x) / T) with a plain forward pass and numpy normalisation."""
+    cfg = load_config(run / "config.yaml")
+    model = build_model(cfg).eval()
+    model.load_state_dict(torch.load(run / "checkpoint_best.pt")["model"])
+    pixels = np.asarray(Image.open(image_path).convert("RGB"), dtype=np.float32) / 255
+    x = torch.from_numpy(((pixels - MEAN) / STD).astype(np.float32)).permute(2, 0, 1)[None]
+    with torch.no_grad():
+        p = torch.softmax(model(x) / temperature, dim=1)[0]
+    return p.max(dim=0).values.numpy(), p.argmax(dim=0).numpy(), -(p * p.log()).sum(0).numpy()
+
+
+def _read16(path: Path) -> np.ndarray:
+    array = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    assert array.dtype == np.uint16
+    return array / 65535
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_writes_every_output_and_names_the_unreadable_file(run_dir, inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = load_tool("predict_seg").main([str(run_dir), str(inputs), "--out", str(out),
+                                        "--threshold", "0.3", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "bad.jpg" in err and "cannot read" in err
+    for name, (h, w) in (("a", (48, 64)), ("b", (37, 53)), ("c", (40, 40))):
+        for kind in ("label", "confidence", "entropy", "overlay"):
+            assert (out / f"{name}_{kind}.png").is_file(), (name, kind)
+        label = Image.open(out / f"{name}_label.png")
+        assert label.mode == "P" and label.size == (w, h)
+        assert Image.open(out / f"{name}_overlay.png").size == (w, h)
+    assert not list(out.glob("bad_*"))
+    lines = {Path(x["input"]).name: x for x in _lines(out)}
+    assert set(lines) == {"a.jpg", "b.png", "bad.jpg", "c.jpg"} and "error" in lines["bad.jpg"]
+
+    # the saved confidence is softmax(logits / T) of the run's temperature, to 16-bit precision
+    conf, label, entropy = _reference(run_dir, inputs / "a.jpg", T_RUN)
+    saved = _read16(out / "a_confidence.png")
+    assert np.abs(saved - conf).max() <= STEP
+    assert (np.asarray(Image.open(out / "a_label.png")) == label).mean() > 0.999
+    assert np.abs(_read16(out / "a_entropy.png") * math.log(11) - entropy).max() <= STEP * 3
+    a = lines["a.jpg"]
+    assert a["temperature"] == T_RUN and (a["height"], a["width"]) == (48, 64)
+    assert a["mean_confidence"] == pytest.approx(conf.mean(), abs=1e-5)
+    assert a["low_confidence_fraction"] == pytest.approx((conf < 0.3).mean(), abs=1e-3)
+    assert sum(a["class_areas"].values()) == pytest.approx(1.0)
+    assert set(a["outputs"]) == {"label", "confidence", "entropy", "overlay"}
+
+
+def test_temperature_one_is_honoured(run_dir, inputs, tmp_path):
+    out = tmp_path / "out"
+    rc = load_tool("predict_seg").main([str(run_dir / "checkpoint_best.pt"),
+                                        str(inputs / "a.jpg"), "--out", str(out),
+                                        "--temperature", "1", "--no-progress"])
+    assert rc == 0
+    conf, _, _ = _reference(run_dir, inputs / "a.jpg", 1.0)
+    assert np.abs(_read16(out / "a_confidence.png") - conf).max() <= STEP
+    calibrated, _, _ = _reference(run_dir, inputs / "a.jpg", T_RUN)
+    assert np.abs(calibrated - conf).max() > 10 * STEP  # the check can tell them apart
+    assert _lines(out)[0]["temperature"] == 1.0
+
+
+def test_strict_stops_at_the_unreadable_file(run_dir, inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = load_tool("predict_seg").main([str(run_dir), str(inputs), "--out", str(out),
+                                        "--strict", "--no-progress"])
+    assert rc == 2 and "bad.jpg" in capsys.readouterr().err
+    assert (out / "b_confidence.png").is_file() and not (out / "c_confidence.png").exists()
+
+
+def test_slide_options_and_their_errors(run_dir, inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = load_tool("predict_seg").main([str(run_dir), str(inputs / "a.jpg"),
+                                        str(inputs / "b.png"), "--out", str(out), "--mode",
+                                        "slide", "--window", "32", "--stride", "16",
+                                        "--no-progress"])
+    assert rc == 0
+    assert cv2.imread(str(out / "b_confidence.png"), cv2.IMREAD_UNCHANGED).shape == (37, 53)
+    rc = load_tool("predict_seg").main([str(run_dir), str(inputs), "--out", str(out),
+                                        "--mode", "slide", "--window", "32", "--stride", "64"])
+    assert rc == 2 and "eval.stride" in capsys.readouterr().err
+    rc = load_tool("predict_seg").main([str(run_dir.parent / "nothing"), str(inputs),
+                                        "--out", str(out)])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
