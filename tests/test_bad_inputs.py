@@ -297,13 +297,19 @@ def mixed_size_test_split(finished, tmp: Path) -> None:
 
 
 def huge_image_warns(finished, tmp: Path) -> None:
-    """12: a huge evaluation image gives a warning naming its size and data.eval_size."""
-    from cals_seg.checks import check_splits
+    """12: a huge evaluation image seen whole gives a warning naming its size and the keys that
+    bound the network input (eval.resize, eval.mode: slide); none when they are set."""
+    from cals_seg.checks import bounded_input, check_splits
 
     _voc_tree(tmp / "huge" / "voc", [(32, 32)] * 8, [(32, 32), (2100, 2100)])
     cfg = load_config(SETUP, _voc(tmp, "huge")[3:], "ce")
-    with pytest.warns(UserWarning, match=r"2100x2100 image .*data.eval_size"):
-        check_splits(build_task(cfg), 4, cfg.data.eval_size)
+    task = build_task(cfg)
+    with pytest.warns(UserWarning, match=r"2100x2100 image .*eval.resize.*eval.mode: slide"):
+        check_splits(task, 4, bounded_input(cfg))
+    cfg = load_config(SETUP, [*_voc(tmp, "huge")[3:], "eval.mode=slide"], "ce")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_splits(task, 4, bounded_input(cfg))
 
 
 BEHAVIOURS = {
