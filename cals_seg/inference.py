@@ -7,7 +7,7 @@ averaged). The logits never differ: the padding is cropped off and the logits ar
 upsampled to the image's ``(H, W)`` *before* any softmax. So every metric, the temperature fit and
 the saved confidence maps are taken on the original pixels, against the unmodified mask::
 
-    protocol = EvalProtocol(mode="slide", window=512, stride=341, multiple=input_multiple(model))
+    protocol = EvalProtocol(mode="slide", window=512, stride=341)
     logits = segment_logits(model, images, protocol)           # (N, K, H, W), float32
     out = predict_image(model, image, temperature=1.3, protocol=protocol)
     out.label, out.confidence, out.entropy                     # (N, H, W) each
@@ -47,8 +47,8 @@ class EvalProtocol:
             VOC protocol: 512), or ``None``.
         window: tile side in ``slide`` mode (an image side below it gives a shorter tile).
         stride: step between tiles, ``1 <= stride <= window``.
-        multiple: the network needs sides divisible by it (its output stride; see
-            :func:`input_multiple`): inputs are padded to it and the logits cropped back.
+        multiple: the network needs sides divisible by it: inputs are padded to it and the
+            logits cropped back; ``None``: ask the model (:func:`input_multiple`).
         tile_batch: tiles per forward pass in ``slide`` mode.
         mean, std: per-channel normalisation of ``[0, 1]`` RGB pixels (ImageNet). Padding is
             filled with the normalised value of a black pixel, ``-mean / std``.
@@ -62,7 +62,7 @@ class EvalProtocol:
     pad: int | None = None
     window: int = 512
     stride: int = 341
-    multiple: int = 1
+    multiple: int | None = None
     tile_batch: int = 8
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
@@ -72,7 +72,7 @@ class EvalProtocol:
             raise ValueError(f"Expected `mode` to be one of {list(MODES)}, but got {self.mode!r}.")
         for name in ("window", "stride", "multiple", "tile_batch", "resize", "pad"):
             value = getattr(self, name)
-            if value is None and name in ("resize", "pad"):
+            if value is None and name in ("resize", "pad", "multiple"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Expected `{name}` to be a positive integer, but got {value!r}.")
@@ -111,7 +111,7 @@ def _forward(model: nn.Module, x: Tensor, protocol: EvalProtocol, fill: Tensor, 
     """Logits ``(N, K, h, w)`` float32 of ``x (N, 3, h, w)``, padded to the network's multiple
     for the forward pass and cropped back."""
     h, w = x.shape[-2:]
-    m = protocol.multiple
+    m = protocol.multiple or input_multiple(model)
     padded = _pad(x, math.ceil(h / m) * m, math.ceil(w / m) * m, fill)
     with autocast_context(x.device, amp):
         logits = model(padded)

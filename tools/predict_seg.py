@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             log.flush()
     done = len(files) - len(failed)
     print(f"wrote {done} prediction(s) to {out} (T = {temperature:.3f}, {device.type}, "
-          f"{protocol.mode}); summary lines in {out / 'predictions.jsonl'}")
+          f"precision {amp}, {protocol.mode}); summary lines in {out / 'predictions.jsonl'}")
     if failed:
         print(f"error: {len(failed)} input(s) could not be read: {', '.join(failed)}",
               file=sys.stderr)
