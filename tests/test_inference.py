@@ -118,6 +118,19 @@ def test_predict_image_uses_the_evaluation_normalisation_and_path():
         predict_image(net, image.astype(np.float32))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_slide_on_cuda_matches_the_cpu():
+    net, x = _net(), torch.randn(2, 3, 70, 90)
+    protocol = EvalProtocol(mode="slide", window=32, stride=20, resize=60)
+    cpu = segment_logits(net, x, protocol)
+    gpu = segment_logits(net.cuda(), x.cuda(), protocol)
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-2, atol=1e-2)  # TF32 convolutions
+    out = predict_image(net, np.zeros((20, 30, 3), np.uint8), 1.5, protocol)
+    assert out.confidence.device.type == "cuda" and out.label.shape == (1, 20, 30)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"mode": "tiles"}, "`mode` to be one of"),
     ({"window": 0}, "`window` to be a positive integer"),
