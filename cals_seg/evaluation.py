@@ -44,6 +44,10 @@ def unpack_batch(batch: Any) -> tuple[Tensor, Tensor]:
     return batch[0], batch[1]
 
 
+# Segmentation images above this size are evaluated one at a time even when they stack.
+ONE_AT_A_TIME_PIXELS = 1024 * 1024
+
+
 class RaggedBatch(list):
     """Samples of different sizes that cannot be stacked: a list of batches of one, evaluated
     one at a time (:func:`eval_collate`)."""
@@ -115,15 +119,26 @@ def predict(
     with bar:
         for batch in loader:
             for part in batch if isinstance(batch, RaggedBatch) else (batch,):
-                inputs, target = unpack_batch(part)
-                inputs = inputs.to(device, non_blocking=True)
-                if protocol is not None:
-                    logits = segment_logits(model, inputs, protocol, amp)
-                else:
-                    with autocast_context(device, amp):
-                        logits = model(inputs)
-                bar.update(len(target))
-                yield logits.float(), target.to(device, non_blocking=True)
+                for inputs, target in _pieces(*unpack_batch(part), protocol):
+                    inputs = inputs.to(device, non_blocking=True)
+                    if protocol is not None:
+                        logits = segment_logits(model, inputs, protocol, amp)
+                    else:
+                        with autocast_context(device, amp):
+                            logits = model(inputs)
+                    bar.update(len(target))
+                    yield logits.float(), target.to(device, non_blocking=True)
+
+
+def _pieces(inputs: Tensor, target: Tensor, protocol: EvalProtocol | None
+            ) -> Iterable[tuple[Tensor, Tensor]]:
+    """The batch, or its images one at a time where their logits at full size would be large
+    (slide mode, or above :data:`ONE_AT_A_TIME_PIXELS`): memory stays that of one image."""
+    large = protocol is not None and inputs.dim() == 4 and (
+        protocol.mode == "slide" or inputs.shape[-2] * inputs.shape[-1] > ONE_AT_A_TIME_PIXELS)
+    if not large or len(inputs) == 1:
+        return ((inputs, target),)
+    return ((inputs[i:i + 1], target[i:i + 1]) for i in range(len(inputs)))
 
 
 def evaluate(

@@ -118,6 +118,26 @@ def test_predict_image_uses_the_evaluation_normalisation_and_path():
         predict_image(net, image.astype(np.float32))
 
 
+def test_large_or_tiled_batches_are_evaluated_one_image_at_a_time(monkeypatch):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cals_seg import evaluation
+
+    net = _net()
+    data = TensorDataset(torch.randn(4, 3, 20, 30), torch.randint(0, 5, (4, 20, 30)))
+    loader = DataLoader(data, batch_size=4)
+    cpu = torch.device("cpu")
+    whole = list(evaluation.predict(net, loader, cpu, protocol=EvalProtocol()))
+    assert [len(t) for _, t in whole] == [4]
+    slide = list(evaluation.predict(net, loader, cpu, protocol=EvalProtocol(
+        mode="slide", window=30, stride=30)))
+    assert [len(t) for _, t in slide] == [1, 1, 1, 1]
+    torch.testing.assert_close(torch.cat([x for x, _ in slide]), whole[0][0])
+    monkeypatch.setattr(evaluation, "ONE_AT_A_TIME_PIXELS", 500)  # 20 x 30 is "large" now
+    assert [len(t) for _, t in evaluation.predict(net, loader, cpu,
+                                                  protocol=EvalProtocol())] == [1, 1, 1, 1]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_slide_on_cuda_matches_the_cpu():
