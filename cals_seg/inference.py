@@ -142,7 +142,7 @@ def _slide(model: nn.Module, x: Tensor, protocol: EvalProtocol, fill: Tensor, am
         for (y, x0), tile in zip(chunk, logits, strict=True):
             total[0, :, y:y + th, x0:x0 + tw] += tile
             count[0, :, y:y + th, x0:x0 + tw] += 1
-    return total / count if len(boxes) > 1 else total
+    return total.div_(count) if len(boxes) > 1 else total
 
 
 def resized_shape(height: int, width: int, longest: int | None) -> tuple[int, int]:

@@ -55,8 +55,9 @@ def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
     """
     check_eval_protocol(cfg)
     e = cfg.eval
-    return EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window, stride=e.stride,
-                    multiple=input_multiple(model), tile_batch=max(1, e.batch_size))
+    return EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window,
+                        stride=e.stride, multiple=input_multiple(model),
+                        tile_batch=max(1, e.batch_size))
 
 
 def build_model(cfg: Config, encoder_weights: str | None = None) -> nn.Module:
