@@ -56,6 +56,7 @@ from cals_seg.data.voc import voc_palette  # noqa: E402
 from cals_seg.inference import EvalProtocol, Prediction, predict_image  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
 from cals_seg.rundir import CHECKPOINT_FILES, RunDir, load_checkpoint  # noqa: E402
+from cals_seg.tasks import DATASETS  # noqa: E402
 from cals_seg.tasks.segmentation import build_model, class_names, eval_protocol  # noqa: E402
 from cals_seg.trainer import resolve_device  # noqa: E402
 
@@ -188,7 +189,7 @@ def load_run(args: argparse.Namespace) -> tuple[Config, torch.nn.Module, EvalPro
     """Config, model (on its device, eval mode), protocol, temperature, device and precision."""
     run, checkpoint = resolve_run(args.run)
     cfg = load_config(run / "config.yaml", [*args.set, *protocol_overrides(args)])
-    if cfg.data.name not in ("voc", "synthetic"):
+    if DATASETS.get(cfg.data.name, ("unknown",))[0] != "segmentation":
         raise ValueError(f"{run} is a {cfg.data.name!r} run; predict_seg predicts segmentation.")
     state = load_checkpoint(checkpoint)
     if state.get("num_classes") not in (None, cfg.data.num_classes):
