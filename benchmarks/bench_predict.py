@@ -1,6 +1,6 @@
 """Peak memory and time per megapixel of ``tools/predict_seg.py`` on a folder of JPEGs.
 
-    python benchmarks/bench_predict.py                       # whole image, then slide
+    python benchmarks/bench_predict.py                       # whole, slide, resize 1024
     python benchmarks/bench_predict.py --modes slide --run runs/<name> --threads 2
 
 Generates, in a temporary folder, JPEGs of 4000 x 3000 (a phone photo) and three of 500 x 375
@@ -85,7 +85,7 @@ def run_predict(run: Path, images: Path, out: Path, extra: list[str]) -> tuple[f
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", nargs="+", default=["whole", "slide"], choices=PROTOCOLS)
+    parser.add_argument("--modes", nargs="+", default=list(PROTOCOLS), choices=PROTOCOLS)
     parser.add_argument("--run", default=None, help="a trained run (default: random weights)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (--set)")
     parser.add_argument("--device", default="cpu")
