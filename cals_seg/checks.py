@@ -24,7 +24,8 @@ BEST_MODES = ("max", "min")
 RESUMABLE_KEYS = (
     "name", "output_dir", "data.root", "data.num_workers", "train.epochs", "train.device",
     "train.threads", "train.progress", "eval.batch_size", "eval.n_bins",
-    "eval.temperature_scaling", "eval.num_maps",
+    "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize", "eval.pad",
+    "eval.window", "eval.stride",
 )
 
 # An evaluation image above this many pixels gets a warning (a 4000 x 3000 image takes

@@ -117,6 +117,11 @@ def eval_transform(
 ) -> SegmentationTransform:
     """Deterministic evaluation pipeline giving every image the same ``(size, size)`` shape.
 
+    The toolkit's own segmentation evaluation uses ``eval_transform(None)`` (normalisation
+    only) and makes the network input with :mod:`cals_seg.inference`, so that masks are never
+    resized; a ``size`` here shrinks the mask too, and metrics taken on its output are not on
+    the original pixels.
+
     Images whose longest side exceeds ``size`` are shrunk to it (bilinear image, nearest mask);
     then image and mask are padded at the bottom/right to ``size x size`` with 0 and
     ``ignore_index`` (void), so
