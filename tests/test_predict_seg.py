@@ -142,3 +142,19 @@ def test_slide_options_and_their_errors(run_dir, inputs, tmp_path, capsys):
     rc = load_tool("predict_seg").main([str(run_dir.parent / "nothing"), str(inputs),
                                         "--out", str(out)])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_a_4000x3000_photo_gets_every_output_at_its_size(run_dir, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    coarse = rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    cv2.imwrite(str(folder / "photo.jpg"), cv2.resize(coarse, (4000, 3000)))
+    out = tmp_path / "out"
+    rc = load_tool("predict_seg").main([str(run_dir), str(folder), "--out", str(out),
+                                        "--resize", "256", "--no-progress"])
+    assert rc == 0
+    for kind in ("label", "confidence", "entropy", "overlay"):
+        assert Image.open(out / f"photo_{kind}.png").size == (4000, 3000), kind
+    (line,) = _lines(out)
+    assert (line["width"], line["height"]) == (4000, 3000) and line["seconds"] > 0
