@@ -219,7 +219,8 @@ def plot_multiplier_curves(
 
     Args:
         history: per-epoch dicts as in ``history.jsonl``: ``"epoch"`` and, for CALS runs,
-            ``"lambda"`` (K floats) and ``"rho"`` (K floats). Entries without ``"lambda"`` are
+            ``"lambda"`` (K floats), ``"rho"`` (K floats) and, with ``margin: auto``,
+            ``"margin"`` (drawn in a panel of its own). Entries without ``"lambda"`` are
             skipped.
         path: output PNG.
         class_names: K names (default ``"class k"``).
@@ -258,12 +259,19 @@ def plot_multiplier_curves(
     style.update({c: (colours[len(high) + i], "--") for i, c in enumerate(low)})
     marker = "o" if len(epochs) <= 30 else None
 
-    npanels = 2 if rho is not None else 1
+    margin_rows = [e for e in rows if e.get("margin") is not None]
+    npanels = 1 + (rho is not None) + bool(margin_rows)
     fig = _figure(7.5 + 1.6, 3.3 * npanels + 0.4)
     axes = np.atleast_1d(fig.subplots(npanels, 1, sharex=True, squeeze=False).ravel())
     panels = [(axes[0], epochs, lam, r"$\lambda_k$ (class-wise multiplier)")]
     if rho is not None:
         panels.append((axes[1], _epochs(rho_rows), rho, r"$\rho_k$ (penalty parameter)"))
+    if margin_rows:  # margin: auto, the margin in force after each epoch
+        ax = axes[-1]
+        ax.plot(_epochs(margin_rows), [float(e["margin"]) for e in margin_rows], color="k",
+                lw=1.8, marker=marker, ms=3, label="margin m (auto)")
+        ax.set_ylabel("margin m (auto)")
+        ax.grid(True, which="major", alpha=0.3)
     for ax, x, values, label in panels:
         for c in range(k):
             if c not in style:
