@@ -21,8 +21,8 @@ from torch import Tensor
 
 from .._validation import check_finite
 from ..distributed import all_reduce_sum_
-from ._base import SegLoss, as_float32, autocast_off, check_and_flatten
 from ._auto_margin import NUM_BINS, effective_margin_sums, solve_temperature
+from ._base import SegLoss, as_float32, autocast_off, check_and_flatten
 from ._functional import ce_sum, class_penalty, class_sums
 from .penalties import Penalty, PenaltyFn, get_penalty
 
@@ -197,7 +197,8 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         logits: ``(N, K, *S)`` (half precision is computed in float32); target: ``(N, *S)``.
 
     Buffers (in ``state_dict``): ``lambdas (K,)``, ``rhos (K,)``, ``zbar_prev (K,)`` float64,
-    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64). The validation sums are O(K) float64 and not persistent.
+    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64).
+    The validation sums are O(K) float64 (O(bins) with ``"auto"``) and not persistent.
     """
 
     def __init__(
