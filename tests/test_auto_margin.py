@@ -15,6 +15,7 @@ from cals_seg.losses._auto_margin import (
     NUM_BINS,
     T_RANGE,
     effective_margin_sums,
+    largest_gap_bound,
     mean_confidence,
     solve_temperature,
 )
@@ -23,8 +24,10 @@ K, IGN = 5, 255
 
 
 def _reference_sums(logits, target, ignore_index):
-    """Loop over positions in float64: m_eff from the definition and the correct count."""
+    """Loop over positions in float64: m_eff and the largest gap from their definitions, and
+    the correct count."""
     hist = [0.0] * NUM_BINS
+    gaps = [0.0] * NUM_BINS
     correct = 0.0
     n, k = logits.shape[:2]
     x = logits.double().reshape(n, k, -1)
@@ -38,8 +41,11 @@ def _reference_sums(logits, target, ignore_index):
             rest = sum(math.exp(col[c] - col[top]) for c in range(k) if c != top)
             m_eff = math.log(k - 1) - math.log(rest)
             hist[min(NUM_BINS - 1, max(0, math.floor(m_eff / BIN_WIDTH)))] += 1
+            largest = max(col) - min(col)
+            gaps[min(NUM_BINS - 1, math.floor(largest / BIN_WIDTH))] += 1
             correct += float(top == int(t[i, s]))
-    return torch.tensor(hist, dtype=torch.float64), correct
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    return as_tensor(hist), as_tensor(gaps), correct
 
 
 def test_effective_margin_sums_match_a_float64_loop():
@@ -49,10 +55,13 @@ def test_effective_margin_sums_match_a_float64_loop():
     target = torch.randint(0, K, (3, 6, 7), generator=g)
     target[torch.rand(3, 6, 7, generator=g) < 0.2] = IGN
     valid = target != IGN
-    hist, correct = effective_margin_sums(logits.reshape(3, K, -1), target.reshape(3, -1),
-                                          valid.reshape(3, -1))
-    ref_hist, ref_correct = _reference_sums(logits, target, IGN)
+    hist, gap_hist, correct = effective_margin_sums(
+        logits.reshape(3, K, -1), target.reshape(3, -1), valid.reshape(3, -1)
+    )
+    ref_hist, ref_gaps, ref_correct = _reference_sums(logits, target, IGN)
     assert torch.equal(hist, ref_hist)
+    assert torch.equal(gap_hist, ref_gaps)
+    assert largest_gap_bound(gap_hist) == (int(ref_gaps.nonzero().max()) + 1) * BIN_WIDTH
     assert float(correct) == ref_correct
     assert hist.sum() == valid.sum()
     assert hist[-1] >= 1
@@ -61,8 +70,8 @@ def test_effective_margin_sums_match_a_float64_loop():
 def test_equal_gaps_give_the_margin_and_the_cap():
     # Every non-top logit 3 below the top: m_eff = 3 exactly, confidence = cap(3).
     logits = torch.tensor([3.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64).view(1, K, 1)
-    hist, _ = effective_margin_sums(logits, torch.zeros(1, 1, dtype=torch.long),
-                                    torch.ones(1, 1, dtype=torch.bool))
+    hist, _, _ = effective_margin_sums(logits, torch.zeros(1, 1, dtype=torch.long),
+                                       torch.ones(1, 1, dtype=torch.bool))
     assert int(hist.argmax()) == int(3.0 / BIN_WIDTH)
     conf = torch.softmax(logits.view(-1), 0)[0].item()
     assert conf == pytest.approx(1 / (1 + (K - 1) * math.exp(-3.0)), rel=1e-12)
@@ -110,12 +119,21 @@ def test_rule_shrinks_when_over_and_grows_when_under_confident(cls):
     assert t_hat > 1
     assert stats["margin"] == pytest.approx(8.0 / t_hat, rel=1e-12) == crit.margin
     assert float(crit.margin_value) == crit.margin
-    # Under-confident: gaps of 1 (confidence 0.40) on 100%-accurate pixels: grows, clipped.
-    for epoch in range(1, 6):
-        crit.observe(*_batch(1.0, 0.0))
+    # Under-confident: gaps of 3 (confidence 0.83) on 100%-accurate pixels: grows, up to
+    # margin_max when the largest validation gap is beyond it ...
+    for epoch in range(1, 4):
+        logits, target = _batch(3.0, 0.0)
+        logits[0, :, 0, 0] = torch.tensor([30.0, 0.0, 0.0, 0.0, 0.0])  # largest gap 30
+        crit.observe(logits, target)
         stats = crit.update_multipliers(epoch)
         assert stats["margin_temperature"] < 1
+        assert stats["margin_ceiling"] > 30
     assert crit.margin == 12.0
+    # ... and up to the largest gap (inert) when that is smaller.
+    crit.observe(*_batch(3.0, 0.0))
+    stats = crit.update_multipliers(4)
+    assert stats["margin_ceiling"] == pytest.approx(3.05)
+    assert crit.margin == stats["margin_ceiling"]
 
 
 def test_warmup_keeps_the_initial_margin():

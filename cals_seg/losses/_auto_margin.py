@@ -34,10 +34,15 @@ NUM_BINS = 800  # covers m_eff in [0, 40); larger values fall in the last bin
 T_RANGE = (1.0 / 16.0, 16.0)  # the solve is clipped to this range of temperatures
 
 
+def _bin(values: Tensor) -> Tensor:
+    return (values / BIN_WIDTH).floor_().clamp_(0, NUM_BINS - 1).long()
+
+
 def effective_margin_sums(
     logits: Tensor, target: Tensor, valid: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Histogram of ``m_eff`` and number of correct top-1 predictions over valid positions.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Histograms of ``m_eff`` and of the largest gap ``max_k d_ik``, and the number of correct
+    top-1 predictions, over valid positions.
 
     Args:
         logits: ``(N, K, S)`` float32 or float64.
@@ -45,10 +50,12 @@ def effective_margin_sums(
         valid: ``(N, S)`` bool.
 
     Returns:
-        ``hist (NUM_BINS,)`` float64 counts and ``correct ()`` float64.
+        ``hist (NUM_BINS,)``, ``gap_hist (NUM_BINS,)`` float64 counts and ``correct ()``
+        float64.
     """
     k = logits.shape[1]
     hist = torch.zeros(NUM_BINS, dtype=torch.float64, device=logits.device)
+    gap_hist = torch.zeros(NUM_BINS, dtype=torch.float64, device=logits.device)
     correct = torch.zeros((), dtype=torch.float64, device=logits.device)
     log_others = math.log(k - 1)
     for im, pos in blocks(logits):
@@ -57,10 +64,18 @@ def effective_margin_sums(
         mx, top = x.max(dim=1, keepdim=True)
         others = (x - mx).scatter_(1, top, float("-inf"))
         m_eff = log_others - torch.logsumexp(others, dim=1)  # (n, s), >= 0 up to rounding
-        index = (m_eff[ok] / BIN_WIDTH).floor_().clamp_(0, NUM_BINS - 1).long()
-        hist += torch.bincount(index, minlength=NUM_BINS).to(torch.float64)
+        largest = mx.squeeze(1) - x.amin(dim=1)
+        hist += torch.bincount(_bin(m_eff[ok]), minlength=NUM_BINS).to(torch.float64)
+        gap_hist += torch.bincount(_bin(largest[ok]), minlength=NUM_BINS).to(torch.float64)
         correct += (top.squeeze(1) == target[im, pos])[ok].sum().to(torch.float64)
-    return hist, correct
+    return hist, gap_hist, correct
+
+
+def largest_gap_bound(gap_hist: Tensor) -> float:
+    """An upper bound of the largest validation gap: the right edge of the highest non-empty
+    bin of ``gap_hist``. A margin at or above it binds on no validation pixel (inert)."""
+    nonzero = torch.nonzero(gap_hist).flatten()
+    return float(int(nonzero[-1]) + 1) * BIN_WIDTH if len(nonzero) else 0.0
 
 
 def confidence_cap(margin: Tensor | float, num_classes: int) -> Tensor:

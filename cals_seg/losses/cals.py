@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .._validation import check_finite
 from ..distributed import all_reduce_sum_
-from ._auto_margin import NUM_BINS, effective_margin_sums, solve_temperature
+from ._auto_margin import NUM_BINS, effective_margin_sums, largest_gap_bound, solve_temperature
 from ._base import SegLoss, as_float32, autocast_off, check_and_flatten
 from ._functional import ce_sum, class_penalty, class_sums
 from .penalties import Penalty, PenaltyFn, get_penalty
@@ -73,6 +73,9 @@ class _ClassAdaptiveLoss(SegLoss):
             self.register_buffer(
                 "_meff_hist", torch.zeros(NUM_BINS, dtype=torch.float64), persistent=False
             )
+            self.register_buffer(
+                "_gap_hist", torch.zeros(NUM_BINS, dtype=torch.float64), persistent=False
+            )
             self.register_buffer("_correct", torch.zeros((), dtype=torch.float64), persistent=False)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
@@ -81,7 +84,7 @@ class _ClassAdaptiveLoss(SegLoss):
             self.margin = float(self.margin_value)
 
     def _all_sums(self) -> list[Tensor]:
-        extra = [self._meff_hist, self._correct] if self.auto_margin else []
+        extra = [self._meff_hist, self._gap_hist, self._correct] if self.auto_margin else []
         return [*self._sums(), *extra]
 
     def _per_class(self, values: Tensor, like: Tensor) -> Tensor:
@@ -108,17 +111,22 @@ class _ClassAdaptiveLoss(SegLoss):
             )
         return sums, n
 
-    def _update_margin(self, epoch: int, hist: Tensor, correct: Tensor) -> dict[str, float]:
-        """The ``margin: auto`` rule after epoch ``epoch`` (0-based): ``m <- clip(m / T_hat)``
-        from this validation pass's statistics; nothing during the first ``margin_warmup``
-        epochs. Returns the history entries ``margin`` (the margin now in force) and
-        ``margin_temperature`` (``T_hat``)."""
+    def _update_margin(
+        self, epoch: int, hist: Tensor, gap_hist: Tensor, correct: Tensor
+    ) -> dict[str, float]:
+        """The ``margin: auto`` rule after epoch ``epoch`` (0-based) from this validation pass's
+        statistics: ``m <- clip(m / T_hat, margin_min, min(margin_max, G))`` with ``G`` the
+        largest validation gap (a margin above it is inert); nothing during the first
+        ``margin_warmup`` epochs. Returns the history entries ``margin`` (the margin now in
+        force), ``margin_temperature`` (``T_hat``) and ``margin_ceiling`` (``G``)."""
         t_hat = solve_temperature(hist, float(correct), self.num_classes)
+        ceiling = largest_gap_bound(gap_hist)
         if epoch + 1 > self.margin_warmup:
-            new = min(max(self.margin / t_hat, self.margin_min), self.margin_max)
+            high = max(min(self.margin_max, ceiling), self.margin_min)
+            new = min(max(self.margin / t_hat, self.margin_min), high)
             self.margin_value.fill_(new)
             self.margin = float(self.margin_value)
-        return {"margin": self.margin, "margin_temperature": t_hat}
+        return {"margin": self.margin, "margin_temperature": t_hat, "margin_ceiling": ceiling}
 
     @torch.no_grad()
     def observe(self, logits: Tensor, target: Tensor) -> None:
@@ -144,8 +152,9 @@ class _ClassAdaptiveLoss(SegLoss):
             for total, value in zip(self._sums(), sums, strict=True):
                 total += value
             if self.auto_margin:
-                hist, correct = effective_margin_sums(logits3, target2, valid)
+                hist, gap_hist, correct = effective_margin_sums(logits3, target2, valid)
                 self._meff_hist += hist
+                self._gap_hist += gap_hist
                 self._correct += correct
             self._count += valid.sum()
 
