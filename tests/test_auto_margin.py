@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from cals_seg.losses import CALSALMLoss, CALSHRLoss, build_loss
+from cals_seg.losses import CALSALMLoss, CALSHRLoss, MbLSLoss, build_loss
 from cals_seg.losses._auto_margin import (
     BIN_WIDTH,
     NUM_BINS,
@@ -184,5 +184,9 @@ def test_bad_auto_parameters_are_refused():
         build_loss("cals_alm", K, margin="auto", margin_init=30.0)
     with pytest.raises(ValueError, match="margin_warmup"):
         build_loss("cals_hr", K, margin="auto", margin_warmup=-1)
+    with pytest.raises(ValueError, match="loss.params.margin: expected a number"):
+        build_loss("mbls", K, margin="auto")
+    with pytest.raises(ValueError, match="MbLS has no validation pass"):
+        MbLSLoss(K, margin="auto")
     # A fixed margin has no margin_value buffer: checkpoints of fixed-margin runs are unchanged.
     assert "margin_value" not in build_loss("cals_alm", K, margin=6.0).state_dict()
