@@ -337,7 +337,9 @@ class CalibrationMeter(nn.Module):
     (0 in the first bin, 1.0 in the last; a float32 confidence is binned by its exact value):
 
     - ``ece  = sum_b |B_b| / m * |acc(B_b) - conf(B_b)|``; ``mce = max_{b: B_b != {}}
-      |acc(B_b) - conf(B_b)|``.
+      |acc(B_b) - conf(B_b)|``. ``ece_over`` is the part of that sum from the bins where
+      ``conf(B_b) > acc(B_b)`` (over-confident), ``ece_under`` the rest; ``ece`` is computed as
+      ``ece_over + ece_under``, so the equality is exact in floating point.
     - ``aece``: sort the ``c_i``, split them into ``n`` bins with ``numpy.array_split`` sizes,
       same weighted sum. Streamed: a fine histogram of ``c`` (cells of width 2^-16 below
       ``1 - 2^-12``, one cell per float32 value in ``[1 - 2^-12, 1)``, one cell for exactly 1.0;
@@ -351,6 +353,19 @@ class CalibrationMeter(nn.Module):
       ``(1 - 1e-5, 1)`` plus 30% exactly 1.0; 6.4e-6 on 1e6 calibrated pixels (labels drawn
       from the softmax, signs alternating between bins; 1.5e-6 with 50 bins). Requirement:
       1e-4.
+    - ``aurc``: area under the risk-coverage curve of selective prediction, ``(1 / m)
+      sum_{i=1..m} E(i) / i`` with ``E(i)`` the errors among the ``i`` most confident positions
+      (tied confidences averaged over their orders); ``risk_coverage`` is the curve ``E(c m) /
+      (c m)`` at ``c = 0.01, 0.02, ..., 1``. Streamed from the same fine histogram, the errors
+      being spread pro rata inside a cell. A cell of ``n`` positions, ``e`` of them wrong, can
+      move the cumulative error count by at most ``e (n - e) / n`` from pro rata, so the error is
+      at most ``aurc_bound = (1 / m) sum_cells e (n - e) / n (H(S + n) - H(S))`` (``S``
+      positions before the cell, ``H`` the harmonic numbers; the cell of exactly 1.0 holds ties
+      and adds nothing). The bound counts the tail cells too, which for float32 confidences hold
+      one value each (no error), so it is conservative. Against the exact sort the tests
+      measure, 6 classes: errors 5e-8 / 7e-9 (calibrated, 2e5 / 1e6 pixels; bound 1.2e-5),
+      1.9e-7 / 5.2e-7 (over-confident; bound 1.2e-4), 4e-9 / 2e-9 (40% of confidences exactly
+      1.0, 30% tied in the tail; bound 2e-4 / 9e-4). Requirement: 1e-4.
     - ``cwce``: for each class k the ECE of ``p_k`` against ``[y == k]`` over all valid positions
       with the same bins, ``sum_b |sum_{i in B_kb} ([y_i == k] - p_ik)| / m``; mean over all K.
     - ``nll = mean_i -log softmax(l_i)_{y_i}`` (log-sum-exp form: finite when ``p_y``
@@ -455,7 +470,9 @@ class CalibrationMeter(nn.Module):
     def compute(self) -> dict[str, Any]:
         """Metric values over everything seen (on every rank), as a JSON-serialisable dict.
 
-        Keys: ``count`` (valid positions), ``ece``, ``aece``, ``mce``, ``cwce`` (None when
+        Keys: ``count`` (valid positions), ``ece``, ``ece_over``, ``ece_under``, ``aece``,
+        ``aurc``, ``aurc_bound``, ``risk_coverage = {"coverage": 100 floats, "risk": 100
+        floats}``, ``mce``, ``cwce`` (None when
         ``classwise=False``), ``classwise_ece`` (list of K, or None), ``nll``, ``brier``, ``acc``,
         ``conf``, ``num_images``, ``{ece, mce, acc, nll, brier, cwce}_image_mean``, and
         ``reliability = {"bin_edges": n + 1 floats, "count": n ints, "confidence": n floats,
