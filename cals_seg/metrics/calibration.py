@@ -365,7 +365,7 @@ class CalibrationMeter(nn.Module):
       one value each (no error), so it is conservative. Against the exact sort the tests
       measure, 6 classes: errors 5e-8 / 7e-9 (calibrated, 2e5 / 1e6 pixels; bound 1.2e-5),
       1.9e-7 / 5.2e-7 (over-confident; bound 1.2e-4), 4e-9 / 2e-9 (40% of confidences exactly
-      1.0, 30% tied in the tail; bound 2e-4 / 9e-4). Requirement: 1e-4.
+      1.0, 30% tied in the tail; bound 2e-4 / 9e-4). The tests require 1e-4.
     - ``cwce``: for each class k the ECE of ``p_k`` against ``[y == k]`` over all valid positions
       with the same bins, ``sum_b |sum_{i in B_kb} ([y_i == k] - p_ik)| / m``; mean over all K.
     - ``nll = mean_i -log softmax(l_i)_{y_i}`` (log-sum-exp form: finite when ``p_y``
