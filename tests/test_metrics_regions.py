@@ -193,7 +193,9 @@ def test_boundary_and_distances_against_brute_force():
     far = np.zeros((1, 150, 120), dtype=np.int64)
     far[0, 0, 0] = 1  # one corner object: distances up to sqrt(149^2 + 119^2)
     uniform = np.full((1, 9, 7), 2, dtype=np.int64)
-    for t in [*maps, far, uniform]:
+    sparse = np.zeros((1, 500, 450), dtype=np.int64)  # 30 lone pixels: long, varied distances
+    sparse.reshape(-1)[np.random.default_rng(0).integers(0, sparse.size, 30)] = 1
+    for t in [*maps, far, uniform, sparse]:
         b = boundary_pixels(t, VOID)
         d2 = squared_boundary_distance(b)
         for i in range(len(t)):
