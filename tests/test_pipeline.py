@@ -67,6 +67,7 @@ def test_run_directory_has_every_artefact(straight):
     saved_t = json.loads((run / "temperature.json").read_text())["temperature"]
     assert saved_t == metrics["temperature"]
     assert {"ece", "aece", "cwce", "miou", "ece_image_mean"} <= set(metrics["pre_ts"])
+    assert {"ece_band", "ece_size", "aurc", "ece_over", "ece_under"} <= set(metrics["post_ts"])
     # temperature scaling never changes the arg-max
     assert metrics["post_ts"]["acc"] == metrics["pre_ts"]["acc"]
     assert metrics["post_ts"]["miou"] == metrics["pre_ts"]["miou"]
@@ -121,6 +122,10 @@ def test_eval_seg_reproduces_test_metrics(straight, capsys):
             assert got[key][metric] == pytest.approx(ref[key][metric], rel=1e-9, abs=1e-12)
     assert len(list((out / "maps").glob("*.png"))) == 2
     assert (out / "reliability_pre_ts.png").is_file() and (out / "lambda_curves.png").is_file()
+    for name in ("ece_bands", "ece_sizes", "risk_coverage", "reliability_bands_pre_ts"):
+        assert (out / f"{name}.png").is_file(), name
+    assert got["pre_ts"]["count_band"] == ref["pre_ts"]["count_band"]
+    assert got["pre_ts"]["aurc"] == pytest.approx(ref["pre_ts"]["aurc"], rel=1e-9)
 
 
 def test_eval_seg_rejects_checkpoint_of_other_class_count(straight, capsys):
