@@ -20,6 +20,18 @@ pixels, 5% void) through update() until the pixel budget is reached, then calls 
   ``softmax(logits)`` of the same batches (the softmax is timed on both sides; our meters take
   logits and apply it themselves).
 
+Three more configurations time the region meter against the calibration meter on label maps
+with spatial structure (square objects of 16 x 16 pixels with random classes, 5% of them void,
+so that boundaries, bands and components look like a segmentation mask's; the logits are the
+same as above):
+
+- ``calibration``: ``CalibrationMeter(classwise=False)`` alone
+- ``boundary``:    ``BoundaryCalibrationMeter`` (bands 3 and 8 pixels) alone
+- ``size``:        ``ObjectSizeCalibrationMeter`` (COCO areas, background class 0) alone
+
+and a ``RATIO`` line per pixel count gives the boundary (and size) meter's throughput as a
+fraction of ``calibration``'s in the same run.
+
 torchmetrics is NOT a dependency of cals_seg; when it is not installed its column is skipped
 (``pip install torchmetrics==1.9.0`` to add it).
 
@@ -56,7 +68,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-CONFIGS = ["ours cw=False", "ours cw=True", "torchmetrics"]
+CONFIGS = ["ours cw=False", "ours cw=True", "torchmetrics", "calibration", "boundary", "size"]
+REGION_CONFIGS = ("calibration", "boundary", "size")  # timed on label maps with objects
 VOID = 255
 TM_LIMIT_GB = 12.0  # skip torchmetrics where its estimated memory is above this
 
@@ -65,9 +78,12 @@ def _maxrss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def make_batches(shape: list[int], count: int = 2,
-                 device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Logits informative on ~70% of the positions (so confidences spread over the bins)."""
+def make_batches(shape: list[int], count: int = 2, device: str = "cpu",
+                 objects: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Logits informative on ~70% of the positions (so confidences spread over the bins).
+
+    ``objects``: the target is made of 16 x 16 squares of one class (5% of them void) instead
+    of independent pixels (5% void)."""
     g = torch.Generator().manual_seed(0)
     n, k, h, w = shape
     out = []
@@ -76,13 +92,33 @@ def make_batches(shape: list[int], count: int = 2,
         logits = torch.empty(shape).normal_(0.0, 2.0, generator=g)
         boost = (torch.rand(n, h, w, generator=g) < 0.7).float() * 4.0
         logits.scatter_add_(1, target.unsqueeze(1), boost.unsqueeze(1))
-        target.masked_fill_(torch.rand(n, h, w, generator=g) < 0.05, VOID)
+        if objects:
+            coarse = torch.randint(0, k, (n, -(-h // 16), -(-w // 16)), generator=g)
+            coarse.masked_fill_(torch.rand(coarse.shape, generator=g) < 0.05, VOID)
+            target = coarse.repeat_interleave(16, 1).repeat_interleave(16, 2)[:, :h, :w]
+            target = target.contiguous()
+        else:
+            target.masked_fill_(torch.rand(n, h, w, generator=g) < 0.05, VOID)
         out.append((logits.to(device), target.to(device)))
     return out
 
 
 def make_pair(config: str, k: int, device: str = "cpu"):
-    """(update(logits, target), compute(), reset()) of one configuration."""
+    """(update(logits, target), compute(), meters) of one configuration."""
+    if config in REGION_CONFIGS:
+        from cals_seg.metrics import (
+            BoundaryCalibrationMeter,
+            CalibrationMeter,
+            ObjectSizeCalibrationMeter,
+        )
+
+        meter = {
+            "calibration": lambda: CalibrationMeter(k, ignore_index=VOID, classwise=False),
+            "boundary": lambda: BoundaryCalibrationMeter(k, ignore_index=VOID),
+            "size": lambda: ObjectSizeCalibrationMeter(k, ignore_index=VOID, background_index=0),
+        }[config]().to(device)
+        key = {"calibration": "ece", "boundary": "ece_band", "size": "ece_size"}[config]
+        return meter.update, lambda: meter.compute()[key], (meter,)
     if config.startswith("ours"):
         from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 
@@ -112,7 +148,7 @@ def make_pair(config: str, k: int, device: str = "cpu"):
 def child(config: str, pixels: float, shape: list[int], device: str = "cpu") -> dict:
     """One configuration in this (fresh) process; returns timings and memory as a dict."""
     cuda = device.startswith("cuda")
-    batches = make_batches(shape, device=device)
+    batches = make_batches(shape, device=device, objects=config in REGION_CONFIGS)
     per_batch = shape[0] * shape[2] * shape[3]
     steps = max(1, math.ceil(pixels / per_batch))
     if cuda:
@@ -259,6 +295,13 @@ def main() -> None:
                     line += (f"; {pb['peak_mb'] / pa['peak_mb']:.3f} "
                              f"({pa['peak_mb']:.0f} -> {pb['peak_mb']:.0f} MB)")
                 print(line)
+    for pixels in args.pixels:
+        base = rows.get((pixels, "calibration"))
+        for config in ("boundary", "size"):
+            r = rows.get((pixels, config))
+            if isinstance(r, dict) and isinstance(base, dict):
+                print(f"RATIO | metrics {pixels:.0e} px: {config} meter throughput / "
+                      f"CalibrationMeter(classwise=False) | {base['seconds'] / r['seconds']:.3f}")
     for pixels in args.pixels:
         tm = rows.get((pixels, "torchmetrics"))
         for config in CONFIGS[:2]:

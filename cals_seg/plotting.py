@@ -161,13 +161,18 @@ def plot_reliability_diagram(
 
 def plot_reliability_grid(
     items: Sequence[tuple[str, Mapping]], path: PathLike, ncols: int = 4
-) -> None:
-    """One small reliability diagram per method, ``ncols`` per row, ECE in each title.
+) -> list[float]:
+    """One small reliability diagram per method (or per band), ``ncols`` per row, ECE in each
+    title.
 
     Args:
         items: ``(name, reliability dict)`` pairs (see :func:`plot_reliability_diagram`).
         path: output PNG.
         ncols: diagrams per row (fewer if there are fewer items).
+
+    Returns:
+        The ECE shown in each title, ``sum_b (n_b / n) |acc_b - conf_b|`` of the item's bins
+        (0 for an empty item), in the order of ``items``.
 
     Raises:
         ValueError: if ``items`` is empty, ``ncols < 1`` or a dict is malformed.
@@ -192,6 +197,125 @@ def plot_reliability_grid(
         ax.set_visible(False)
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
     _save(fig, path)
+    return [_ece(rel) for _, rel in rels]
+
+
+def band_labels(edges: Sequence[float | None]) -> list[str]:
+    """``"[a, b)"`` for consecutive edges; a last edge of None is infinity (``"[a, inf)"``)."""
+    def fmt(v: float | None) -> str:
+        return "inf" if v is None or v == math.inf else f"{v:g}"
+
+    return [f"[{fmt(a)}, {fmt(b)})" for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+def plot_band_ece(
+    edges: Sequence[float | None],
+    ece: Mapping[str, Sequence[float | None]],
+    path: PathLike,
+    title: str = "",
+    xlabel: str = "distance to the nearest class boundary (pixels)",
+    counts: Sequence[int] | None = None,
+) -> dict[str, list[float | None]]:
+    """Grouped bars of the ECE per band (or per object-size bucket), one colour per series.
+
+    Args:
+        edges: ``B + 2`` band edges as the meters return them (last None: infinity).
+        ece: series name (e.g. ``"pre-TS"``) -> ``B + 1`` ECE values (fractions; None for an
+            empty band draws no bar).
+        path: output PNG.
+        title, xlabel: figure title and x label.
+        counts: pixels per band, written under the band labels.
+
+    Returns:
+        The bar heights drawn, in percent, per series (None where no bar).
+
+    Raises:
+        ValueError: if ``ece`` is empty or a series does not have one value per band.
+    """
+    labels = band_labels(edges)
+    if not ece:
+        raise ValueError("Expected at least one ECE series, but got none.")
+    for name, values in ece.items():
+        if len(values) != len(labels):
+            raise ValueError(
+                f"Expected {len(labels)} values in series {name!r} (one per band), but got "
+                f"{len(values)}."
+            )
+    if counts is not None:
+        labels = [f"{lab}\n{c:,} px" for lab, c in zip(labels, counts, strict=True)]
+    fig = _figure(1.4 + 1.3 * len(labels) * max(1, len(ece)) ** 0.5, 3.6)
+    ax = fig.subplots()
+    width = 0.8 / len(ece)
+    x = np.arange(len(labels))
+    drawn: dict[str, list[float | None]] = {}
+    for i, (name, values) in enumerate(ece.items()):
+        heights = [None if v is None else 100.0 * float(v) for v in values]
+        have = [j for j, h in enumerate(heights) if h is not None]
+        bars = ax.bar(x[have] + (i - (len(ece) - 1) / 2) * width, [heights[j] for j in have],
+                      width, label=name, color=colormaps["tab10"](i % 10), edgecolor="black",
+                      linewidth=0.5)  # fmt: skip
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        drawn[name] = heights
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.set_ylabel("ECE (%)")
+    ax.margins(y=0.15)
+    ax.grid(True, axis="y", ls=":", alpha=0.6)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "ECE per band", fontsize=10)
+    _save(fig, path)
+    return drawn
+
+
+def _trapezoid(x: np.ndarray, y: np.ndarray) -> float:
+    return float(((y[1:] + y[:-1]) / 2 * np.diff(x)).sum())
+
+
+def plot_risk_coverage(
+    curves: Sequence[tuple[str, Mapping, float | None]], path: PathLike, title: str = ""
+) -> dict[str, float]:
+    """Risk-coverage curves of selective prediction: the error rate of the most confident
+    fraction ``c`` of the pixels, against ``c``; AURC in the legend.
+
+    Args:
+        curves: ``(name, {"coverage": [...], "risk": [...]}, aurc)`` per curve, e.g. pre- and
+            post-TS. ``aurc`` None: the trapezoid area under the drawn points (from the first
+            coverage to 1) is shown instead.
+        path: output PNG.
+        title: figure title.
+
+    Returns:
+        The AURC shown for each curve, by name.
+
+    Raises:
+        ValueError: if ``curves`` is empty or a curve's lists differ in length.
+    """
+    if not curves:
+        raise ValueError("Expected at least one risk-coverage curve, but got none.")
+    fig = _figure(5.0, 3.8)
+    ax = fig.subplots()
+    shown: dict[str, float] = {}
+    for i, (name, rc, aurc) in enumerate(curves):
+        c = np.asarray(rc["coverage"], dtype=np.float64)
+        r = np.asarray(rc["risk"], dtype=np.float64)
+        if c.shape != r.shape or c.ndim != 1 or not len(c):
+            raise ValueError(
+                f"Expected `coverage` and `risk` of one equal length in curve {name!r}, but got "
+                f"{c.shape} and {r.shape}."
+            )
+        value = _trapezoid(c, r) if aurc is None else float(aurc)
+        shown[name] = value
+        ax.plot(100 * c, 100 * r, color=colormaps["tab10"](i % 10), lw=1.6,
+                label=f"{name} (AURC {100 * value:.2f}%)")  # fmt: skip
+    ax.set_xlim(0, 100)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("coverage: most confident pixels kept (%)")
+    ax.set_ylabel("risk: error rate among them (%)")
+    ax.grid(True, ls=":", alpha=0.6)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(title or "Risk-coverage", fontsize=10)
+    _save(fig, path)
+    return shown
 
 
 # ----------------------------------------------------------------------------- histories
@@ -219,7 +343,8 @@ def plot_multiplier_curves(
 
     Args:
         history: per-epoch dicts as in ``history.jsonl``: ``"epoch"`` and, for CALS runs,
-            ``"lambda"`` (K floats) and ``"rho"`` (K floats). Entries without ``"lambda"`` are
+            ``"lambda"`` (K floats), ``"rho"`` (K floats) and, with ``margin: auto``,
+            ``"margin"`` (drawn in a panel of its own). Entries without ``"lambda"`` are
             skipped.
         path: output PNG.
         class_names: K names (default ``"class k"``).
@@ -258,12 +383,19 @@ def plot_multiplier_curves(
     style.update({c: (colours[len(high) + i], "--") for i, c in enumerate(low)})
     marker = "o" if len(epochs) <= 30 else None
 
-    npanels = 2 if rho is not None else 1
+    margin_rows = [e for e in rows if e.get("margin") is not None]
+    npanels = 1 + (rho is not None) + bool(margin_rows)
     fig = _figure(7.5 + 1.6, 3.3 * npanels + 0.4)
     axes = np.atleast_1d(fig.subplots(npanels, 1, sharex=True, squeeze=False).ravel())
     panels = [(axes[0], epochs, lam, r"$\lambda_k$ (class-wise multiplier)")]
     if rho is not None:
         panels.append((axes[1], _epochs(rho_rows), rho, r"$\rho_k$ (penalty parameter)"))
+    if margin_rows:  # margin: auto, the margin in force after each epoch
+        ax = axes[-1]
+        ax.plot(_epochs(margin_rows), [float(e["margin"]) for e in margin_rows], color="k",
+                lw=1.8, marker=marker, ms=3, label="margin m (auto)")
+        ax.set_ylabel("margin m (auto)")
+        ax.grid(True, which="major", alpha=0.3)
     for ax, x, values, label in panels:
         for c in range(k):
             if c not in style:

@@ -258,9 +258,12 @@ def _check_before_training(cfg: Config, run: RunDir, resume: bool) -> None:
 
 
 def _epoch_line(epoch: int, epochs: int, train: dict, val: dict, metric: str, score: float,
-                lambdas: list[float] | None, improved: bool, seconds: float,
+                multipliers: dict[str, Any], improved: bool, seconds: float,
                 remaining: float) -> str:
+    lambdas = multipliers.get("lambda")
     lam = f"  mean lambda {sum(lambdas) / len(lambdas):.3g}" if lambdas else ""
+    if multipliers.get("margin") is not None:  # margin: auto
+        lam += f"  margin {multipliers['margin']:.2f}"
     eta = f"  ~{remaining / 60:.1f} min left" if remaining > 0 else ""
     return (
         f"epoch {epoch + 1:3d}/{epochs}  loss {train['loss']:.4f}  val ece {val['ece']:.4f}  "
@@ -355,6 +358,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             check_identical(_fingerprint(model), "the model parameters")
             if adaptive:
                 check_identical(criterion.lambdas, "the CALS multipliers")
+                if getattr(criterion, "auto_margin", False):
+                    check_identical(criterion.margin_value, "the auto margin")
         if t.best_metric not in val or val[t.best_metric] is None:
             raise ValueError(
                 f"train.best_metric={t.best_metric!r} has no value on the validation split; "
@@ -384,7 +389,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
                 link_checkpoint(run.last, run.best)
             remaining = sum(durations) / len(durations) * (t.epochs - epoch - 1)
             print(_epoch_line(epoch, t.epochs, train_stats, val, t.best_metric, score,
-                              multipliers.get("lambda"), improved, durations[-1], remaining),
+                              multipliers, improved, durations[-1], remaining),
                   flush=True)
 
     barrier()  # rank 0 has written checkpoint_best.pt

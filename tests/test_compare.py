@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import json
 import re
+
+import pytest
 
 from .conftest import load_tool
 from .test_pipeline import ROOT, _overrides
@@ -53,3 +56,25 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     assert "trained with another config (differs in loss.params)" in text
     after = (out / "runs" / "synthetic_deeplabv3_cals_alm_seed0" / "test_metrics.json").read_text()
     assert after == before
+    # boundary and interior ECE columns come from the test metrics' bands
+    assert "boundary ECE" in text and "interior ECE" in text
+    assert float(rows[0]["ece_boundary_mean"]) > 0 and float(rows[0]["ece_interior_mean"]) >= 0
+    # a run finished before the region metrics existed: they are added once, the rest kept
+    path = run0 / "test_metrics.json"
+    full = json.loads(path.read_text())
+    old = json.loads(path.read_text())
+    dropped = ["ece_band", "count_band", "reliability_band", "ece_size", "aurc", "ece_over"]
+    for view in ("pre_ts", "post_ts"):
+        for key in dropped:
+            del old[view][key]
+    old["pre_ts"]["ece"] = 0.5  # a kept value is not recomputed
+    path.write_text(json.dumps(old))
+    assert compare.backfill_test_metrics(run0) == sorted(dropped)
+    new = json.loads(path.read_text())
+    assert new["added_keys"] == sorted(dropped) and new["pre_ts"]["ece"] == 0.5
+    for view in ("pre_ts", "post_ts"):
+        assert new[view]["count_band"] == full[view]["count_band"]
+        for key in ("ece_band", "ece_size"):
+            for a, b in zip(new[view][key], full[view][key], strict=True):
+                assert (a is None and b is None) or a == pytest.approx(b, rel=1e-6, abs=1e-9)
+    assert compare.backfill_test_metrics(run0) == []  # nothing missing any more

@@ -36,7 +36,13 @@ def _run(criteria, batches, rank=0, world=1):
 
 
 def _criteria():
-    return [CALSALMLoss(K, ignore_index=IGN, rho_period=1), CALSHRLoss(K, ignore_index=IGN)]
+    auto = {"margin": "auto", "margin_min": 0.01}  # the margin rule's sums are reduced too
+    return [
+        CALSALMLoss(K, ignore_index=IGN, rho_period=1),
+        CALSHRLoss(K, ignore_index=IGN),
+        CALSALMLoss(K, ignore_index=IGN, rho_period=1, **auto),
+        CALSHRLoss(K, ignore_index=IGN, **auto),
+    ]
 
 
 def _rank_fn(rank, world, path):
@@ -49,6 +55,8 @@ def test_two_ranks_equal_one_process(tmp_path):
     path = str(tmp_path / "res")
     run_distributed(_rank_fn, 2, path)
     single = _run(_criteria(), _batches())
+    margins = [epoch[2]["margin"] for epoch in single]
+    assert len(set(margins)) == 3 and all(0.01 <= m < 10 for m in margins)  # the rule acted
     for rank in range(2):
         with open(f"{path}.{rank}") as f:
             got = json.load(f)

@@ -27,7 +27,8 @@ def _overrides(tmp: Path, name: str, epochs: int = 2) -> list[str]:
         f"name={name}", f"output_dir={tmp / 'runs'}", f"data.root={tmp / 'data'}",
         "data.synthetic={num_train: 20, num_test: 6, image_size: 32}", "data.crop_size=32",
         f"train.epochs={epochs}", "train.batch_size=4", "eval.batch_size=4", "train.progress=false",
-        "train.threads=1", "eval.num_maps=2", "loss.params={margin: 3.0}",
+        "train.threads=1", "eval.num_maps=2",
+        "loss.params={margin: auto, margin_init: 3.0}",  # the auto margin, resumed too
         "model.params={encoder_output_stride: 16, decoder_channels: 32}",
     ]
 
@@ -60,6 +61,7 @@ def test_run_directory_has_every_artefact(straight):
     assert cfg.train.amp == "auto" and {h["precision"] for h in history} == {used}
     for h in history:
         assert len(h["lambda"]) == len(h["rho"]) == 11
+        assert h["margin_temperature"] > 0 and 1.0 <= h["margin"] <= 20.0
         assert {"train_loss", "train_ce", "train_penalty", "val_ece", "val_miou", "lr"} <= set(h)
     metrics = json.loads((run / "test_metrics.json").read_text())
     assert metrics["temperature"] > 0 and metrics["checkpoint"] == "checkpoint_best.pt"
@@ -67,6 +69,7 @@ def test_run_directory_has_every_artefact(straight):
     saved_t = json.loads((run / "temperature.json").read_text())["temperature"]
     assert saved_t == metrics["temperature"]
     assert {"ece", "aece", "cwce", "miou", "ece_image_mean"} <= set(metrics["pre_ts"])
+    assert {"ece_band", "ece_size", "aurc", "ece_over", "ece_under"} <= set(metrics["post_ts"])
     # temperature scaling never changes the arg-max
     assert metrics["post_ts"]["acc"] == metrics["pre_ts"]["acc"]
     assert metrics["post_ts"]["miou"] == metrics["pre_ts"]["miou"]
@@ -76,6 +79,7 @@ def test_run_directory_has_every_artefact(straight):
     ckpt = load_checkpoint(run / "checkpoint_last.pt")
     assert torch.allclose(ckpt["criterion"]["lambdas"], torch.tensor(history[-1]["lambda"],
                                                                    dtype=torch.float64))
+    assert float(ckpt["criterion"]["margin_value"]) == history[-1]["margin"]
 
 
 def test_resume_reaches_the_same_result(straight, tmp_path, monkeypatch):
@@ -103,6 +107,7 @@ def test_resume_reaches_the_same_result(straight, tmp_path, monkeypatch):
     for a, b in zip(hist_a, hist_b, strict=True):
         torch.testing.assert_close(torch.tensor(b["lambda"]), torch.tensor(a["lambda"]),
                                    rtol=1e-5, atol=1e-9)
+        assert b["margin"] == pytest.approx(a["margin"], rel=1e-5)
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-4)
     assert test_b["pre_ts"]["ece"] == pytest.approx(test_a["pre_ts"]["ece"], rel=1e-4, abs=1e-6)
 
@@ -121,6 +126,10 @@ def test_eval_seg_reproduces_test_metrics(straight, capsys):
             assert got[key][metric] == pytest.approx(ref[key][metric], rel=1e-9, abs=1e-12)
     assert len(list((out / "maps").glob("*.png"))) == 2
     assert (out / "reliability_pre_ts.png").is_file() and (out / "lambda_curves.png").is_file()
+    for name in ("ece_bands", "ece_sizes", "risk_coverage", "reliability_bands_pre_ts"):
+        assert (out / f"{name}.png").is_file(), name
+    assert got["pre_ts"]["count_band"] == ref["pre_ts"]["count_band"]
+    assert got["pre_ts"]["aurc"] == pytest.approx(ref["pre_ts"]["aurc"], rel=1e-9)
 
 
 def test_eval_seg_rejects_checkpoint_of_other_class_count(straight, capsys):

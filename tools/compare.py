@@ -7,13 +7,18 @@
 
 Each (config, method) is one row of the table. Runs go to ``OUT/runs/<config name>_seed<s>`` and are
 reused when their ``test_metrics.json`` exists, so an interrupted comparison continues where it
-stopped (only if the saved config matches). A finished run keeps ``checkpoint_best.pt`` only
+stopped (only if the saved config matches). A reused segmentation run whose
+``test_metrics.json`` lacks keys that the test meters now write (runs finished before the
+boundary-band and object-size meters existed) is evaluated once more on its test split with its
+``checkpoint_best.pt`` and saved temperature, and only the missing keys are added to that file
+(listed under ``added_keys``). A finished run keeps ``checkpoint_best.pt`` only
 (``--checkpoints all`` keeps ``checkpoint_last.pt`` too, ``none`` neither). Segmentation
 configs are trained with ``tools/train_seg.py``, others with ``tools/train_cls.py``. Writes:
 
     OUT/results.md, OUT/results.csv   one row per method: mean (and std over seeds) of mIoU or
-                                      accuracy, ECE, AECE, CWCE, NLL, per-image ECE, post-TS ECE, T;
-                                      the best value per column in bold; failed runs listed
+                                      accuracy, ECE, AECE, CWCE, NLL, per-image ECE, boundary and
+                                      interior ECE, post-TS ECE, T; the best value per column in
+                                      bold; failed runs listed
     OUT/ece_vs_score.png              ECE against mIoU / accuracy (the paper's Figure 1)
     OUT/reliability_grid.png          one reliability diagram per method (first seed)
     OUT/lambda_curves_<method>.png    learned class-wise multipliers of the CALS runs (first seed)
@@ -52,6 +57,8 @@ COLUMNS = [
     ("cwce", "CWCE", True, True),
     ("nll", "NLL", True, False),
     ("ece_image_mean", "ECE (image mean)", True, True),
+    ("ece_boundary", "boundary ECE", True, True),
+    ("ece_interior", "interior ECE", True, True),
     ("post_ece", "post-TS ECE", True, True),
     ("temperature", "T", None, False),
 ]
@@ -152,9 +159,58 @@ def run_one(
     return run_dir, None
 
 
+def backfill_test_metrics(run_dir: Path) -> list[str]:
+    """Add to ``run_dir/test_metrics.json`` the keys the task's test meters write now and the
+    file lacks (a run finished before those meters existed); return them (``[]``: none missing).
+
+    The run's ``checkpoint_best.pt`` is evaluated once on its test split, in the precision it
+    was tested in, with the saved temperature for the post-TS view (no refit); keys already in
+    the file are kept as they are. Raises ``FileNotFoundError`` when keys are missing and the
+    checkpoint is not there.
+    """
+    import torch
+
+    from cals_seg.engine import make_loader
+    from cals_seg.evaluation import Scaled, compute, evaluate
+    from cals_seg.rundir import load_checkpoint, write_json
+
+    path = run_dir / "test_metrics.json"
+    metrics = json.loads(path.read_text())
+    cfg = load_config(run_dir / "config.yaml")
+    task = build_task(cfg)
+    n_bins = cfg.eval.n_bins
+    views = [v for v in ("pre_ts", "post_ts") if metrics.get(v)]
+    missing = sorted(set(compute(task.meters(n_bins, test=True))) - set(metrics["pre_ts"]))
+    if not missing:
+        return []
+    ckpt = run_dir / "checkpoint_best.pt"
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"{run_dir} lacks the test metrics {missing} and {ckpt.name}")
+    print(f"adding {', '.join(missing)} to {path} (one test pass of {ckpt.name})", flush=True)
+    task.model.load_state_dict(load_checkpoint(ckpt)["model"])
+    device = resolve_device(cfg.train.device)
+    amp = metrics.get("precision") or resolve_amp(cfg.train.amp, device, warn=False)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    meters = {v: {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
+              for v in views}  # fmt: skip
+    consumers: list[Any] = list(meters["pre_ts"].values())
+    if "post_ts" in meters:
+        consumers.append(Scaled(metrics["temperature"], meters["post_ts"].values()))
+    loader = make_loader(task.test_set, cfg.eval.batch_size, False, cfg.data.num_workers)
+    evaluate(task.model.to(device), loader, device, consumers, amp, protocol=task.protocol)
+    for view in views:
+        new = compute(meters[view])
+        metrics[view].update({k: new[k] for k in missing})
+    metrics["added_keys"] = sorted(set(metrics.get("added_keys", [])) | set(missing))
+    write_json(path, metrics)
+    return missing
+
+
 def summarise(metrics: dict[str, Any]) -> dict[str, float]:
     pre, post = metrics["pre_ts"], metrics.get("post_ts")
     score = pre["miou"] if "miou" in pre else pre["acc"]
+    bands = pre.get("ece_band") or [None]
     return {
         "score": score,
         "ece": pre["ece"],
@@ -162,6 +218,8 @@ def summarise(metrics: dict[str, Any]) -> dict[str, float]:
         "cwce": pre.get("cwce"),
         "nll": pre["nll"],
         "ece_image_mean": pre.get("ece_image_mean"),
+        "ece_boundary": bands[0],
+        "ece_interior": bands[-1],
         "post_ece": post["ece"] if post else None,
         "temperature": metrics["temperature"],
     }
@@ -288,6 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         if error is not None:
             print(f"FAILED {method} seed {seed}: {error}", file=sys.stderr)
             row["failed"].append((seed, error))
+            continue
+        try:
+            if task_family(load_config(run_dir / "config.yaml")) == "segmentation":
+                backfill_test_metrics(run_dir)
+        except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
+            print(f"FAILED {method} seed {seed}: {err}", file=sys.stderr)
+            row["failed"].append((seed, f"adding the new test metrics: {err}"))
             continue
         metrics = json.loads((run_dir / "test_metrics.json").read_text())
         if "miou" not in metrics["pre_ts"]:

@@ -8,9 +8,12 @@ per-image calibration maps.
 Every metric is taken at each image's own resolution against its unmodified mask; the network
 input follows the run's ``eval`` section (resize, pad, whole or slide), overridden by the options.
 
-Writes DIR/metrics.json (every metric of both meters, pooled and per-image, pre- and post-TS
-with T), DIR/reliability_{pre,post}_ts.png, DIR/lambda_curves.png when the run has multipliers,
-and DIR/maps/<id>.png (image, ground truth, prediction, confidence, errors, confidence on errors).
+Writes DIR/metrics.json (every metric of the test meters, pooled and per-image, per boundary
+band and object size, pre- and post-TS with T), DIR/reliability_{pre,post}_ts.png,
+DIR/ece_bands.png and DIR/ece_sizes.png (ECE per distance band / object-size bucket, pre- and
+post-TS), DIR/risk_coverage.png, DIR/reliability_bands_{pre,post}_ts.png (one diagram per band),
+DIR/lambda_curves.png when the run has multipliers, and DIR/maps/<id>.png (image, ground truth,
+prediction, confidence, errors, confidence on errors).
 """
 
 from __future__ import annotations
@@ -94,6 +97,39 @@ def calibration_maps(
     return written
 
 
+def plot_regions(result: dict, out: Path, name: str) -> list[Path]:
+    """ECE per boundary band and per object size, risk-coverage, reliability per band."""
+    views = [(key, key.replace("_", "-").replace("ts", "TS")) for key in ("pre_ts", "post_ts")
+             if result.get(key)]  # fmt: skip
+    pre = result["pre_ts"]
+    written = []
+    for group, what, xlabel in (
+        ("band", "boundary band", "distance to the nearest class boundary (pixels)"),
+        ("size", "object size", "area of the ground-truth object (pixels)"),
+    ):
+        if pre.get(f"ece_{group}") is None:
+            continue
+        path = out / f"ece_{group}s.png"
+        plotting.plot_band_ece(
+            pre[f"{group}_edges"], {label: result[k][f"ece_{group}"] for k, label in views},
+            path, title=f"{name}: ECE per {what}", xlabel=xlabel, counts=pre[f"count_{group}"],
+        )
+        written.append(path)
+    if pre.get("risk_coverage"):
+        path = out / "risk_coverage.png"
+        curves = [(label, result[k]["risk_coverage"], result[k]["aurc"]) for k, label in views]
+        plotting.plot_risk_coverage(curves, path, title=f"{name}: risk-coverage")
+        written.append(path)
+    for key, label in views if pre.get("reliability_band") else []:
+        bands = zip(plotting.band_labels(pre["band_edges"]), result[key]["reliability_band"],
+                    strict=True)  # fmt: skip
+        items = [(f"{label}, d in {b}", rel) for b, rel in bands]
+        path = out / f"reliability_bands_{key}.png"
+        plotting.plot_reliability_grid(items, path, ncols=len(items))
+        written.append(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -167,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 title=title,
                 ece=result[key]["ece"],
             )
+    plot_regions(result, out, f"{cfg.name} {args.split}")
     plotting.plot_multiplier_curves(run.history(), out / "lambda_curves.png", task.class_names)
     num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
     maps = calibration_maps(

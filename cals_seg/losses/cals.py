@@ -21,26 +21,71 @@ from torch import Tensor
 
 from .._validation import check_finite
 from ..distributed import all_reduce_sum_
+from ._auto_margin import NUM_BINS, effective_margin_sums, largest_gap_bound, solve_temperature
 from ._base import SegLoss, as_float32, autocast_off, check_and_flatten
 from ._functional import ce_sum, class_penalty, class_sums
 from .penalties import Penalty, PenaltyFn, get_penalty
 
 
 class _ClassAdaptiveLoss(SegLoss):
-    """Shared machinery: margin, per-class ``lambdas``, validation sums and their reset."""
+    """Shared machinery: margin (fixed or ``"auto"``), per-class ``lambdas``, validation sums
+    and their reset."""
 
     def __init__(
-        self, num_classes: int, margin: float, lambda_init: float, ignore_index: int
+        self,
+        num_classes: int,
+        margin: float | str,
+        lambda_init: float,
+        ignore_index: int,
+        margin_init: float = 10.0,
+        margin_min: float = 1.0,
+        margin_max: float = 20.0,
+        margin_warmup: int = 0,
     ) -> None:
         super().__init__(num_classes, ignore_index)
+        self.auto_margin = margin == "auto"
+        if self.auto_margin:
+            if not 0 < margin_min <= margin_init <= margin_max:
+                raise ValueError(
+                    "Expected 0 < margin_min <= margin_init <= margin_max, but got "
+                    f"{margin_min}, {margin_init}, {margin_max}."
+                )
+            if not isinstance(margin_warmup, int) or margin_warmup < 0:
+                raise ValueError(
+                    f"Expected `margin_warmup` to be an integer >= 0, but got {margin_warmup!r}."
+                )
+            margin = margin_init
+            self.margin_min, self.margin_max = float(margin_min), float(margin_max)
+            self.margin_warmup = margin_warmup
+        elif isinstance(margin, str):
+            raise ValueError(f"Expected `margin` to be a number or 'auto', but got {margin!r}.")
         if margin <= 0:
             raise ValueError(f"Expected `margin` > 0, but got {margin}.")
         if lambda_init < 0:
             raise ValueError(f"Expected `lambda_init` >= 0, but got {lambda_init}.")
-        self.margin = float(margin)
+        self.margin = float(margin)  # the margin in force (a Python float: no device sync)
         k = num_classes
         self.register_buffer("lambdas", torch.full((k,), float(lambda_init), dtype=torch.float64))
         self.register_buffer("_count", torch.zeros((), dtype=torch.int64), persistent=False)
+        if self.auto_margin:
+            # The margin in force, saved and restored with the multipliers.
+            self.register_buffer("margin_value", torch.tensor(self.margin, dtype=torch.float64))
+            self.register_buffer(
+                "_meff_hist", torch.zeros(NUM_BINS, dtype=torch.float64), persistent=False
+            )
+            self.register_buffer(
+                "_gap_hist", torch.zeros(NUM_BINS, dtype=torch.float64), persistent=False
+            )
+            self.register_buffer("_correct", torch.zeros((), dtype=torch.float64), persistent=False)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.auto_margin:
+            self.margin = float(self.margin_value)
+
+    def _all_sums(self) -> list[Tensor]:
+        extra = [self._meff_hist, self._gap_hist, self._correct] if self.auto_margin else []
+        return [*self._sums(), *extra]
 
     def _per_class(self, values: Tensor, like: Tensor) -> Tensor:
         """``(K,)`` float64 buffer -> ``(1, K, 1)`` in the dtype of the logits."""
@@ -51,12 +96,12 @@ class _ClassAdaptiveLoss(SegLoss):
 
     def _reduce_and_reset(self) -> tuple[list[Tensor], int]:
         """All-reduce the validation sums (no-op without torch.distributed), return them and n,
-        and zero the accumulators."""
-        sums = [s.clone() for s in self._sums()]
+        and zero the accumulators (with ``margin: auto``, the margin rule's sums come last)."""
+        sums = [s.clone() for s in self._all_sums()]
         count = self._count.clone()
         all_reduce_sum_([*sums, count])
         n = int(count.item())
-        for s in self._sums():
+        for s in self._all_sums():
             s.zero_()
         self._count.zero_()
         if n == 0:
@@ -65,6 +110,23 @@ class _ClassAdaptiveLoss(SegLoss):
                 "criterion.observe(logits, target) on the validation batches first."
             )
         return sums, n
+
+    def _update_margin(
+        self, epoch: int, hist: Tensor, gap_hist: Tensor, correct: Tensor
+    ) -> dict[str, float]:
+        """The ``margin: auto`` rule after epoch ``epoch`` (0-based) from this validation pass's
+        statistics: ``m <- clip(m / T_hat, margin_min, min(margin_max, G))`` with ``G`` the
+        largest validation gap (a margin above it is inert); nothing during the first
+        ``margin_warmup`` epochs. Returns the history entries ``margin`` (the margin now in
+        force), ``margin_temperature`` (``T_hat``) and ``margin_ceiling`` (``G``)."""
+        t_hat = solve_temperature(hist, float(correct), self.num_classes)
+        ceiling = largest_gap_bound(gap_hist)
+        if epoch + 1 > self.margin_warmup:
+            high = max(min(self.margin_max, ceiling), self.margin_min)
+            new = min(max(self.margin / t_hat, self.margin_min), high)
+            self.margin_value.fill_(new)
+            self.margin = float(self.margin_value)
+        return {"margin": self.margin, "margin_temperature": t_hat, "margin_ceiling": ceiling}
 
     @torch.no_grad()
     def observe(self, logits: Tensor, target: Tensor) -> None:
@@ -79,7 +141,7 @@ class _ClassAdaptiveLoss(SegLoss):
             ValueError: bad shapes or labels (as the forward pass), or NaN / inf logits.
         """
         with autocast_off(logits.device):
-            logits3, _, valid = check_and_flatten(
+            logits3, target2, valid = check_and_flatten(
                 as_float32(logits), target, self.num_classes, self.ignore_index
             )
             n, _, s = logits3.shape
@@ -89,6 +151,11 @@ class _ClassAdaptiveLoss(SegLoss):
             check_finite(logits3, maxima)  # before anything is accumulated
             for total, value in zip(self._sums(), sums, strict=True):
                 total += value
+            if self.auto_margin:
+                hist, gap_hist, correct = effective_margin_sums(logits3, target2, valid)
+                self._meff_hist += hist
+                self._gap_hist += gap_hist
+                self._correct += correct
             self._count += valid.sum()
 
     def _observed_functions(self, like: Tensor) -> list:
@@ -97,7 +164,8 @@ class _ClassAdaptiveLoss(SegLoss):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, margin={self.margin}"
+        auto = " (auto)" if self.auto_margin else ""
+        return f"{super().extra_repr()}, margin={self.margin:g}{auto}"
 
 
 class CALSALMLoss(_ClassAdaptiveLoss):
@@ -119,7 +187,11 @@ class CALSALMLoss(_ClassAdaptiveLoss):
 
     Args:
         num_classes: K.
-        margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text).
+        margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text), or ``"auto"``:
+            start at ``margin_init`` and after each validation pass (from epoch
+            ``margin_warmup``) set ``m <- clip(m / T_hat, margin_min, margin_max)``, where
+            ``T_hat`` is the temperature that would match the validation confidence to the
+            accuracy (:mod:`cals_seg.losses._auto_margin`).
         penalty: ``"phr"`` (default), ``"p2"``, ``"p3"``, a :class:`Penalty`, or an elementwise
             callable ``P(z, rho, lam)`` (derivative by autograd).
         lambda_init, rho_init: initial multipliers and penalty parameters (1e-6 and 1).
@@ -127,18 +199,21 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         rho_period: epochs between rho updates (10).
         lambda_min, lambda_max, rho_min, rho_max: safeguarding intervals.
         ignore_index: void label.
+        margin_init, margin_min, margin_max, margin_warmup: the ``"auto"`` margin's start,
+            range and number of epochs without update (10, 1, 20 and 0).
 
     Shape:
         logits: ``(N, K, *S)`` (half precision is computed in float32); target: ``(N, *S)``.
 
-    Buffers (in ``state_dict``): ``lambdas (K,)``, ``rhos (K,)``, ``zbar_prev (K,)`` float64 and
-    ``has_prev`` (bool). The validation sums are O(K) float64 and not persistent.
+    Buffers (in ``state_dict``): ``lambdas (K,)``, ``rhos (K,)``, ``zbar_prev (K,)`` float64,
+    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64).
+    The validation sums are O(K) float64 (O(bins) with ``"auto"``) and not persistent.
     """
 
     def __init__(
         self,
         num_classes: int,
-        margin: float = 10.0,
+        margin: float | str = 10.0,
         penalty: str | Penalty | PenaltyFn = "phr",
         lambda_init: float = 1e-6,
         rho_init: float = 1.0,
@@ -150,8 +225,15 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         rho_min: float = 1.0,
         rho_max: float = 10.0,
         ignore_index: int = -100,
+        margin_init: float = 10.0,
+        margin_min: float = 1.0,
+        margin_max: float = 20.0,
+        margin_warmup: int = 0,
     ) -> None:
-        super().__init__(num_classes, margin, lambda_init, ignore_index)
+        super().__init__(
+            num_classes, margin, lambda_init, ignore_index,
+            margin_init, margin_min, margin_max, margin_warmup,
+        )  # fmt: skip
         if rho_init <= 0:
             raise ValueError(f"Expected `rho_init` > 0, but got {rho_init}.")
         if not isinstance(rho_period, int) or rho_period < 1:
@@ -198,9 +280,10 @@ class CALSALMLoss(_ClassAdaptiveLoss):
 
         Returns:
             ``{"lambda": [K], "rho": [K], "constraint": [K]}`` after the update (constraint is
-            this epoch's mean normalised constraint zbar).
+            this epoch's mean normalised constraint zbar); with ``margin="auto"`` also
+            ``margin`` (the margin for the next epoch) and ``margin_temperature``.
         """
-        (sum_grad, sum_z), n = self._reduce_and_reset()
+        (sum_grad, sum_z, *auto), n = self._reduce_and_reset()
         self.lambdas.copy_((sum_grad / n).clamp_(self.lambda_min, self.lambda_max))
         zbar = sum_z / n
         if (epoch + 1) % self.rho_period == 0 and bool(self.has_prev):
@@ -209,7 +292,8 @@ class CALSALMLoss(_ClassAdaptiveLoss):
             self.rhos.copy_(grown.clamp_(self.rho_min, self.rho_max))
         self.zbar_prev.copy_(zbar)
         self.has_prev.fill_(True)
-        return {**self.multipliers(), "constraint": zbar.tolist()}
+        margin = self._update_margin(epoch, *auto) if self.auto_margin else {}
+        return {**self.multipliers(), "constraint": zbar.tolist(), **margin}
 
     def multipliers(self) -> dict[str, list[float]]:
         """Current per-class ``lambda`` and ``rho`` as lists (for logging)."""
@@ -247,12 +331,14 @@ class CALSHRLoss(_ClassAdaptiveLoss):
 
     Args:
         num_classes: K.
-        margin: m (10 vision, 6 text).
+        margin: m (10 vision, 6 text), or ``"auto"`` (as :class:`CALSALMLoss`).
         mu, tau: schedule factors (paper: 1.1 and 1.1).
         lambda_init: initial weights (0.1, the MbLS weight the heuristic starts from).
         lambda_min, lambda_max: safeguarding interval.
         score: ``"weighted"`` (default) or ``"unweighted"``, see above.
         ignore_index: void label.
+        margin_init, margin_min, margin_max, margin_warmup: the ``"auto"`` margin (as
+            :class:`CALSALMLoss`).
 
     Shape:
         logits: ``(N, K, *S)``; target: ``(N, *S)``.
@@ -268,7 +354,7 @@ class CALSHRLoss(_ClassAdaptiveLoss):
     def __init__(
         self,
         num_classes: int,
-        margin: float = 10.0,
+        margin: float | str = 10.0,
         mu: float = 1.1,
         tau: float = 1.1,
         lambda_init: float = 0.1,
@@ -276,8 +362,15 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         lambda_max: float = 1e6,
         score: str = "weighted",
         ignore_index: int = -100,
+        margin_init: float = 10.0,
+        margin_min: float = 1.0,
+        margin_max: float = 20.0,
+        margin_warmup: int = 0,
     ) -> None:
-        super().__init__(num_classes, margin, lambda_init, ignore_index)
+        super().__init__(
+            num_classes, margin, lambda_init, ignore_index,
+            margin_init, margin_min, margin_max, margin_warmup,
+        )  # fmt: skip
         if mu <= 1 or tau <= 0:
             raise ValueError(f"Expected `mu` > 1 and `tau` > 0, but got mu={mu}, tau={tau}.")
         if score not in SCORE_RULES:
@@ -327,9 +420,10 @@ class CALSHRLoss(_ClassAdaptiveLoss):
 
         Returns:
             ``{"lambda": [K], "penalty": [K], "score": [K]}``: the multipliers after the update,
-            this epoch's mean class hinge ``P_k`` and the score ``S_k`` the rule compared.
+            this epoch's mean class hinge ``P_k`` and the score ``S_k`` the rule compared; with
+            ``margin="auto"`` also ``margin`` and ``margin_temperature``.
         """
-        (sum_pen,), n = self._reduce_and_reset()
+        (sum_pen, *auto), n = self._reduce_and_reset()
         pen = sum_pen / n
         lam = self.lambdas.clone()  # in force during the validation pass just observed
         if self.score == "weighted":
@@ -351,7 +445,8 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         self.penalty_prev.copy_(pen)
         self.lambdas_prev.copy_(lam)
         self.has_prev.fill_(True)
-        return {**self.multipliers(), "penalty": pen.tolist(), "score": curr.tolist()}
+        margin = self._update_margin(epoch, *auto) if self.auto_margin else {}
+        return {**self.multipliers(), "penalty": pen.tolist(), "score": curr.tolist(), **margin}
 
     def multipliers(self) -> dict[str, list[float]]:
         """Current per-class ``lambda`` as a list (for logging)."""

@@ -28,6 +28,11 @@ class MbLSLoss(SegLoss):
         self, num_classes: int, margin: float = 10.0, alpha: float = 0.1, ignore_index: int = -100
     ) -> None:
         super().__init__(num_classes, ignore_index)
+        if isinstance(margin, str):
+            raise ValueError(
+                f"Expected `margin` to be a number, but got {margin!r}: MbLS has no validation "
+                "pass to steer it; margin 'auto' is for cals_alm and cals_hr."
+            )
         if margin <= 0:
             raise ValueError(f"Expected `margin` > 0, but got {margin}.")
         self.margin, self.alpha = float(margin), float(alpha)

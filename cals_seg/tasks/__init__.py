@@ -22,7 +22,12 @@ from torch.utils.data import Dataset
 
 from ..config import Config
 from ..inference import EvalProtocol
-from ..metrics import CalibrationMeter, SegmentationMeter
+from ..metrics import (
+    BoundaryCalibrationMeter,
+    CalibrationMeter,
+    ObjectSizeCalibrationMeter,
+    SegmentationMeter,
+)
 from ..metrics.groups import ShotGroupMeter
 
 
@@ -63,8 +68,18 @@ class SegmentationTask(Task):
     score_metric = "miou"
 
     def meters(self, n_bins: int = 15, test: bool = False) -> dict[str, nn.Module]:
+        """Calibration and segmentation meters; the test pass adds the boundary-band and
+        object-size meters (class 0 is not an object when it is named background)."""
         out = super().meters(n_bins, test)
         out["segmentation"] = SegmentationMeter(self.num_classes, self.ignore_index)
+        if test:
+            k, void = self.num_classes, self.ignore_index
+            out["boundary"] = BoundaryCalibrationMeter(k, n_bins=n_bins, ignore_index=void)
+            names = self.class_names[:1]
+            background = 0 if names and names[0].lower() in ("background", "_background_") else None
+            out["size"] = ObjectSizeCalibrationMeter(
+                k, n_bins=n_bins, ignore_index=void, background_index=background
+            )
         return out
 
 
