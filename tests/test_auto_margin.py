@@ -190,3 +190,15 @@ def test_bad_auto_parameters_are_refused():
         MbLSLoss(K, margin="auto")
     # A fixed margin has no margin_value buffer: checkpoints of fixed-margin runs are unchanged.
     assert "margin_value" not in build_loss("cals_alm", K, margin=6.0).state_dict()
+
+
+def test_classification_logits_work_too():
+    # (N, K) logits (classification, text): the same rule, S = 1.
+    g = torch.Generator().manual_seed(1)
+    target = torch.randint(0, K, (64,), generator=g)
+    logits = torch.nn.functional.one_hot(target, K).double() * 9.0
+    target[:20] = (target[:20] + 1) % K  # 69% accurate at confidence 0.9995: over-confident
+    crit = build_loss("cals_alm", K, margin="auto", margin_init=8.0)
+    crit.observe(logits, target)
+    stats = crit.update_multipliers(0)
+    assert stats["margin_temperature"] > 1 and stats["margin"] < 8.0
