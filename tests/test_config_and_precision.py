@@ -22,7 +22,7 @@ SETUPS = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 
 # ----------------------------------------------------------------------------- setup files
 def test_every_setup_file_resolves_each_method_to_its_loss():
-    assert len(SETUPS) == 9
+    assert len(SETUPS) == 10  # 9 setups + the under-confident regime of the synthetic one
     for setup in SETUPS:
         raw = (CONFIGS / f"{setup}.yaml").read_text()
         methods = load_config(CONFIGS / f"{setup}.yaml").name  # the default method
@@ -45,6 +45,13 @@ def test_documented_command_names_and_alias():
     m5 = load_config(CONFIGS / "synthetic_cls_cals_alm_m5.yaml")
     assert m5.loss.name == "cals_alm" and m5.loss.params["margin"] == 5.0
     assert m5.name == "synthetic_cls_cals_alm_m5"
+    # the synthetic segmentation setups steer CALS-ALM's margin; the fixed ones stay named
+    for setup in ("synthetic_deeplabv3", "synthetic_deeplabv3_short"):
+        assert load_config(CONFIGS / f"{setup}_cals.yaml").loss.params["margin"] == "auto"
+        m6 = load_config(CONFIGS / f"{setup}_cals_alm_m6.yaml")
+        assert m6.name == f"{setup}_cals_alm_m6" and m6.loss.params["margin"] == 6.0
+    short = load_config(CONFIGS / "synthetic_deeplabv3_short_ce.yaml")
+    assert short.name == "synthetic_deeplabv3_short_ce" and short.train.epochs == 20
 
 
 def test_setup_file_errors(tmp_path):

@@ -43,7 +43,13 @@ sys.path.insert(0, str(ROOT))
 
 from cals_seg import plotting  # noqa: E402
 from cals_seg.cli import add_set_argument  # noqa: E402
-from cals_seg.config import Config, ConfigError, config_to_dict, load_config  # noqa: E402
+from cals_seg.config import (  # noqa: E402
+    Config,
+    ConfigError,
+    config_to_dict,
+    load_config,
+    resolve_config_path,
+)
 from cals_seg.precision import resolve_amp  # noqa: E402
 from cals_seg.rundir import RunDir  # noqa: E402
 from cals_seg.tasks import build_task, task_family  # noqa: E402
@@ -330,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             except (ConfigError, ValueError, FileNotFoundError) as err:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
-            row = cfg.loss.name if cfg.loss.name not in rows else cfg.name
+            # The row is the method's name (cals_alm_auto, not the loss cals_alm it uses), or
+            # the run's name when two configs give the same method.
+            row = resolve_config_path(config, method)[1] or cfg.loss.name
+            row = row if row not in rows else cfg.name
             rows.setdefault(row, {"summaries": [], "failed": []})
             jobs += [(row, config, method, seed) for seed in args.seeds]
     # Runs are independent processes: with --jobs N they share the CPU cores (give each run
