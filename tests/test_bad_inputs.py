@@ -123,7 +123,7 @@ ERRORS = {
         r"checkpoint_best.pt cannot be read"),
     "8-loss-param-type": ("train_seg", lambda t, f: _sets(t, "x", "cals_alm",
                                                          **{"loss.params.margin": "ten"}),
-                          r"loss.params.margin: expected a number, got 'ten'"),
+                          r"loss.params.margin: expected a number or 'auto', got 'ten'"),
     "8-synthetic-key-typo": ("train_seg", lambda t, f: _sets(t, "x", **{
         "data.synthetic": "{num_trian: 10}", "data.root": str(t / "typo")}),
         r"data.synthetic: unknown key\(s\) \['num_trian'\]; valid keys are"),

@@ -59,13 +59,19 @@ def _check_number(value: Any, hint: Any, key: str) -> None:
     options = set(typing.get_args(hint)) or {hint}
     if value is None and type(None) in options:
         return
+    words = [o for o in options if typing.get_origin(o) is typing.Literal]  # margin: "auto"
+    allowed = {w for o in words for w in typing.get_args(o)}
+    if isinstance(value, str) and value in allowed:
+        return
+    options -= set(words)
     if options & {float, int} and not options - {float, int, type(None)}:
         wanted = float if float in options else int
         if isinstance(value, bool) or not isinstance(value, int | float) or (
             wanted is int and not isinstance(value, int)
         ):
-            raise ValueError(f"{key}: expected {'a number' if wanted is float else 'an integer'}, "
-                             f"got {value!r}.")
+            also = "".join(f" or {w!r}" for w in sorted(allowed))
+            raise ValueError(f"{key}: expected {'a number' if wanted is float else 'an integer'}"
+                             f"{also}, got {value!r}.")
     elif hint is bool and not isinstance(value, bool):
         raise ValueError(f"{key}: expected true or false, got {value!r}.")
 

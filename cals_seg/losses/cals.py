@@ -16,6 +16,8 @@ The multipliers are buffers: saved by ``state_dict()``, moved by ``.to(device)``
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
 
@@ -34,7 +36,7 @@ class _ClassAdaptiveLoss(SegLoss):
     def __init__(
         self,
         num_classes: int,
-        margin: float | str,
+        margin: float | Literal["auto"],
         lambda_init: float,
         ignore_index: int,
         margin_init: float = 10.0,
@@ -213,7 +215,7 @@ class CALSALMLoss(_ClassAdaptiveLoss):
     def __init__(
         self,
         num_classes: int,
-        margin: float | str = 10.0,
+        margin: float | Literal["auto"] = 10.0,
         penalty: str | Penalty | PenaltyFn = "phr",
         lambda_init: float = 1e-6,
         rho_init: float = 1.0,
@@ -354,7 +356,7 @@ class CALSHRLoss(_ClassAdaptiveLoss):
     def __init__(
         self,
         num_classes: int,
-        margin: float | str = 10.0,
+        margin: float | Literal["auto"] = 10.0,
         mu: float = 1.1,
         tau: float = 1.1,
         lambda_init: float = 0.1,
