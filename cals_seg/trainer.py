@@ -41,7 +41,7 @@ from .distributed import (
 )
 from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from .evaluation import Scaled, compute, evaluate, predict, scalars
-from .losses import build_loss
+from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp
 from .rundir import (
     CheckpointError,
@@ -163,10 +163,9 @@ def validate(
     ``criterion.observe`` (the statistics of the multiplier update)."""
     meters = {k: m.to(device) for k, m in task.meters(n_bins).items()}
     consumers: list[Any] = [_check_outputs, *meters.values()]
-    if hasattr(criterion, "observe"):
+    if isinstance(criterion, AdaptiveLoss):
         consumers.append(criterion.observe)
-    evaluate(model, loader, device, consumers, amp, progress, desc="val",
-             protocol=getattr(task, "protocol", None))
+    evaluate(model, loader, device, consumers, amp, progress, desc="val", protocol=task.protocol)
     return compute(meters)
 
 
@@ -192,7 +191,7 @@ def calibrated_test(
         ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}``, the metrics being the
         merged outputs of ``task.meters(n_bins, test=True)``.
     """
-    protocol = getattr(task, "protocol", None)  # segmentation: logits at the images' size
+    protocol = task.protocol  # segmentation: logits at the images' size
     temperature = 1.0
     if temperature_scaling:
         temperature = fit_temperature(
@@ -304,7 +303,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         train_model = torch.compile(train_model)
     criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params)
     criterion = criterion.to(device)
-    adaptive = hasattr(criterion, "update_multipliers")
+    adaptive = isinstance(criterion, AdaptiveLoss)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
@@ -357,9 +356,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         if is_distributed():  # cheap guards: DDP keeps parameters and multipliers identical
             check_identical(_fingerprint(model), "the model parameters")
             if adaptive:
-                check_identical(criterion.lambdas, "the CALS multipliers")
-                if getattr(criterion, "auto_margin", False):
-                    check_identical(criterion.margin_value, "the auto margin")
+                check_identical(criterion.state_fingerprint(), "the criterion's state")
         if t.best_metric not in val or val[t.best_metric] is None:
             raise ValueError(
                 f"train.best_metric={t.best_metric!r} has no value on the validation split; "

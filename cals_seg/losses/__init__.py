@@ -10,6 +10,7 @@ import inspect
 import typing
 from typing import Any
 
+from ._adaptive import AdaptiveLoss
 from ._base import SegLoss
 from .cals import CALSALMLoss, CALSHRLoss
 from .ce import CrossEntropyLoss
@@ -78,6 +79,7 @@ def _check_number(value: Any, hint: Any, key: str) -> None:
 
 __all__ = [
     "LOSSES",
+    "AdaptiveLoss",
     "PENALTIES",
     "CALSALMLoss",
     "CALSHRLoss",

@@ -16,22 +16,23 @@ The multipliers are buffers: saved by ``state_dict()``, moved by ``.to(device)``
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from .._validation import check_finite
-from ..distributed import all_reduce_sum_
+from ._adaptive import AdaptiveLoss
 from ._auto_margin import NUM_BINS, effective_margin_sums, largest_gap_bound, solve_temperature
-from ._base import SegLoss, as_float32, autocast_off, check_and_flatten
 from ._functional import ce_sum, class_penalty, class_sums
 from .penalties import Penalty, PenaltyFn, get_penalty
 
 
-class _ClassAdaptiveLoss(SegLoss):
-    """Shared machinery: margin (fixed or ``"auto"``), per-class ``lambdas``, validation sums
-    and their reset."""
+class _ClassAdaptiveLoss(AdaptiveLoss):
+    """Shared machinery of CALS-ALM and CALS-HR: the margin (fixed or ``"auto"``), the per-class
+    ``lambdas`` and, with ``"auto"``, the margin rule's statistics and state."""
+
+    MARGIN_LOGS = ("margin", "margin_temperature", "margin_ceiling")
 
     def __init__(
         self,
@@ -67,62 +68,39 @@ class _ClassAdaptiveLoss(SegLoss):
             raise ValueError(f"Expected `lambda_init` >= 0, but got {lambda_init}.")
         self.margin = float(margin)  # the margin in force (a Python float: no device sync)
         k = num_classes
-        self.register_buffer("lambdas", torch.full((k,), float(lambda_init), dtype=torch.float64))
-        self.register_buffer("_count", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.add_state("lambdas", torch.full((k,), float(lambda_init), dtype=torch.float64))
         if self.auto_margin:
             # The margin in force, saved and restored with the multipliers.
-            self.register_buffer("margin_value", torch.tensor(self.margin, dtype=torch.float64))
-            self.register_buffer(
-                "_meff_hist", torch.zeros(NUM_BINS, dtype=torch.float64), persistent=False
-            )
-            self.register_buffer(
-                "_gap_hist", torch.zeros(NUM_BINS, dtype=torch.float64), persistent=False
-            )
-            self.register_buffer("_correct", torch.zeros((), dtype=torch.float64), persistent=False)
+            self.add_state("margin_value", torch.tensor(self.margin, dtype=torch.float64))
+            self.add_statistic("_meff_hist", NUM_BINS)
+            self.add_statistic("_gap_hist", NUM_BINS)
+            self.add_statistic("_correct", ())
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.auto_margin:
             self.margin = float(self.margin_value)
 
-    def _all_sums(self) -> list[Tensor]:
-        extra = [self._meff_hist, self._gap_hist, self._correct] if self.auto_margin else []
-        return [*self._sums(), *extra]
-
     def _per_class(self, values: Tensor, like: Tensor) -> Tensor:
         """``(K,)`` float64 buffer -> ``(1, K, 1)`` in the dtype of the logits."""
         return values.to(dtype=like.dtype).view(1, -1, 1)
 
-    def _sums(self) -> list[Tensor]:
+    def _class_statistics(self) -> list[str]:
+        """Names of the per-class sums :meth:`_observe` accumulates, in the order of
+        :meth:`_observed_functions`."""
         raise NotImplementedError
 
-    def _reduce_and_reset(self) -> tuple[list[Tensor], int]:
-        """All-reduce the validation sums (no-op without torch.distributed), return them and n,
-        and zero the accumulators (with ``margin: auto``, the margin rule's sums come last)."""
-        sums = [s.clone() for s in self._all_sums()]
-        count = self._count.clone()
-        all_reduce_sum_([*sums, count])
-        n = int(count.item())
-        for s in self._all_sums():
-            s.zero_()
-        self._count.zero_()
-        if n == 0:
-            raise RuntimeError(
-                "update_multipliers() found no observed validation positions: call "
-                "criterion.observe(logits, target) on the validation batches first."
-            )
-        return sums, n
-
-    def _update_margin(
-        self, epoch: int, hist: Tensor, gap_hist: Tensor, correct: Tensor
-    ) -> dict[str, float]:
+    def _update_margin(self, epoch: int, stats: dict[str, Tensor]) -> dict[str, float]:
         """The ``margin: auto`` rule after epoch ``epoch`` (0-based) from this validation pass's
         statistics: ``m <- clip(m / T_hat, margin_min, min(margin_max, G))`` with ``G`` the
         largest validation gap (a margin above it is inert); nothing during the first
         ``margin_warmup`` epochs. Returns the history entries ``margin`` (the margin now in
-        force), ``margin_temperature`` (``T_hat``) and ``margin_ceiling`` (``G``)."""
-        t_hat = solve_temperature(hist, float(correct), self.num_classes)
-        ceiling = largest_gap_bound(gap_hist)
+        force), ``margin_temperature`` (``T_hat``) and ``margin_ceiling`` (``G``); nothing with a
+        fixed margin."""
+        if not self.auto_margin:
+            return {}
+        t_hat = solve_temperature(stats["_meff_hist"], float(stats["_correct"]), self.num_classes)
+        ceiling = largest_gap_bound(stats["_gap_hist"])
         if epoch + 1 > self.margin_warmup:
             high = max(min(self.margin_max, ceiling), self.margin_min)
             new = min(max(self.margin / t_hat, self.margin_min), high)
@@ -130,39 +108,21 @@ class _ClassAdaptiveLoss(SegLoss):
             self.margin = float(self.margin_value)
         return {"margin": self.margin, "margin_temperature": t_hat, "margin_ceiling": ceiling}
 
-    @torch.no_grad()
-    def observe(self, logits: Tensor, target: Tensor) -> None:
-        """Accumulate the validation statistics of one batch (no gradient, valid positions only).
-
-        Computes in float32 (sums in float64) whatever autocast context surrounds the call.
-
-        Shape:
-            logits: ``(N, K, *S)``; target: ``(N, *S)``.
-
-        Raises:
-            ValueError: bad shapes or labels (as the forward pass), or NaN / inf logits.
-        """
-        with autocast_off(logits.device):
-            logits3, target2, valid = check_and_flatten(
-                as_float32(logits), target, self.num_classes, self.ignore_index
-            )
-            n, _, s = logits3.shape
-            maxima = torch.empty((n, 1, s), dtype=logits3.dtype, device=logits3.device)
-            fns = self._observed_functions(logits3)
-            sums = class_sums(logits3, valid, self.margin, fns, maxima=maxima)
-            check_finite(logits3, maxima)  # before anything is accumulated
-            for total, value in zip(self._sums(), sums, strict=True):
-                total += value
-            if self.auto_margin:
-                hist, gap_hist, correct = effective_margin_sums(logits3, target2, valid)
-                self._meff_hist += hist
-                self._gap_hist += gap_hist
-                self._correct += correct
-            self._count += valid.sum()
+    def _observe(self, logits: Tensor, target: Tensor, valid: Tensor) -> dict[str, Tensor]:
+        n, _, s = logits.shape
+        maxima = torch.empty((n, 1, s), dtype=logits.dtype, device=logits.device)
+        fns = self._observed_functions(logits)
+        sums = class_sums(logits, valid, self.margin, fns, maxima=maxima)
+        check_finite(logits, maxima)  # before anything is accumulated
+        out = dict(zip(self._class_statistics(), sums, strict=True))
+        if self.auto_margin:
+            hist, gap_hist, correct = effective_margin_sums(logits, target, valid)
+            out.update(_meff_hist=hist, _gap_hist=gap_hist, _correct=correct)
+        return out
 
     def _observed_functions(self, like: Tensor) -> list:
-        """Elementwise functions of z whose per-class sums :meth:`observe` accumulates, in the
-        order of :meth:`_sums`."""
+        """Elementwise functions of z whose per-class sums :meth:`_observe` accumulates, in the
+        order of :meth:`_class_statistics`."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -212,6 +172,8 @@ class CALSALMLoss(_ClassAdaptiveLoss):
     The validation sums are O(K) float64 (O(bins) with ``"auto"``) and not persistent.
     """
 
+    log_keys = ("lambda", "rho", "constraint", *_ClassAdaptiveLoss.MARGIN_LOGS)
+
     def __init__(
         self,
         num_classes: int,
@@ -249,11 +211,11 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         self.lambda_min, self.lambda_max = float(lambda_min), float(lambda_max)
         self.rho_min, self.rho_max = float(rho_min), float(rho_max)
         k = num_classes
-        self.register_buffer("rhos", torch.full((k,), float(rho_init), dtype=torch.float64))
-        self.register_buffer("zbar_prev", torch.zeros(k, dtype=torch.float64))
-        self.register_buffer("has_prev", torch.zeros((), dtype=torch.bool))
-        self.register_buffer("_sum_grad", torch.zeros(k, dtype=torch.float64), persistent=False)
-        self.register_buffer("_sum_z", torch.zeros(k, dtype=torch.float64), persistent=False)
+        self.add_state("rhos", torch.full((k,), float(rho_init), dtype=torch.float64))
+        self.add_state("zbar_prev", torch.zeros(k, dtype=torch.float64))
+        self.add_state("has_prev", torch.zeros((), dtype=torch.bool))
+        self.add_statistic("_sum_grad", k)
+        self.add_statistic("_sum_z", k)
 
     def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
         ce = ce_sum(logits, target, self.ignore_index) / valid.sum().clamp(min=1)
@@ -269,32 +231,32 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
         return ce + pen
 
-    def _sums(self) -> list[Tensor]:
-        return [self._sum_grad, self._sum_z]
+    def _class_statistics(self) -> list[str]:
+        return ["_sum_grad", "_sum_z"]
 
     def _observed_functions(self, like: Tensor) -> list:
         lam, rho = self._per_class(self.lambdas, like), self._per_class(self.rhos, like)
         return [lambda z: self.penalty.derivative(z, rho, lam), lambda z: z]
 
-    @torch.no_grad()
-    def update_multipliers(self, epoch: int) -> dict[str, list[float]]:
-        """Apply the lambda and rho rules after epoch ``epoch`` (0-based) and reset the sums.
+    def _update(self, epoch: int, stats: dict[str, Tensor], n: int) -> dict[str, Any]:
+        """The lambda and rho rules after epoch ``epoch`` (0-based); :meth:`update_multipliers`
+        calls it with the statistics summed over processes.
 
         Returns:
             ``{"lambda": [K], "rho": [K], "constraint": [K]}`` after the update (constraint is
             this epoch's mean normalised constraint zbar); with ``margin="auto"`` also
-            ``margin`` (the margin for the next epoch) and ``margin_temperature``.
+            ``margin`` (the margin for the next epoch), ``margin_temperature`` and
+            ``margin_ceiling``.
         """
-        (sum_grad, sum_z, *auto), n = self._reduce_and_reset()
-        self.lambdas.copy_((sum_grad / n).clamp_(self.lambda_min, self.lambda_max))
-        zbar = sum_z / n
+        self.lambdas.copy_((stats["_sum_grad"] / n).clamp_(self.lambda_min, self.lambda_max))
+        zbar = stats["_sum_z"] / n
         if (epoch + 1) % self.rho_period == 0 and bool(self.has_prev):
             worse = zbar > self.tau * self.zbar_prev.clamp(min=0.0)
             grown = torch.where(worse, self.rhos * self.gamma, self.rhos)
             self.rhos.copy_(grown.clamp_(self.rho_min, self.rho_max))
         self.zbar_prev.copy_(zbar)
         self.has_prev.fill_(True)
-        margin = self._update_margin(epoch, *auto) if self.auto_margin else {}
+        margin = self._update_margin(epoch, stats)
         return {**self.multipliers(), "constraint": zbar.tolist(), **margin}
 
     def multipliers(self) -> dict[str, list[float]]:
@@ -353,6 +315,8 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         ValueError: bad ``mu``, ``tau`` or ``score``.
     """
 
+    log_keys = ("lambda", "penalty", "score", *_ClassAdaptiveLoss.MARGIN_LOGS)
+
     def __init__(
         self,
         num_classes: int,
@@ -383,10 +347,10 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         self.lambda_min, self.lambda_max = float(lambda_min), float(lambda_max)
         self.score = score
         k = num_classes
-        self.register_buffer("penalty_prev", torch.zeros(k, dtype=torch.float64))
-        self.register_buffer("lambdas_prev", torch.zeros(k, dtype=torch.float64))
-        self.register_buffer("has_prev", torch.zeros((), dtype=torch.bool))
-        self.register_buffer("_sum_pen", torch.zeros(k, dtype=torch.float64), persistent=False)
+        self.add_state("penalty_prev", torch.zeros(k, dtype=torch.float64))
+        self.add_state("lambdas_prev", torch.zeros(k, dtype=torch.float64))
+        self.add_state("has_prev", torch.zeros((), dtype=torch.bool))
+        self.add_statistic("_sum_pen", k)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # State saved before ``lambdas_prev`` existed: the unweighted rule does not read it; the
@@ -410,23 +374,22 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
         return ce + pen
 
-    def _sums(self) -> list[Tensor]:
-        return [self._sum_pen]
+    def _class_statistics(self) -> list[str]:
+        return ["_sum_pen"]
 
     def _observed_functions(self, like: Tensor) -> list:
         return [lambda z: z.clamp_(min=0.0).mul_(self.margin)]
 
-    @torch.no_grad()
-    def update_multipliers(self, epoch: int) -> dict[str, list[float]]:
-        """Apply the heuristic rule after epoch ``epoch`` (0-based) and reset the sums.
+    def _update(self, epoch: int, stats: dict[str, Tensor], n: int) -> dict[str, Any]:
+        """The heuristic rule after epoch ``epoch`` (0-based); :meth:`update_multipliers` calls
+        it with the statistics summed over processes.
 
         Returns:
             ``{"lambda": [K], "penalty": [K], "score": [K]}``: the multipliers after the update,
             this epoch's mean class hinge ``P_k`` and the score ``S_k`` the rule compared; with
             ``margin="auto"`` also ``margin`` and ``margin_temperature``.
         """
-        (sum_pen, *auto), n = self._reduce_and_reset()
-        pen = sum_pen / n
+        pen = stats["_sum_pen"] / n
         lam = self.lambdas.clone()  # in force during the validation pass just observed
         if self.score == "weighted":
             curr, prev = lam * pen, self.lambdas_prev * self.penalty_prev
@@ -447,7 +410,7 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         self.penalty_prev.copy_(pen)
         self.lambdas_prev.copy_(lam)
         self.has_prev.fill_(True)
-        margin = self._update_margin(epoch, *auto) if self.auto_margin else {}
+        margin = self._update_margin(epoch, stats)
         return {**self.multipliers(), "penalty": pen.tolist(), "score": curr.tolist(), **margin}
 
     def multipliers(self) -> dict[str, list[float]]:

@@ -43,6 +43,9 @@ class Task:
     num_classes: int
     ignore_index: int
     class_names: list[str] = field(default_factory=list)
+    # How an evaluation makes the network input from a sample (segmentation: resize / pad /
+    # tiles, logits brought back to the image's size, see cals_seg.inference); None: as is.
+    protocol: EvalProtocol | None = None
 
     family = "classification"
     score_metric = "acc"  # the headline metric of the family, printed and compared
@@ -58,11 +61,7 @@ class Task:
 
 @dataclass
 class SegmentationTask(Task):
-    """Logits ``(N, K, H, W)``, masks ``(N, H, W)``: calibration and segmentation meters.
-    ``protocol``: how the evaluation makes the network input from an image (the logits are
-    always at the image's own resolution, see :mod:`cals_seg.inference`)."""
-
-    protocol: EvalProtocol | None = None
+    """Logits ``(N, K, H, W)``, masks ``(N, H, W)``: calibration and segmentation meters."""
 
     family = "segmentation"
     score_metric = "miou"
