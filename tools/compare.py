@@ -16,8 +16,9 @@ boundary-band and object-size meters existed) is evaluated once more on its test
 configs are trained with ``tools/train_seg.py``, others with ``tools/train_cls.py``. Writes:
 
     OUT/results.md, OUT/results.csv   one row per method: mean (and std over seeds) of mIoU or
-                                      accuracy, ECE, AECE, CWCE, NLL, per-image ECE, boundary and
-                                      interior ECE, post-TS ECE, T; the best value per column in
+                                      accuracy, ECE, band-weighted ECE, AECE, CWCE, NLL, per-image
+                                      ECE, boundary and interior ECE, post-TS ECE and
+                                      band-weighted ECE, T; the best value per column in
                                       bold; failed runs listed
     OUT/ece_vs_score.png              ECE against mIoU / accuracy (the paper's Figure 1)
     OUT/reliability_grid.png          one reliability diagram per method (first seed)
@@ -59,6 +60,7 @@ from cals_seg.trainer import resolve_device  # noqa: E402
 COLUMNS = [
     ("score", None, False, True),
     ("ece", "ECE", True, True),
+    ("ece_band_weighted", "band-weighted ECE", True, True),
     ("aece", "AECE", True, True),
     ("cwce", "CWCE", True, True),
     ("nll", "NLL", True, False),
@@ -66,6 +68,7 @@ COLUMNS = [
     ("ece_boundary", "boundary ECE", True, True),
     ("ece_interior", "interior ECE", True, True),
     ("post_ece", "post-TS ECE", True, True),
+    ("post_ece_band_weighted", "post-TS band-weighted ECE", True, True),
     ("temperature", "T", None, False),
 ]
 
@@ -220,6 +223,7 @@ def summarise(metrics: dict[str, Any]) -> dict[str, float]:
     return {
         "score": score,
         "ece": pre["ece"],
+        "ece_band_weighted": pre.get("ece_band_weighted"),
         "aece": pre["aece"],
         "cwce": pre.get("cwce"),
         "nll": pre["nll"],
@@ -227,6 +231,7 @@ def summarise(metrics: dict[str, Any]) -> dict[str, float]:
         "ece_boundary": bands[0],
         "ece_interior": bands[-1],
         "post_ece": post["ece"] if post else None,
+        "post_ece_band_weighted": post.get("ece_band_weighted") if post else None,
         "temperature": metrics["temperature"],
     }
 
