@@ -3,11 +3,15 @@
     python tools/predict_seg.py runs/<name> photos/ extra.jpg --out predictions/ \\
         [--threshold 0.5] [--temperature T] [--mode slide --window 512 --stride 341] \\
         [--resize S] [--pad P] [--device auto|cpu|cuda] [--strict] [--set key=value ...]
+        [--calibrator NAME]
 
 RUN_DIR_OR_CHECKPOINT is a run directory (its checkpoint_best.pt, else checkpoint_last.pt) or a
 checkpoint inside one; the run's resolved config.yaml rebuilds the model and the normalisation,
 and its temperature.json (fitted on the validation split) calibrates the confidences
-(--temperature 1 switches that off). INPUTS are image files or folders (searched recursively).
+(--temperature 1 switches that off). With --calibrator NAME the confidences come instead from
+the post-hoc calibrator saved in <run>/calibrators/NAME.pt (fitted on the validation split by
+``tools/eval_seg.py ... --calibrators NAME``). INPUTS are image files or folders (searched
+recursively).
 
 Per image, named after the input file, in DIR:
 
@@ -44,6 +48,7 @@ import torch  # noqa: E402
 from PIL import Image, ImageOps  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from cals_seg.calibrators import CALIBRATORS, load_calibrator  # noqa: E402
 from cals_seg.cli import (  # noqa: E402
     USER_ERRORS,
     add_protocol_arguments,
@@ -202,7 +207,7 @@ def load_run(args: argparse.Namespace) -> tuple[Config, torch.nn.Module, EvalPro
         raise ValueError(f"{checkpoint} does not fit the model of {run}/config.yaml "
                          f"({str(err).splitlines()[0]}).") from None
     protocol = eval_protocol(cfg, model)
-    temperature = args.temperature
+    temperature = 1.0 if args.calibrator is not None else args.temperature
     if temperature is None:
         temperature = RunDir(run).read_temperature()
         if temperature is None:
@@ -216,6 +221,19 @@ def load_run(args: argparse.Namespace) -> tuple[Config, torch.nn.Module, EvalPro
     amp = resolve_amp(args.amp or cfg.train.amp, device, warn=False)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    args.calibrator_module = None
+    if args.calibrator is not None:
+        path = run / "calibrators" / f"{args.calibrator}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist: fit it first with tools/eval_seg.py "
+                f"{run / 'config.yaml'} --checkpoint {checkpoint} --calibrators {args.calibrator}."
+            )
+        args.calibrator_module = load_calibrator(path, device)
+        if args.calibrator_module.num_classes != cfg.data.num_classes:
+            raise ValueError(f"{path} has {args.calibrator_module.num_classes} classes, but the "
+                             f"run has {cfg.data.num_classes}; refit it.")
+        temperature = 1.0
     return cfg, model.to(device).eval(), protocol, float(temperature), device, amp
 
 
@@ -233,6 +251,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "run's train.device)")
     parser.add_argument("--amp", default=None, choices=["auto", "none", "bf16", "fp16"],
                         help="precision of the forward pass (default: the run's train.amp)")
+    parser.add_argument("--calibrator", default=None, choices=sorted(CALIBRATORS),
+                        help="a post-hoc calibrator saved in <run>/calibrators/ (instead of T)")
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first unreadable input (default: name it, go on)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
@@ -271,10 +291,12 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 failed.append(str(path))
                 continue
-            pred = predict_image(model, image, temperature, protocol, amp)
+            pred = predict_image(model, image, temperature, protocol, amp,
+                                 calibrator=args.calibrator_module)
             record = {
                 "input": str(path), "height": image.shape[0], "width": image.shape[1],
-                "temperature": temperature, "threshold": args.threshold,
+                "temperature": temperature, "calibrator": args.calibrator,
+                "threshold": args.threshold,
                 **summary(pred, args.threshold, names),
                 "outputs": write_outputs(out, name, image, pred, k, args.threshold),
             }
@@ -282,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             log.write(json.dumps(record) + "\n")
             log.flush()
     done = len(files) - len(failed)
-    print(f"wrote {done} prediction(s) to {out} (T = {temperature:.3f}, {device.type}, "
+    how = f"calibrator {args.calibrator}" if args.calibrator else f"T = {temperature:.3f}"
+    print(f"wrote {done} prediction(s) to {out} ({how}, {device.type}, "
           f"precision {amp}, {protocol.mode}); summary lines in {out / 'predictions.jsonl'}")
     if failed:
         print(f"error: {len(failed)} input(s) could not be read: {', '.join(failed)}",
