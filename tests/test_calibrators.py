@@ -336,3 +336,68 @@ def test_evaluate_calibrators_one_pass():
             assert out[name]["miou"] == out["uncalibrated"]["miou"]
             assert out[name]["confusion"] == out["uncalibrated"]["confusion"]
     assert math.isfinite(out["dirichlet"]["nll"])
+
+
+# ----------------------------------------------------------------------------- eval_seg
+@pytest.mark.filterwarnings("ignore:boundary_ts", "ignore:The validation NLL is minimal")
+def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path):
+    """eval_seg --calibrators: fitted on validation, saved in the run, evaluated in the same
+    pass as pre/post-TS; the ts calibrator reproduces post-TS; a second call loads them."""
+    import json
+    from pathlib import Path
+
+    from cals_seg.config import load_config
+    from cals_seg.tasks.segmentation import build_model
+
+    from .conftest import load_tool
+
+    setup = Path(__file__).resolve().parents[1] / "configs" / "synthetic_deeplabv3.yaml"
+    sets = [f"data.root={tmp_path / 'data'}",
+            "data.synthetic={num_train: 30, num_test: 4, image_size: 32}",
+            "train.amp=none", "train.threads=1", "train.progress=false", "eval.num_maps=0",
+            "model.encoder_name=tu-mobilenetv3_small_050",
+            "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
+    cfg = load_config(setup, sets, "ce")
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
+               run / "checkpoint_best.pt")
+    names = ["ts", "boundary_ts", "dirichlet", "selective"]
+    base = [str(setup), "--method", "ce", "--checkpoint", str(run / "checkpoint_best.pt"),
+            "--out", str(tmp_path / "eval"), "--calibrators", *names, "--set", *sets]
+    params = ["--calibrator-param", "selective.epochs=1", "dirichlet.max_iter=5"]
+    assert load_tool("eval_seg").main(base + params) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    cals = metrics["calibrators"]
+    assert list(cals) == names
+    for name in names:
+        assert cals[name].keys() == metrics["pre_ts"].keys()
+        assert "ece_band_weighted" in cals[name]
+        assert (run / "calibrators" / f"{name}.pt").is_file()
+        assert metrics["calibrator_fits"][name]["loaded"] is False
+    for key in ("ece", "nll", "ece_band_weighted"):
+        assert cals["ts"][key] == pytest.approx(metrics["post_ts"][key], abs=1e-12)
+    for name in ("ts", "boundary_ts", "selective"):
+        assert cals[name]["miou"] == metrics["pre_ts"]["miou"]
+    assert metrics["calibrator_fits"]["selective"]["heldout_images"] >= 1
+    table = (tmp_path / "eval" / "calibrators.md").read_text()
+    assert "band-weighted ECE" in table and "| boundary_ts |" in table
+    assert (tmp_path / "eval" / "reliability_boundary_ts.png").is_file()
+    # A second call loads the saved calibrators and gives the same numbers.
+    assert load_tool("eval_seg").main(base) == 0
+    again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert all(again["calibrator_fits"][n]["loaded"] for n in names)
+    assert again["calibrators"] == cals
+
+
+def test_eval_seg_calibrator_params():
+    from .conftest import load_tool
+
+    parse = load_tool("eval_seg").calibrator_params
+    assert parse(["lts.epochs=20", "boundary_ts.bands=[2, 5.5]"]) == {
+        "lts": {"epochs": 20}, "boundary_ts": {"bands": [2, 5.5]}}
+    with pytest.raises(ValueError, match="NAME.KEY=VALUE"):
+        parse(["lts=3"])
+    with pytest.raises(ValueError, match="unknown calibrator 'platt'"):
+        parse(["platt.a=1"])

@@ -4,6 +4,8 @@ per-image calibration maps.
     python tools/eval_seg.py runs/<name>/config.yaml --checkpoint runs/<name>/checkpoint_best.pt \
         [--split test] [--out DIR] [--num-maps 4] [--mode slide --window 512 --stride 341]
         [--resize S] [--pad P] [--set key=value ...]
+        [--calibrators ts vector dirichlet lts selective boundary_ts] [--refit-calibrators]
+        [--calibrator-param lts.epochs=20 ...]
 
 Every metric is taken at each image's own resolution against its unmodified mask; the network
 input follows the run's ``eval`` section (resize, pad, whole or slide), overridden by the options.
@@ -14,6 +16,15 @@ DIR/ece_bands.png and DIR/ece_sizes.png (ECE per distance band / object-size buc
 post-TS), DIR/risk_coverage.png, DIR/reliability_bands_{pre,post}_ts.png (one diagram per band),
 DIR/lambda_curves.png when the run has multipliers, and DIR/maps/<id>.png (image, ground truth,
 prediction, confidence, errors, confidence on errors).
+
+With --calibrators, each post-hoc calibrator named (cals_seg.calibrators) is loaded from
+<run>/calibrators/<name>.pt, or fitted on the validation split and saved there when missing
+(--refit-calibrators refits); all are evaluated on the split in the same single pass as the
+pre/post-TS metrics. metrics.json["calibrators"][NAME] holds the same dictionary as "pre_ts",
+metrics.json["calibrator_fits"][NAME] the fit's summary (held-out images, passes, seconds);
+DIR/calibrators.md is the table (ECE, band-weighted ECE, boundary and interior ECE, NLL, AURC,
+mIoU), DIR/reliability_<name>.png each calibrator's diagram, and the band / size plots and
+per-band diagrams include every calibrator.
 """
 
 from __future__ import annotations
@@ -28,6 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cals_seg import plotting  # noqa: E402
+from cals_seg.calibrators import (  # noqa: E402
+    CALIBRATORS,
+    calibration_table,
+    load_or_fit_calibrators,
+)
 from cals_seg.checks import bounded_input, warn_large_images  # noqa: E402
 from cals_seg.cli import (  # noqa: E402
     USER_ERRORS,
@@ -41,7 +57,7 @@ from cals_seg.cli import (  # noqa: E402
 from cals_seg.config import load_config  # noqa: E402
 from cals_seg.data.transforms import eval_transform  # noqa: E402
 from cals_seg.data.voc import voc_palette  # noqa: E402
-from cals_seg.distributed import is_main_process  # noqa: E402
+from cals_seg.distributed import is_distributed, is_main_process  # noqa: E402
 from cals_seg.engine import make_loader  # noqa: E402
 from cals_seg.inference import EvalProtocol, segment_logits  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
@@ -98,9 +114,12 @@ def calibration_maps(
 
 
 def plot_regions(result: dict, out: Path, name: str) -> list[Path]:
-    """ECE per boundary band and per object size, risk-coverage, reliability per band."""
+    """ECE per boundary band and per object size, risk-coverage, reliability per band (pre-,
+    post-TS and every post-hoc calibrator)."""
+    result = {**result, **{f"cal_{k}": v for k, v in (result.get("calibrators") or {}).items()}}
     views = [(key, key.replace("_", "-").replace("ts", "TS")) for key in ("pre_ts", "post_ts")
              if result.get(key)]  # fmt: skip
+    views += [(key, key[4:]) for key in result if key.startswith("cal_")]
     pre = result["pre_ts"]
     written = []
     for group, what, xlabel in (
@@ -124,10 +143,32 @@ def plot_regions(result: dict, out: Path, name: str) -> list[Path]:
         bands = zip(plotting.band_labels(pre["band_edges"]), result[key]["reliability_band"],
                     strict=True)  # fmt: skip
         items = [(f"{label}, d in {b}", rel) for b, rel in bands]
-        path = out / f"reliability_bands_{key}.png"
+        path = out / f"reliability_bands_{key.removeprefix('cal_')}.png"
         plotting.plot_reliability_grid(items, path, ncols=len(items))
         written.append(path)
     return written
+
+
+def calibrator_params(items: list[str]) -> dict[str, dict]:
+    """``{name: {key: value}}`` from ``NAME.KEY=VALUE`` items (values read as YAML).
+
+    Raises:
+        ValueError: a malformed item or an unknown calibrator name.
+    """
+    import yaml
+
+    out: dict[str, dict] = {}
+    for item in items:
+        head, sep, value = item.partition("=")
+        name, dot, key = head.partition(".")
+        if not (sep and dot and name and key):
+            raise ValueError(f"--calibrator-param {item!r}: expected NAME.KEY=VALUE, e.g. "
+                             "lts.epochs=20.")
+        if name not in CALIBRATORS:
+            raise ValueError(f"--calibrator-param {item!r}: unknown calibrator {name!r}; valid "
+                             f"names are {sorted(CALIBRATORS)}.")
+        out.setdefault(name, {})[key] = yaml.safe_load(value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,11 +185,20 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="calibration maps for the first N images (default: eval.num_maps)",
     )
+    parser.add_argument("--calibrators", nargs="+", default=[], choices=sorted(CALIBRATORS),
+                        metavar="NAME", help="post-hoc calibrators to fit (on validation) and "
+                        f"evaluate: {', '.join(CALIBRATORS)}")
+    parser.add_argument("--refit-calibrators", action="store_true",
+                        help="refit the calibrators already saved in <run>/calibrators/")
+    parser.add_argument("--calibrator-param", nargs="+", action="extend", default=[],
+                        metavar="NAME.KEY=VALUE", help="a calibrator's parameter, e.g. "
+                        "lts.epochs=20 or boundary_ts.bands=[2,5,10] (YAML values)")
     add_protocol_arguments(parser)
     add_method_argument(parser)
     add_set_argument(parser)
     args = parser.parse_args(argv)
     try:
+        cal_params = calibrator_params(args.calibrator_param)
         cfg = load_config(args.config, [*args.set, *protocol_overrides(args)], args.method)
         task = build_task(cfg, "segmentation")
         ckpt = load_checkpoint(args.checkpoint)
@@ -178,17 +228,31 @@ def main(argv: list[str] | None = None) -> int:
         split_set = copy.copy(split_set)
         split_set.transform = task.val_set.transform
     e, workers = cfg.eval, cfg.data.num_workers
+    run = RunDir(Path(args.checkpoint).resolve().parent)
+    val_loader = make_loader(task.val_set, e.batch_size, False, workers)
+    calibrators, fits = {}, {}
+    if args.calibrators:
+        if is_distributed() and {"lts", "selective"} & set(args.calibrators):
+            return report(ValueError("--calibrators lts / selective: fit them in one process "
+                                     "(without torchrun); the others fit under torchrun too."))
+        try:
+            calibrators, fits = load_or_fit_calibrators(
+                args.calibrators, run.path / "calibrators", task.num_classes, model, val_loader,
+                device, task.ignore_index, amp, task.protocol, args.refit_calibrators,
+                cal_params)
+        except USER_ERRORS as err:
+            return report(err)
     result = calibrated_test(
-        model, task, make_loader(task.val_set, e.batch_size, False, workers),
-        make_loader(split_set, e.batch_size, False, workers), device, amp, e.n_bins,
-        e.temperature_scaling, cfg.train.progress,
+        model, task, val_loader, make_loader(split_set, e.batch_size, False, workers), device,
+        amp, e.n_bins, e.temperature_scaling, cfg.train.progress, calibrators=calibrators,
     )
     result.update(checkpoint=str(args.checkpoint), epoch=ckpt.get("epoch"), split=args.split,
                   precision=amp)
+    if fits:
+        result["calibrator_fits"] = fits
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
-    run = RunDir(Path(args.checkpoint).resolve().parent)
     out = Path(args.out) if args.out else run.path / f"eval_{args.split}"
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "metrics.json", result)
@@ -203,6 +267,21 @@ def main(argv: list[str] | None = None) -> int:
                 title=title,
                 ece=result[key]["ece"],
             )
+    for name, metrics in (result.get("calibrators") or {}).items():
+        plotting.plot_reliability_diagram(
+            metrics["reliability"], out / f"reliability_{name}.png",
+            title=f"{cfg.name} {args.split}, {name}", ece=metrics["ece"],
+        )
+    if result.get("calibrators"):
+        rows = {"uncalibrated": result["pre_ts"]}
+        if result.get("post_ts"):
+            rows["ts (run's T)"] = result["post_ts"]
+        rows.update(result["calibrators"])
+        table = calibration_table(rows)
+        (out / "calibrators.md").write_text(
+            f"{cfg.name}, {args.split} split; calibrators fitted on the validation split. "
+            "Values in % except NLL.\n\n" + table)
+        print(table)
     plot_regions(result, out, f"{cfg.name} {args.split}")
     plotting.plot_multiplier_curves(run.history(), out / "lambda_curves.png", task.class_names)
     num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps

@@ -33,7 +33,15 @@ from typing import Any
 import torch
 
 from ._base import Batches, Calibrator
-from ._evaluate import Calibrated, evaluate_calibrators, fit_calibrators
+from ._evaluate import (
+    TABLE_COLUMNS,
+    Calibrated,
+    calibration_table,
+    evaluate_calibrators,
+    fit_calibrators,
+    load_or_fit_calibrators,
+    table_values,
+)
 from .boundary_ts import BoundaryTemperatureScaling
 from .dirichlet import DirichletCalibration
 from .lts import LocalTemperatureScaling
@@ -113,6 +121,7 @@ def _plain(obj: Any) -> Any:
 
 __all__ = [
     "CALIBRATORS",
+    "TABLE_COLUMNS",
     "Batches",
     "BoundaryTemperatureScaling",
     "Calibrated",
@@ -123,8 +132,11 @@ __all__ = [
     "TemperatureScaling",
     "VectorScaling",
     "build_calibrator",
+    "calibration_table",
     "evaluate_calibrators",
     "fit_calibrators",
     "load_calibrator",
+    "load_or_fit_calibrators",
     "save_calibrator",
+    "table_values",
 ]

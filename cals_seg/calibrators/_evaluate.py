@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,3 +102,85 @@ def evaluate_calibrators(
     out = {"uncalibrated": compute(raw)}
     out.update({name: compute(s) for name, s in sets.items()})
     return out
+
+
+def load_or_fit_calibrators(
+    names: Sequence[str],
+    folder: str | Path,
+    num_classes: int,
+    model: nn.Module,
+    val_loader: DataLoader,
+    device: torch.device,
+    ignore_index: int,
+    amp: str = "none",
+    protocol: Any = None,
+    refit: bool = False,
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+) -> tuple[dict[str, Calibrator], dict[str, dict[str, Any]]]:
+    """The calibrators ``names``: loaded from ``folder/<name>.pt`` when saved there (and not
+    ``refit``), else built (with ``params[name]``), fitted on ``val_loader`` and saved there.
+
+    Returns:
+        ``({name: calibrator}, {name: fit summary})``; a summary holds the method's
+        ``fit_info``, ``"loaded": True`` for a loaded one, else the fit's wall-clock
+        ``fit_seconds`` and, on CUDA, ``fit_peak_memory_mib`` (peak allocated during the fit,
+        the network's forward passes included).
+    """
+    from . import build_calibrator, load_calibrator, save_calibrator
+
+    folder = Path(folder)
+    out, info = {}, {}
+    for name in names:
+        path = folder / f"{name}.pt"
+        if path.is_file() and not refit:
+            cal = load_calibrator(path, device)
+            if cal.num_classes != num_classes:
+                raise ValueError(f"{path} has {cal.num_classes} classes, the run {num_classes}; "
+                                 "refit it (--refit-calibrators).")
+            out[name], info[name] = cal, {**cal.fit_info, "loaded": True, "file": str(path)}
+            continue
+        cal = build_calibrator(name, num_classes, **dict((params or {}).get(name, {})))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        fit_calibrators({name: cal}, model, val_loader, device, ignore_index, amp, protocol)
+        summary = {**cal.fit_info, "loaded": False, "fit_seconds": time.perf_counter() - start}
+        if device.type == "cuda":
+            summary["fit_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        cal.fit_info = summary
+        save_calibrator(cal, path)
+        out[name], info[name] = cal, {**summary, "file": str(path)}
+    return out, info
+
+
+# (metric key, column title, shown in percent) of the calibrator tables.
+TABLE_COLUMNS = (
+    ("ece", "ECE", True),
+    ("ece_band_weighted", "band-weighted ECE", True),
+    ("ece_boundary", "boundary ECE", True),
+    ("ece_interior", "interior ECE", True),
+    ("nll", "NLL", False),
+    ("aurc", "AURC", True),
+    ("miou", "mIoU", True),
+)
+
+
+def table_values(metrics: Mapping[str, Any]) -> dict[str, float | None]:
+    """The numbers of :data:`TABLE_COLUMNS` from one metrics dict (boundary ECE: the first
+    distance band's, interior: the last band's)."""
+    bands = metrics.get("ece_band") or [None]
+    values = {key: metrics.get(key) for key, _, _ in TABLE_COLUMNS}
+    values.update(ece_boundary=bands[0], ece_interior=bands[-1])
+    return values
+
+
+def calibration_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    """A markdown table, one row per ``{name: metrics dict}`` (values in % except NLL)."""
+    lines = ["| calibration | " + " | ".join(t for _, t, _ in TABLE_COLUMNS) + " |",
+             "|---|" + "---:|" * len(TABLE_COLUMNS)]
+    for name, metrics in rows.items():
+        values = table_values(metrics)
+        cells = ["-" if values[k] is None else f"{values[k] * (100 if pct else 1):.2f}"
+                 for k, _, pct in TABLE_COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
