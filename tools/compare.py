@@ -3,6 +3,7 @@
     python tools/compare.py configs/synthetic_deeplabv3.yaml --methods ce cals_alm \
         --out runs/compare [--seeds 0 1 2] [--jobs 2 --set train.threads=1]
         [--set train.epochs=20 ...] [--checkpoints best|all|none]
+        [--calibrators ts vector dirichlet lts selective boundary_ts]
     python tools/compare.py configs/synthetic_deeplabv3_ce.yaml configs/my_setup_ce.yaml ...
 
 Each (config, method) is one row of the table. Runs go to ``OUT/runs/<config name>_seed<s>`` and are
@@ -20,6 +21,10 @@ configs are trained with ``tools/train_seg.py``, others with ``tools/train_cls.p
                                       ECE, boundary and interior ECE, post-TS ECE and
                                       band-weighted ECE, T; the best value per column in
                                       bold; failed runs listed
+    OUT/calibrators.md, .csv          with --calibrators NAME...: one row per method and
+                                      calibration (uncalibrated, post-TS, each post-hoc
+                                      calibrator fitted on the run's validation split): ECE,
+                                      band-weighted, boundary and interior ECE, NLL, AURC, mIoU
     OUT/ece_vs_score.png              ECE against mIoU / accuracy (the paper's Figure 1)
     OUT/reliability_grid.png          one reliability diagram per method (first seed)
     OUT/lambda_curves_<method>.png    learned class-wise multipliers of the CALS runs (first seed)
@@ -216,6 +221,91 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
     return missing
 
 
+def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
+    """Post-hoc calibrators of a finished segmentation run: fit the ones not saved in
+    ``<run>/calibrators/`` on its validation split (and save them), evaluate the ones missing
+    from ``test_metrics.json["calibrators"]`` on its test split in one pass of
+    ``checkpoint_best.pt``, and add them to that file; return the names added."""
+    import torch
+
+    from cals_seg.calibrators import evaluate_calibrators, load_or_fit_calibrators
+    from cals_seg.engine import make_loader
+    from cals_seg.rundir import load_checkpoint, write_json
+
+    path = run_dir / "test_metrics.json"
+    metrics = json.loads(path.read_text())
+    missing = [n for n in names if n not in (metrics.get("calibrators") or {})]
+    if not missing:
+        return []
+    ckpt = run_dir / "checkpoint_best.pt"
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"{run_dir} lacks {ckpt.name}, needed for --calibrators")
+    cfg = load_config(run_dir / "config.yaml")
+    task = build_task(cfg)
+    task.model.load_state_dict(load_checkpoint(ckpt)["model"])
+    device = resolve_device(cfg.train.device)
+    amp = metrics.get("precision") or resolve_amp(cfg.train.amp, device, warn=False)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    model = task.model.to(device)
+    e, workers = cfg.eval, cfg.data.num_workers
+    print(f"{run_dir.name}: calibrators {', '.join(missing)} (fit on val, one test pass)",
+          flush=True)
+    cals, fits = load_or_fit_calibrators(
+        missing, run_dir / "calibrators", task.num_classes, model,
+        make_loader(task.val_set, e.batch_size, False, workers), device, task.ignore_index, amp,
+        task.protocol)
+    out = evaluate_calibrators(model, make_loader(task.test_set, e.batch_size, False, workers),
+                               device, cals, lambda: task.meters(e.n_bins, test=True), amp,
+                               task.protocol)
+    metrics.setdefault("calibrators", {}).update({n: out[n] for n in missing})
+    metrics.setdefault("calibrator_fits", {}).update(fits)
+    write_json(path, metrics)
+    return missing
+
+
+def calibrator_rows(metrics: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
+    """``{calibration: table values}``: uncalibrated, post-TS (the run's T), then ``names``."""
+    from cals_seg.calibrators import table_values
+
+    rows = {"uncalibrated": table_values(metrics["pre_ts"])}
+    if metrics.get("post_ts"):
+        rows["post-TS"] = table_values(metrics["post_ts"])
+    for name in names:
+        rows[name] = table_values(metrics["calibrators"][name])
+    return rows
+
+
+def write_calibrator_results(out: Path, rows: dict[str, dict[str, Any]]) -> None:
+    """calibrators.md / .csv: one row per (method, calibration), mean ± std over seeds of the
+    calibrator table's columns."""
+    from cals_seg.calibrators import TABLE_COLUMNS
+
+    lines = ["| method | calibration | seeds | " + " | ".join(t for _, t, _ in TABLE_COLUMNS)
+             + " |", "|---|---|---:|" + "---:|" * len(TABLE_COLUMNS)]
+    records = []
+    for method, row in rows.items():
+        per_seed = row.get("calibrators") or []
+        for calibration in (per_seed[0] if per_seed else {}):
+            cells, record = [], {"method": method, "calibration": calibration,
+                                 "seeds": len(per_seed)}
+            for key, _, pct in TABLE_COLUMNS:
+                text, mean, std = _fmt([s[calibration][key] for s in per_seed], pct)
+                cells.append(text)
+                record.update({f"{key}_mean": mean, f"{key}_std": std})
+            records.append(record)
+            lines.append(f"| {method} | {calibration} | {len(per_seed)} | " + " | ".join(cells)
+                         + " |")
+    text = "\n".join(lines) + "\n\nValues in % except NLL; mean ± std over seeds. " \
+        "Calibrators fitted on each run's validation split, evaluated on its test split.\n"
+    (out / "calibrators.md").write_text(text)
+    with (out / "calibrators.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]) if records else ["method"])
+        writer.writeheader()
+        writer.writerows(records)
+    print(text)
+
+
 def summarise(metrics: dict[str, Any]) -> dict[str, float]:
     pre, post = metrics["pre_ts"], metrics.get("post_ts")
     score = pre["miou"] if "miou" in pre else pre["acc"]
@@ -320,8 +410,18 @@ def main(argv: list[str] | None = None) -> int:
         help="checkpoints kept once a run has finished (default: best, for tools/eval_seg.py; "
         "DeepLabV3-ResNet18 with its optimizer state is about 160 MB per file)",
     )
+    parser.add_argument(
+        "--calibrators", nargs="+", default=[], metavar="NAME",
+        help="post-hoc calibrators (ts vector dirichlet lts selective boundary_ts) fitted on "
+        "each segmentation run's validation split: OUT/calibrators.md and .csv",
+    )
     add_set_argument(parser)
     args = parser.parse_args(argv)
+    from cals_seg.calibrators import CALIBRATORS
+
+    unknown = sorted(set(args.calibrators) - set(CALIBRATORS))
+    if unknown:
+        parser.error(f"--calibrators: unknown {unknown}; valid names are {sorted(CALIBRATORS)}")
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
@@ -364,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if task_family(load_config(run_dir / "config.yaml")) == "segmentation":
                 backfill_test_metrics(run_dir)
+                if args.calibrators:
+                    add_calibrators(run_dir, args.calibrators)
         except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
             print(f"FAILED {method} seed {seed}: {err}", file=sys.stderr)
             row["failed"].append((seed, f"adding the new test metrics: {err}"))
@@ -372,9 +474,13 @@ def main(argv: list[str] | None = None) -> int:
         if "miou" not in metrics["pre_ts"]:
             score_name = "Acc"
         row["summaries"].append(summarise(metrics))
+        if args.calibrators and metrics.get("calibrators"):
+            row.setdefault("calibrators", []).append(calibrator_rows(metrics, args.calibrators))
         first_run.setdefault(method, run_dir)
 
     write_results(args.out, rows, score_name)
+    if args.calibrators:
+        write_calibrator_results(args.out, rows)
     points = []
     for method, row in rows.items():
         if row["summaries"]:
