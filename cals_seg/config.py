@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from .errors import ConfigError
+
 
 @dataclass
 class DataConfig:
@@ -201,8 +203,6 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
-class ConfigError(ValueError):
-    """A config file or override that does not match :class:`Config`."""
 
 
 def _check_type(value: Any, tp: Any, where: str) -> Any:

@@ -88,3 +88,12 @@ def autocast_context(device: torch.device, amp: str) -> AbstractContextManager:
 def precision_name(amp: str) -> str:
     """What a resolved ``amp`` means in words for logs: ``bfloat16``, ``float16``, ``float32``."""
     return {"bf16": "bfloat16", "fp16": "float16", "none": "float32"}[amp]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> this process' GPU under torchrun, CUDA when available, else CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    return torch.device(name)

@@ -16,6 +16,7 @@ from ..config import Config
 from ..data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
 from ..data.transforms import eval_transform, train_transform
 from ..data.voc import VOC_CLASSES, VOCSegmentation, paper_split
+from ..errors import ConfigError
 from ..inference import EvalProtocol, input_multiple
 from ..models import build_segmentation_model
 from . import SegmentationTask, class_names_or_default, generate_embedded, register_dataset
@@ -51,10 +52,17 @@ def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
 
     Raises:
         ConfigError: a bad ``eval.mode`` / ``window`` / ``stride`` / ``resize`` / ``pad``, or a
-            ``data.eval_size`` (see :func:`cals_seg.checks.check_eval_protocol`).
+            ``data.eval_size`` (a segmentation split is evaluated at its own resolution).
     """
+    d, e = cfg.data, cfg.eval
+    if d.eval_size is not None:
+        raise ConfigError(
+            f"data.eval_size: {d.eval_size} would shrink the masks of a segmentation split; "
+            "metrics are now taken at each image's own resolution. Set data.eval_size: null "
+            f"and choose the network input with eval.pad: {d.eval_size} (pad, the paper's VOC "
+            f"protocol), eval.resize: {d.eval_size} (longest side), or eval.mode: slide (tiles)."
+        )
     check_eval_protocol(cfg)
-    e = cfg.eval
     return EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window,
                         stride=e.stride, multiple=input_multiple(model),
                         tile_batch=max(1, e.batch_size))
