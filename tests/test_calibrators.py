@@ -401,3 +401,10 @@ def test_eval_seg_calibrator_params():
         parse(["lts=3"])
     with pytest.raises(ValueError, match="unknown calibrator 'platt'"):
         parse(["platt.a=1"])
+
+
+def test_command_names_match_the_registry():
+    """The commands list the calibrator names without importing torch: the same names."""
+    from .conftest import load_tool
+
+    assert load_tool("eval_seg").CALIBRATOR_NAMES == list(CALIBRATORS)
