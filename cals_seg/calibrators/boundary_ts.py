@@ -15,8 +15,10 @@ recomputed from the argmax, which the division keeps).
 Fit: the validation NLL is a sum over bands of one-temperature NLLs, so each ``T_i`` is the
 temperature-scaling optimum of its band's pixels, found by the same streaming grid refinement
 as :func:`cals_seg.temperature.fit_temperature` (one grid per band, ``passes`` passes, a
-parabola through the best point and its neighbours). Void pixels of the target are left out of
-the NLL, but they shape the predicted map like every other pixel, as at test time.
+parabola through the best point and its neighbours). A band without validation pixels gets the
+temperature of all pixels (``passes`` more passes, with a warning). Void pixels of the target
+are left out of the NLL, but they shape the predicted map like every other pixel, as at test
+time.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from cals_seg.distributed import all_reduce_sum_
 from cals_seg.metrics.regions import boundary_bands
-from cals_seg.temperature import _grid_nll, _parabola_vertex
+from cals_seg.temperature import _grid_nll, _parabola_vertex, fit_temperature
 
 from ._base import Batches, Calibrator, check_positive_int, iterate, valid_rows
 
@@ -86,11 +88,10 @@ class BoundaryTemperatureScaling(Calibrator):
         self.register_buffer("temperatures", torch.ones(len(bands) + 1))
 
     def _sweep(self, batches: Batches, log_t: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-        """Summed NLL ``(B + 1, G)`` of every band, and of all pixels (last row), at its grid of
-        temperatures, and their counts ``(B + 1,)``."""
-        num_bands = log_t.shape[0] - 1
+        """Summed NLL ``(B, G)`` of every band at its grid of temperatures, and counts ``(B,)``."""
+        num_bands = log_t.shape[0]
         total = torch.zeros(log_t.shape, dtype=torch.float64)
-        count = torch.zeros(num_bands + 1, dtype=torch.int64)
+        count = torch.zeros(num_bands, dtype=torch.int64)
         for logits, target, _ in iterate(batches):
             if logits.dim() != 4:
                 raise ValueError(
@@ -100,8 +101,8 @@ class BoundaryTemperatureScaling(Calibrator):
             rows, labels = valid_rows(logits, target, ignore_index)
             valid = target.reshape(-1).to(band.device) != ignore_index
             band = band.reshape(-1)[valid]
-            for i in range(num_bands + 1):
-                sel = band == i if i < num_bands else torch.ones_like(band, dtype=torch.bool)
+            for i in range(num_bands):
+                sel = band == i
                 if bool(sel.any()):
                     inv_t = (-log_t[i]).exp().to(rows.device)
                     total[i] += _grid_nll(rows[sel], labels[sel], inv_t).cpu()
@@ -113,10 +114,8 @@ class BoundaryTemperatureScaling(Calibrator):
         """Fit one temperature per band by grid refinement of its validation NLL."""
         p = self.params
         num_bands, g = len(p["bands"]) + 1, p["num_grid"]
-        # One grid per band, and one for all pixels (the temperature of a band that has no
-        # validation pixel).
-        lo = torch.full((num_bands + 1,), math.log(p["t_min"]), dtype=torch.float64)
-        hi = torch.full((num_bands + 1,), math.log(p["t_max"]), dtype=torch.float64)
+        lo = torch.full((num_bands,), math.log(p["t_min"]), dtype=torch.float64)
+        hi = torch.full((num_bands,), math.log(p["t_max"]), dtype=torch.float64)
         steps = torch.linspace(0.0, 1.0, g, dtype=torch.float64)
         first = None
         for _ in range(p["passes"]):
@@ -136,10 +135,10 @@ class BoundaryTemperatureScaling(Calibrator):
                 raise ValueError("The NLL is not finite: `logits` contain NaN or inf values.")
             best = nll.argmin(dim=1)
             left, right = (best - 1).clamp(min=0), (best + 1).clamp(max=g - 1)
-            rows = torch.arange(num_bands + 1)
+            rows = torch.arange(num_bands)
             lo, hi = log_t[rows, left], log_t[rows, right]
         temps = []
-        for i in range(num_bands + 1):
+        for i in range(num_bands):
             b = int(best[i])
             x = float(log_t[i, b])
             if 0 < b < g - 1:
@@ -150,16 +149,19 @@ class BoundaryTemperatureScaling(Calibrator):
                 warnings.warn(f"boundary_ts: band {i}'s NLL is minimal at the search boundary "
                               f"T={math.exp(x):.4g}.", stacklevel=2)
             temps.append(math.exp(x))
-        pooled = temps.pop()
         empty = [i for i in range(num_bands) if int(count[i]) == 0]
-        for i in empty:
-            temps[i] = pooled
-        if empty:
+        passes, pooled = p["passes"], None
+        if empty:  # a band without validation pixels gets the temperature of all pixels
+            pooled = fit_temperature(lambda: ((lg, y) for lg, y, _ in iterate(batches)),
+                                     ignore_index, p["t_min"], p["t_max"], g, p["passes"])
+            passes += p["passes"]
+            for i in empty:
+                temps[i] = pooled
             warnings.warn(f"boundary_ts: band(s) {empty} have no validation pixel; they get "
                           f"the temperature of all pixels, {pooled:.4g}.", stacklevel=2)
         self.temperatures.copy_(torch.tensor(temps))
         self.fit_info = {"temperatures": temps, "pooled_temperature": pooled,
-                         "count_band": count[:num_bands].tolist(), "passes": p["passes"]}
+                         "count_band": count.tolist(), "passes": passes}
         return self.fit_info
 
     def temperature_map(self, logits: Tensor) -> Tensor:
