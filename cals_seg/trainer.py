@@ -226,7 +226,8 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
     if plotting.plot_multiplier_curves(history, run.plots / "lambda_curves.png", class_names):
         written.append(run.plots / "lambda_curves.png")
     if plotting.plot_training_curves(
-        history, run.plots / "training_curves.png", keys=("val_ece", "val_miou", "val_acc")
+        history, run.plots / "training_curves.png",
+        keys=("val_ece", "val_ece_band_weighted", "val_miou", "val_acc"),
     ):
         written.append(run.plots / "training_curves.png")
     for key, label in (("pre_ts", "pre-TS"), ("post_ts", "post-TS")):
