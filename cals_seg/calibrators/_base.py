@@ -208,16 +208,19 @@ def fit_with_holdout(
     patience: int,
     lr: float,
     holdout_every: int,
+    train_step: Callable[..., None] | None = None,
 ) -> dict[str, Any]:
     """Train ``net`` with Adam on part of the validation batches, early-stopped on the rest.
 
     Image ``j`` of each pass (counted from 0 in the order ``batches()`` yields them) is held out
     when ``j % holdout_every == holdout_every - 1``; the other images train ``net`` (one Adam
-    step per batch). Epoch ``e`` is one pass: it trains on the fit images and, in the same pass,
-    scores the held-out images with a frozen copy of ``net`` as it was after epoch ``e - 1``
-    (the untrained ``net`` for ``e = 0``); a last pass scores the final epoch. ``net`` ends
-    with the state of the best held-out score (possibly the untrained one), and training stops
-    after ``patience`` epochs without improvement.
+    step per batch on their mean loss, or ``train_step(net, optimizer, logits, target, image,
+    ignore_index)`` when given, e.g. several steps on minibatches of pixels). Epoch ``e`` is
+    one pass: it trains on the fit images and, in the same pass, scores the held-out images
+    with a frozen copy of ``net`` as it was after epoch ``e - 1`` (the untrained ``net`` for
+    ``e = 0``); a last pass scores the final epoch. ``net`` ends with the state of the best
+    held-out score (possibly the untrained one), and training stops after ``patience`` epochs
+    without improvement.
 
     Args:
         net: the trainable module (its parameters are optimised).
@@ -264,6 +267,10 @@ def fit_with_holdout(
             if epoch < epochs and bool((~held).any()):
                 fit = ~held
                 with torch.enable_grad():
+                    if train_step is not None:
+                        train_step(net, optimizer, logits[fit], target[fit],
+                                   None if image is None else image[fit], ignore_index)
+                        continue
                     out = loss(net, logits[fit], target[fit],
                                None if image is None else image[fit], ignore_index)
                     if out is not None:

@@ -9,8 +9,9 @@ temperature ``T_mis``, the others are left as they are::
 As the authors describe it, ``f`` reads the log-probabilities through a linear layer initialised
 to the identity, then two hidden layers with batch normalisation and ReLU (widths ``2K`` and
 ``K``), and is trained with a cross-entropy on "the prediction is wrong" in which mispredicted
-pixels count twice (the authors duplicate them once against the imbalance), early-stopped on a
-held-out part of the validation split (one image in ``holdout_every``, see
+pixels count twice (the authors duplicate them once against the imbalance), by Adam on small
+minibatches of pixels (``pixels_per_step``, several steps per validation batch), early-stopped
+on a held-out part of the validation split (one image in ``holdout_every``, see
 :func:`._base.fit_with_holdout`). The authors set ``T_mis`` by hand (about 2 for a moderately
 accurate classifier, up to 1e10 for an accurate one); here it is the minimiser of the held-out
 NLL over a log-spaced grid in ``[1, t_max]`` (one more pass), unless ``temperature`` is given.
@@ -83,7 +84,8 @@ class SelectiveScaling(Calibrator):
         temperature: ``T_mis``; None fits it on the held-out images.
         t_max: the largest ``T_mis`` searched when it is fitted.
         mispredicted_weight: weight of a mispredicted pixel in the classifier's loss.
-        pixels_per_step: pixels sampled per Adam step from a batch's fit images.
+        pixels_per_step: pixels per Adam step (shuffled valid pixels of a batch's fit images).
+        steps_per_batch: the most Adam steps per validation batch.
         epochs, patience, lr, holdout_every: of the fit (:func:`._base.fit_with_holdout`).
         seed: of the pixel sampling.
 
@@ -98,9 +100,9 @@ class SelectiveScaling(Calibrator):
 
     def __init__(self, num_classes: int, threshold: float = 0.5,
                  temperature: float | None = None, t_max: float = 1e4,
-                 mispredicted_weight: float = 2.0, pixels_per_step: int = 65536,
-                 epochs: int = 10, patience: int = 3, lr: float = 1e-3,
-                 holdout_every: int = 5, seed: int = 0) -> None:
+                 mispredicted_weight: float = 2.0, pixels_per_step: int = 1024,
+                 steps_per_batch: int = 64, epochs: int = 10, patience: int = 3,
+                 lr: float = 1e-3, holdout_every: int = 5, seed: int = 0) -> None:
         if not 0 < threshold < 1:
             raise ValueError(f"Expected `threshold` in (0, 1), but got {threshold!r}.")
         if temperature is not None:
@@ -110,9 +112,11 @@ class SelectiveScaling(Calibrator):
             raise ValueError(f"Expected `t_max` > 1, but got {t_max!r}.")
         check_positive_float("mispredicted_weight", mispredicted_weight)
         check_positive_int("pixels_per_step", pixels_per_step, 2)
+        check_positive_int("steps_per_batch", steps_per_batch)
         super().__init__(num_classes, threshold=float(threshold), temperature=temperature,
                          t_max=float(t_max), mispredicted_weight=float(mispredicted_weight),
-                         pixels_per_step=pixels_per_step, epochs=epochs, patience=patience,
+                         pixels_per_step=pixels_per_step, steps_per_batch=steps_per_batch,
+                         epochs=epochs, patience=patience,
                          lr=lr, holdout_every=holdout_every, seed=seed)
         self.classifier = MispredictionClassifier(num_classes)
         self.classifier.eval()
@@ -140,17 +144,14 @@ class SelectiveScaling(Calibrator):
         return logits * scale.unsqueeze(1)
 
     def _classifier_loss(self, net: nn.Module, logits: Tensor, target: Tensor,
-                         ignore_index: int, generator: torch.Generator
-                         ) -> tuple[Tensor, int] | None:
+                         ignore_index: int) -> tuple[Tensor, int] | None:
+        """Weighted cross-entropy of "wrong" summed over the valid pixels, and their count."""
         rows, labels = valid_rows(logits, target, ignore_index)
         if labels.numel() == 0:
             return None
-        if net.training and rows.shape[0] > self.params["pixels_per_step"]:
-            pick = torch.randperm(rows.shape[0], generator=generator)[
-                : self.params["pixels_per_step"]].to(rows.device)
-            rows, labels = rows[pick], labels[pick]
-        if net.training and rows.shape[0] < 2:
-            return None  # batch normalisation needs two rows
+        return self._rows_loss(net, rows, labels)
+
+    def _rows_loss(self, net: nn.Module, rows: Tensor, labels: Tensor) -> tuple[Tensor, int]:
         wrong = (rows.argmax(dim=1) != labels).float()
         weight = 1.0 + (self.params["mispredicted_weight"] - 1.0) * wrong
         loss = F.binary_cross_entropy_with_logits(net(_log_probs(rows)), wrong, weight=weight,
@@ -166,10 +167,27 @@ class SelectiveScaling(Calibrator):
         def loss(net: nn.Module, logits: Tensor, target: Tensor, image: Tensor | None,
                  void: int) -> tuple[Tensor, int] | None:
             self.check_input(logits, image)
-            return self._classifier_loss(net, logits, target, void, generator)
+            return self._classifier_loss(net, logits, target, void)
+
+        def train_step(net: nn.Module, optimizer: torch.optim.Optimizer, logits: Tensor,
+                       target: Tensor, image: Tensor | None, void: int) -> None:
+            # The authors train on small minibatches of pixels: one Adam step per
+            # `pixels_per_step` shuffled valid pixels of the batch, at most `steps_per_batch`.
+            self.check_input(logits, image)
+            rows, labels = valid_rows(logits, target, void)
+            order = torch.randperm(rows.shape[0], generator=generator).to(rows.device)
+            size = p["pixels_per_step"]
+            for step in range(min(p["steps_per_batch"], rows.shape[0] // size or 1)):
+                pick = order[step * size:(step + 1) * size]
+                if pick.numel() < 2:  # batch normalisation needs two rows
+                    break
+                total, n = self._rows_loss(net, rows[pick], labels[pick])
+                optimizer.zero_grad()
+                (total / n).backward()
+                optimizer.step()
 
         info = fit_with_holdout(self.classifier, loss, batches, ignore_index, p["epochs"],
-                                p["patience"], p["lr"], p["holdout_every"])
+                                p["patience"], p["lr"], p["holdout_every"], train_step)
         if p["temperature"] is not None:
             self.temperature.fill_(p["temperature"])
         else:
