@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
+from ..checks import check_class_names
 from ..config import Config
 from ..inference import EvalProtocol
 from ..metrics import (
@@ -133,7 +134,11 @@ def build_task(cfg: Config, family: str | None = None) -> Task:
         raise ValueError(
             f"data.name={cfg.data.name!r} is a {found} dataset; train it with {tool}."
         )
-    return DATASETS[cfg.data.name][1](cfg)
+    task = DATASETS[cfg.data.name][1](cfg)
+    if cfg.data.class_names is not None:  # display names of any dataset
+        check_class_names(cfg)
+        task.class_names = list(cfg.data.class_names)
+    return task
 
 
 def generate_embedded(cfg: Config, generate: Callable[..., Any], classes: int, what: str) -> None:
