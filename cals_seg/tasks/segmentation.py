@@ -11,6 +11,7 @@ function ``splits(cfg, transforms) -> {"train", "val", "test": Dataset}`` regist
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -162,6 +163,13 @@ def _check_num_classes(cfg: Config, expected: int, what: str) -> None:
         )
 
 
+def _existing_root(cfg: Config) -> str:
+    if not Path(cfg.data.root).is_dir():
+        raise ConfigError(f"data.root: the folder '{cfg.data.root}' does not exist; point "
+                          f"data.root at the {cfg.data.name} dataset.")
+    return cfg.data.root
+
+
 def _voc_splits(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Dataset]:
     d = cfg.data
     split = paper_split(d.root, val_fraction=d.val_fraction, seed=d.split_seed)
@@ -189,7 +197,7 @@ def cityscapes(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Da
     validation split, the official ``val`` the test set."""
     d = cfg.data
     _check_num_classes(cfg, len(CITYSCAPES_CLASSES), "Cityscapes")
-    files = cityscapes_split(d.root, d.val_fraction, d.split_seed)
+    files = cityscapes_split(_existing_root(cfg), d.val_fraction, d.split_seed)
     return {s: CityscapesSegmentation(files[s], transforms[s], num_classes=d.num_classes,
                                       ignore_index=d.ignore_index) for s in SPLITS}
 
@@ -200,7 +208,7 @@ def ade20k(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Datase
     ``data.val_fraction`` of ``training`` is the validation split, ``validation`` the test set."""
     d = cfg.data
     _check_num_classes(cfg, len(ADE20K_CLASSES), "ADE20K")
-    files = ade20k_split(d.root, d.val_fraction, d.split_seed)
+    files = ade20k_split(_existing_root(cfg), d.val_fraction, d.split_seed)
     return {s: ADE20KSegmentation(files[s], transforms[s], num_classes=d.num_classes,
                                   ignore_index=d.ignore_index) for s in SPLITS}
 
@@ -232,7 +240,7 @@ def folder(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Datase
     split, a seeded ``data.val_fraction`` of train."""
     d = cfg.data
     colours = colour_table(cfg)
-    files = folder_split(d.root, d.image_dir, d.mask_dir, d.split_files, d.val_fraction,
-                         d.split_seed)
+    files = folder_split(_existing_root(cfg), d.image_dir, d.mask_dir, d.split_files,
+                         d.val_fraction, d.split_seed)
     return {s: FolderSegmentation(files[s], transforms[s], num_classes=d.num_classes,
                                   ignore_index=d.ignore_index, colours=colours) for s in SPLITS}
