@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..checks import check_eval_protocol
+from ..checks import check_class_names, check_eval_protocol
 from ..config import Config, ConfigError
 from ..data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
 from ..data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
@@ -151,6 +151,7 @@ def class_names(cfg: Config) -> list[str]:
     """The class names of ``cfg``'s dataset, without reading the data: ``data.class_names``,
     else the dataset's own, else ``class 0 ...``."""
     if cfg.data.class_names is not None:
+        check_class_names(cfg)
         return list(cfg.data.class_names)
     return class_names_or_default(CLASS_NAMES.get(cfg.data.name), cfg.data.num_classes)
 
