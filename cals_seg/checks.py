@@ -26,6 +26,7 @@ RESUMABLE_KEYS = (
     "train.threads", "train.progress", "eval.batch_size", "eval.n_bins",
     "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize", "eval.pad",
     "eval.window", "eval.stride",
+    "data.class_names",  # display names only
 )
 
 # An evaluation image above this many pixels gets a warning (a 4000 x 3000 image takes

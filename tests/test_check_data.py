@@ -78,6 +78,13 @@ def test_mask_without_image_is_a_warning_only(tmp_path):
     write_png(root / "masks" / "train" / "stray.png", np.zeros((H, W), np.uint8))
     code, text, report = _check(root, tmp_path)
     assert code == 0 and "stray.png" in " ".join(report["warnings"])
+    # training says it once and goes on
+    from cals_seg.tasks import build_task
+
+    cfg = load_config(FOLDER, [f"data.root={root}", *SETS, "model.encoder_weights=null",
+                               "model.encoder_name=resnet18"])
+    with pytest.warns(UserWarning, match="mask.*without an image.*stray.png"):
+        build_task(cfg)
 
 
 def test_size_mismatch(tmp_path):

@@ -10,6 +10,7 @@ function ``splits(cfg, transforms) -> {"train", "val", "test": Dataset}`` regist
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,11 +52,15 @@ def split_transforms(cfg: Config) -> dict[str, Transform]:
 
 def refuse_listing_problems(sets: Mapping[str, Dataset]) -> None:
     """The cheap data check run when a task is built: refuse splits whose listing found files
-    missing, images without masks or ids listed twice (``dataset.problems``).
+    missing, images without masks or ids listed twice (``dataset.problems``); warn about the
+    rest (``dataset.warnings``: masks without images, blank lines in split files).
 
     Raises:
         ValueError: every problem, each naming its files, and the full check to run.
     """
+    notes = dict.fromkeys(w for split in SPLITS for w in getattr(sets[split], "warnings", []))
+    for note in notes:  # files training does not use: said once, not refused
+        warnings.warn(f"data: {note}", stacklevel=3)
     problems = list(dict.fromkeys(p for split in SPLITS
                                   for p in getattr(sets[split], "problems", [])))
     if problems:
