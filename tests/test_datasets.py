@@ -188,7 +188,8 @@ def test_folder_split_files(tmp_path):
     assert "twice: im3" in problems and "another split (train): im0" in problems
     assert "without an image" in problems and "ghost" in problems
     cfg = _folder_cfg(tmp_path, files, "model.encoder_weights=null")
-    with pytest.raises(ValueError, match="problem.*ghost.*tools/check_data.py"):
+    with pytest.raises(ValueError, match="problem.*ghost.*tools/check_data.py"), \
+            pytest.warns(UserWarning, match="blank line"):
         build_task(cfg)
     with pytest.raises(ValueError, match="unknown key.*'tset'"):
         segmentation_splits(_folder_cfg(tmp_path, "data.split_files={train: a, tset: b}"))
