@@ -22,7 +22,7 @@ SETUPS = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 
 # ----------------------------------------------------------------------------- setup files
 def test_every_setup_file_resolves_each_method_to_its_loss():
-    assert len(SETUPS) == 10  # 9 setups + the under-confident regime of the synthetic one
+    assert len(SETUPS) == 13  # 12 setups + the under-confident regime of the synthetic one
     for setup in SETUPS:
         raw = (CONFIGS / f"{setup}.yaml").read_text()
         methods = load_config(CONFIGS / f"{setup}.yaml").name  # the default method
