@@ -26,6 +26,7 @@ RESUMABLE_KEYS = (
     "train.threads", "train.progress", "eval.batch_size", "eval.n_bins",
     "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize", "eval.pad",
     "eval.window", "eval.stride",
+    "data.class_names",  # display names only
 )
 
 # An evaluation image above this many pixels gets a warning (a 4000 x 3000 image takes
@@ -60,6 +61,7 @@ def check_config(cfg: Config) -> None:
     if e.num_maps < 0:
         raise ConfigError(f"eval.num_maps: expected a number >= 0, got {e.num_maps}.")
     check_eval_protocol(cfg)
+    check_class_names(cfg)
     if t.best_mode not in BEST_MODES:
         raise ConfigError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
     direction = ("min" if t.best_metric in LOWER_BETTER
@@ -76,6 +78,26 @@ def check_config(cfg: Config) -> None:
     except (ValueError, TypeError) as err:
         message = str(err)
         raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
+
+
+def check_class_names(cfg: Config) -> None:
+    """Refuse a ``data.class_names`` that is not ``data.num_classes`` different names.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    names, k = cfg.data.class_names, cfg.data.num_classes
+    if names is None:
+        return
+    if len(names) != k:
+        raise ConfigError(
+            f"data.class_names: {len(names)} names for data.num_classes={k} classes; give one "
+            "name per class, in class-index order (or null for the dataset's own names)."
+        )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice or not all(n.strip() for n in names):
+        what = f"the names {twice} occur twice" if twice else "a name is empty"
+        raise ConfigError(f"data.class_names: {what}; each class needs its own name.")
 
 
 def check_eval_protocol(cfg: Config) -> None:

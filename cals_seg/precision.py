@@ -16,8 +16,8 @@ import torch
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")
-# Measured on a 2-core AMD EPYC with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (README,
-# "Benchmarks"): a DeepLabV3-ResNet18 training step, 8x3x64x64, 2 threads, took 7.2 s in
+# Measured on a 2-core AMD EPYC with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# (docs/benchmarks.md): a DeepLabV3-ResNet18 training step, 8x3x64x64, 2 threads, took 7.2 s in
 # emulated bf16 against 0.35 s in float32.
 EMULATED_BF16_SLOWDOWN = "about 20x"
 

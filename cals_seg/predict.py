@@ -76,15 +76,25 @@ def to_16bit(values: np.ndarray, scale: float = 1.0) -> np.ndarray:
     return np.rint(np.clip(values / scale, 0.0, 1.0) * SCALE_16).astype(np.uint16)
 
 
+def label_palette(colours: list[list[int]] | None = None) -> np.ndarray:
+    """``(256, 3)`` uint8 colours of the label PNGs: the dataset's own ``data.palette`` for its
+    classes where it has one, VOC's colours elsewhere."""
+    palette = voc_palette().copy()
+    if colours:
+        palette[: len(colours)] = np.asarray(colours, dtype=np.uint8).reshape(-1, 3)
+    return palette
+
+
 def write_outputs(out: Path, name: str, image: np.ndarray, pred: Prediction, num_classes: int,
-                  threshold: float) -> dict[str, str]:
-    """The four files of one image; returns their paths by kind."""
+                  threshold: float, palette: np.ndarray | None = None) -> dict[str, str]:
+    """The four files of one image; returns their paths by kind. ``palette``: ``(256, 3)``
+    uint8 label colours (default :func:`label_palette`)."""
     label = pred.label[0].cpu().numpy().astype(np.uint8)
     confidence = pred.confidence[0].cpu().numpy()
     entropy = pred.entropy[0].cpu().numpy()
     paths = {kind: out / f"{name}_{kind}.png"
              for kind in ("label", "confidence", "entropy", "overlay")}
-    palette = voc_palette()
+    palette = label_palette() if palette is None else palette
     label_png = Image.fromarray(label).convert("P")  # L -> P keeps the values
     label_png.putpalette(palette.tobytes())
     label_png.save(paths["label"], optimize=False)

@@ -46,7 +46,6 @@ from .evaluation import Scaled, compute, evaluate, predict, scalars
 from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp, resolve_device
 from .rundir import (
-    CheckpointError,
     RunDir,
     link_checkpoint,
     load_checkpoint,
@@ -55,6 +54,7 @@ from .rundir import (
     set_rng_state,
     write_json,
 )
+from .runs import load_weights
 from .tasks import Task
 from .temperature import fit_temperature
 
@@ -112,18 +112,7 @@ def restore_training_state(
     num_classes: int, where: Path,
 ) -> tuple[int, float | None, int | None]:
     """Inverse of :func:`training_state`; returns ``(next epoch, best score, best epoch)``."""
-    if state["num_classes"] != num_classes:
-        raise ValueError(
-            f"{where} was trained with {state['num_classes']} classes, but the config has "
-            f"data.num_classes={num_classes}."
-        )
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as err:  # another architecture: the user's input, not a bug
-        raise CheckpointError(
-            f"{where} does not fit the model of the config ({str(err).splitlines()[0]}); "
-            "resume with the run's own config.yaml."
-        ) from None
+    load_weights(model, state, where, where.parent / "config.yaml", num_classes)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     criterion.load_state_dict(state["criterion"])

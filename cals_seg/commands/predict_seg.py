@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         IMAGE_SUFFIXES,
         UnreadableImageError,
         collect_inputs,
+        label_palette,
         output_names,
         read_image,
         summary,
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names, k = run.class_names, cfg.data.num_classes
+    palette = label_palette(cfg.data.palette)
     failed: list[str] = []
     bar = tqdm(files, desc="predict", unit="img", disable=not args.progress, dynamic_ncols=True)
     with (out / "predictions.jsonl").open("w") as log:
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 "temperature": temperature, "calibrator": args.calibrator,
                 "threshold": args.threshold,
                 **summary(pred, args.threshold, names),
-                "outputs": write_outputs(out, name, image, pred, k, args.threshold),
+                "outputs": write_outputs(out, name, image, pred, k, args.threshold, palette),
             }
             record["seconds"] = time.perf_counter() - start
             log.write(json.dumps(record) + "\n")

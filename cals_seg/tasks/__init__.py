@@ -151,8 +151,11 @@ def build_task(cfg: Config, family: str | None = None) -> Task:
         raise ValueError(
             f"data.name={cfg.data.name!r} is a {found} dataset; train it with {tool}."
         )
-    check_config(cfg)
-    return DATASETS[cfg.data.name][1](cfg)
+    check_config(cfg)  # data.class_names included
+    task = DATASETS[cfg.data.name][1](cfg)
+    if cfg.data.class_names is not None:  # display names of any dataset
+        task.class_names = list(cfg.data.class_names)
+    return task
 
 
 def generate_embedded(cfg: Config, generate: Callable[..., Any], classes: int, what: str) -> None:
