@@ -41,6 +41,7 @@ from .distributed import (
 )
 from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from .evaluation import Scaled, compute, evaluate, predict, scalars
+from .loggers import RunLoggers
 from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp
 from .rundir import (
@@ -337,6 +338,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         save_config(cfg, run.config)
         print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
               f"epochs {start_epoch + 1}..{t.epochs}", flush=True)
+    loggers = RunLoggers(t.loggers if main else [], run.path, config_to_dict(cfg),
+                         task.class_names, start_epoch)
 
     sign = 1.0 if t.best_mode == "max" else -1.0
     durations: list[float] = []
@@ -381,6 +384,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             state = training_state(model, optimizer, scheduler, criterion, scaler, cfg, k, epoch,
                                    score, best_score, best_epoch)
             run.append_history(record)
+            loggers.log_epoch(record, val, run.history())
             save_checkpoint(state, run.last)
             if improved:
                 link_checkpoint(run.last, run.best)
@@ -406,6 +410,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         write_json(run.test_metrics, test)
         run.write_temperature(test["temperature"])
         plot_run(run, test, task.class_names)
+        loggers.log_test(test)
+    loggers.close()
     return test
 
 
