@@ -134,3 +134,24 @@ def test_flatten_record_names_classes():
     flat = flatten_record({"epoch": 0, "lambda": [1.0, 2.0], "margin": None, "x": [1, 2, 3]},
                           ["a", "b"])
     assert flat == {"epoch": 0, "lambda/a": 1.0, "lambda/b": 2.0, "x/0": 1, "x/1": 2, "x/2": 3}
+
+
+def test_resume_continues_the_logs(logged_run):
+    """A resumed run (one more epoch) appends to the CSV and TensorBoard without repeats."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    cfg, task, _ = logged_run
+    more = _config(cfg.run_dir.parent.parent, "logged", "[csv, tensorboard]", epochs=3)
+    seed_everything(more.train.seed)
+    fit(more, build_task(more), resume=cfg.run_dir)
+    history = [json.loads(x) for x in (cfg.run_dir / "history.jsonl").read_text().splitlines()]
+    with (cfg.run_dir / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [h["epoch"] for h in history] == [0, 1, 2]
+    assert float(rows[2]["val_ece"]) == history[2]["val_ece"]
+    acc = event_accumulator.EventAccumulator(str(cfg.run_dir / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("val/ece")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert math.isclose(events[2].value, history[2]["val_ece"], rel_tol=1e-6)
