@@ -156,39 +156,6 @@ def export_program(module: CalibratedSegmenter, path: str | Path, fmt: str,
     return path
 
 
-def _load_run(run: str | Path, checkpoint: str = "best"):
-    """``(run directory, config, model on the CPU in eval mode, temperature or None)``."""
-    from .config import load_config
-    from .rundir import RunDir, load_checkpoint
-    from .tasks import DATASETS
-    from .tasks.segmentation import build_model
-
-    path = Path(run)
-    if path.is_file():
-        run_dir, ckpt = path.parent, path
-    else:
-        run_dir, ckpt = path, path / f"checkpoint_{checkpoint}.pt"
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(
-            f"{run_dir} has no config.yaml; give a run directory of cals_seg's segmentation "
-            "training (or a checkpoint inside one)."
-        )
-    if not ckpt.is_file():
-        raise FileNotFoundError(f"{ckpt} does not exist; the run has not finished an epoch, "
-                                "or give another checkpoint.")
-    cfg = load_config(run_dir / "config.yaml")
-    if DATASETS.get(cfg.data.name, ("unknown",))[0] != "segmentation":
-        raise ValueError(f"{run_dir} is a {cfg.data.name!r} run; export handles segmentation runs.")
-    state = load_checkpoint(ckpt)
-    model = build_model(cfg, encoder_weights=None)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as err:
-        raise ValueError(f"{ckpt} does not fit the model of {run_dir}/config.yaml "
-                         f"({str(err).splitlines()[0]}).") from None
-    return run_dir, cfg, model.eval(), RunDir(run_dir).read_temperature()
-
-
 def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: str = "ts",
                logits: bool = False, checkpoint: str = "best",
                min_size: int | None = None) -> dict[str, Any]:
@@ -201,7 +168,8 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         fmt: ``onnx`` or ``pt2``.
         calibrator: ``ts`` (the run's fitted temperature) or ``none``.
         logits: output raw logits instead of calibrated probabilities.
-        checkpoint: ``best`` or ``last`` (for a run directory).
+        checkpoint: ``best`` or ``last`` (for a run directory; read by
+            :func:`cals_seg.runs.load_run`).
         min_size: smallest height / width the program accepts (default ``2 * stride``).
 
     Returns:
@@ -210,13 +178,14 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     Raises:
         ValueError / FileNotFoundError: a bad argument or run, naming the fix.
     """
-    from .tasks.segmentation import class_names
+    from .runs import load_run
 
     if calibrator not in CALIBRATORS:
         raise ValueError(f"--calibrator: expected one of {list(CALIBRATORS)}, got {calibrator!r}.")
     if fmt not in FORMATS:
         raise ValueError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
-    run_dir, cfg, model, fitted = _load_run(run, checkpoint)
+    loaded = load_run(run, checkpoint, device="cpu", amp="none", family="segmentation")
+    run_dir, cfg, model, fitted = loaded.path, loaded.config, loaded.model, loaded.temperature
     temperature = 1.0
     if calibrator == "ts" and not logits:
         if fitted is None:
@@ -244,7 +213,7 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         "temperature": None if logits else temperature,
         "normalisation": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
         "num_classes": cfg.data.num_classes,
-        "class_names": class_names(cfg),
+        "class_names": list(loaded.class_names),
     }
     Path(f"{path}.json").write_text(json.dumps(info, indent=2) + "\n")
     return info

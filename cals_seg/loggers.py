@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # logger name -> (module that must import, pip package, extra of cals_seg that installs it)
 LOGGERS: dict[str, tuple[str | None, str | None, str | None]] = {
