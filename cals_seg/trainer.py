@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .calibrators import Calibrated
 from .checks import (
     bounded_input,
     check_best_metric,
@@ -164,12 +166,15 @@ def calibrated_test(
     model: nn.Module, task: Task, val_loader: DataLoader, test_loader: DataLoader,
     device: torch.device, amp: str = "none", n_bins: int = 15,
     temperature_scaling: bool = True, progress: bool = False,
+    calibrators: Mapping[str, nn.Module] | None = None,
 ) -> dict[str, Any]:
     """Test metrics before and after temperature scaling fitted on ``val_loader``, from ONE
-    pass over ``test_loader`` (the post-TS meters see the same logits divided by T).
+    pass over ``test_loader`` (the post-TS meters see the same logits divided by T; each of
+    the fitted ``calibrators`` feeds its own set of meters in the same pass).
 
     Returns:
-        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}``, the metrics being the
+        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}`` (and
+        ``"calibrators": {name: {...}}`` when calibrators are given), the metrics being the
         merged outputs of ``task.meters(n_bins, test=True)``.
     """
     protocol = task.protocol  # segmentation: logits at the images' size
@@ -185,13 +190,20 @@ def calibrated_test(
     if temperature_scaling:
         post = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
         consumers.append(Scaled(temperature, post.values()))
+    calibrated = {name: {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
+                  for name in calibrators or {}}  # fmt: skip
+    image_consumers = [Calibrated(cal.to(device).eval(), calibrated[name])
+                       for name, cal in (calibrators or {}).items()]  # fmt: skip
     evaluate(model, test_loader, device, consumers, amp, progress, desc="test",
-             protocol=protocol)
-    return {
+             protocol=protocol, image_consumers=image_consumers)
+    out = {
         "temperature": temperature,
         "pre_ts": compute(pre),
         "post_ts": compute(post) if post else None,
     }
+    if calibrators:
+        out["calibrators"] = {name: compute(m) for name, m in calibrated.items()}
+    return out
 
 
 def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -> list[Path]:
@@ -204,7 +216,8 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
     if plotting.plot_multiplier_curves(history, run.plots / "lambda_curves.png", class_names):
         written.append(run.plots / "lambda_curves.png")
     if plotting.plot_training_curves(
-        history, run.plots / "training_curves.png", keys=("val_ece", "val_miou", "val_acc")
+        history, run.plots / "training_curves.png",
+        keys=("val_ece", "val_ece_band_weighted", "val_miou", "val_acc"),
     ):
         written.append(run.plots / "training_curves.png")
     for key, label in (("pre_ts", "pre-TS"), ("post_ts", "post-TS")):

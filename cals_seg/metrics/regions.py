@@ -88,6 +88,28 @@ def squared_boundary_distance(boundary: np.ndarray) -> np.ndarray:
     return out
 
 
+def boundary_bands(
+    label_map: np.ndarray, bands: Sequence[float], ignore_index: int | None = None
+) -> np.ndarray:
+    """Distance band of every pixel from the class boundaries of ``label_map``.
+
+    The boundary rule of :func:`boundary_pixels` and the exact distances of
+    :func:`squared_boundary_distance`; with ``edges = [0, *bands, inf]`` a pixel is in band
+    ``i`` when ``edges[i] <= d < edges[i + 1]``, decided on integers (``d < b`` iff
+    ``d^2 < ceil(b^2)``, ``ceil`` of the exact rational ``b^2``). ``label_map`` may be a ground
+    truth (void pixels: ``ignore_index``) or a predicted map (``ignore_index=None``: no void).
+
+    Shape:
+        - label_map: ``(N, H, W)`` integer; returns ``(N, H, W)`` int64 in ``[0, len(bands)]``.
+    """
+    thresholds = np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
+    void = -1 if ignore_index is None else ignore_index
+    if ignore_index is None and label_map.size and int(label_map.min()) < 0:
+        raise ValueError("Expected a predicted `label_map` of class indices >= 0.")
+    dist2 = squared_boundary_distance(boundary_pixels(label_map, void))
+    return np.searchsorted(thresholds, dist2, side="right").astype(np.int64)
+
+
 def component_areas(
     target: np.ndarray, num_classes: int, ignore_index: int, background_index: int | None = None
 ) -> np.ndarray:
@@ -297,8 +319,24 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
         return [0.0, *self.bands, None]
 
     def _groups(self, target: np.ndarray) -> np.ndarray:
-        dist2 = squared_boundary_distance(boundary_pixels(target, self.ignore_index))
-        return np.searchsorted(self.thresholds, dist2, side="right").astype(np.int64)
+        return boundary_bands(target, self.bands, self.ignore_index)
+
+    @torch.no_grad()
+    def compute(self) -> dict[str, Any]:
+        """The per-band dict of :meth:`_RegionCalibrationMeter.compute` plus
+        ``ece_band_weighted`` (None without a valid pixel): the band ECEs averaged with their
+        pixel counts as weights, ``sum_b n_b ECE_b / sum_b n_b`` over the non-empty bands.
+
+        It equals the ECE of bins split by band as well as by confidence, so it is never below
+        the pooled ECE: an over-confident band and an under-confident one do not cancel."""
+        out = super().compute()
+        counts = out["count_band"]
+        total = sum(counts)
+        out["ece_band_weighted"] = (
+            sum(n * e for n, e in zip(counts, out["ece_band"], strict=True) if n) / total
+            if total else None
+        )
+        return out
 
 
 class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
