@@ -1,7 +1,9 @@
-"""Training criteria: cross-entropy, the calibration baselines, and CALS-ALM / CALS-HR.
+"""Training criteria: cross-entropy, the calibration baselines, CALS-ALM / CALS-HR, and the
+spatial losses SVLS and NACL.
 
 Every loss takes logits ``(N, K, *S)`` and targets ``(N, *S)``, excludes ``ignore_index``
-positions from every mean and returns a scalar, so it is a drop-in for ``F.cross_entropy``.
+positions from every mean and returns a scalar, so it is a drop-in for ``F.cross_entropy``
+(the spatial losses need ``(N, K, H, W)`` and refuse other shapes).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from .confidence_penalty import ConfidencePenaltyLoss
 from .focal import FocalLoss, FocalLossSD
 from .label_smoothing import LabelSmoothingLoss
 from .mbls import MbLSLoss
+from .nacl import NACLLoss
 from .penalties import PENALTIES, Penalty, get_penalty
+from .svls import SVLSLoss
 
 LOSSES: dict[str, type[SegLoss]] = {
     "ce": CrossEntropyLoss,
@@ -29,6 +33,8 @@ LOSSES: dict[str, type[SegLoss]] = {
     "mbls": MbLSLoss,
     "cals_hr": CALSHRLoss,
     "cals_alm": CALSALMLoss,
+    "svls": SVLSLoss,
+    "nacl": NACLLoss,
 }
 
 
@@ -89,8 +95,10 @@ __all__ = [
     "FocalLossSD",
     "LabelSmoothingLoss",
     "MbLSLoss",
+    "NACLLoss",
     "Penalty",
     "SegLoss",
+    "SVLSLoss",
     "build_loss",
     "get_penalty",
 ]
