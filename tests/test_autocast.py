@@ -16,8 +16,9 @@ PARAMS = {
     "cals_alm": {"margin": MARGIN, "lambda_init": 8.0, "rho_init": 2.0},
     "cals_hr": {"margin": MARGIN, "lambda_init": 8.0},
     "mbls": {"margin": MARGIN},
+    "crac": {"lambda_init": 8.0, "rho_init": 2.0},
 }
-ADAPTIVE = ["cals_alm", "cals_hr"]
+ADAPTIVE = ["cals_alm", "cals_hr", "crac"]
 HALF = [torch.bfloat16, torch.float16]
 
 DEVICES = [

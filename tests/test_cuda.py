@@ -28,7 +28,7 @@ from cals_seg.temperature import TemperatureScaler, fit_temperature, nll_at_temp
 
 DEVICE = os.environ.get("CALS_TEST_DEVICE", "cuda")
 K, VOID = 11, 255
-ADAPTIVE = ("cals_alm", "cals_hr")
+ADAPTIVE = ("cals_alm", "cals_hr", "crac")
 
 pytestmark = [
     pytest.mark.cuda,

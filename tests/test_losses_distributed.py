@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from cals_seg.losses import CALSALMLoss, CALSHRLoss
+from cals_seg.losses import CALSALMLoss, CALSHRLoss, CRaCLoss
 
 from ._dist import run_distributed
 
@@ -42,6 +42,7 @@ def _criteria():
         CALSHRLoss(K, ignore_index=IGN),
         CALSALMLoss(K, ignore_index=IGN, rho_period=1, **auto),
         CALSHRLoss(K, ignore_index=IGN, **auto),
+        CRaCLoss(K, ignore_index=IGN, rho_period=1, margin=2.0),
     ]
 
 

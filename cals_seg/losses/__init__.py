@@ -1,5 +1,5 @@
 """Training criteria: cross-entropy, the calibration baselines, CALS-ALM / CALS-HR, and the
-spatial losses SVLS and NACL.
+spatial losses SVLS, NACL and CRaC.
 
 Every loss takes logits ``(N, K, *S)`` and targets ``(N, *S)``, excludes ``ignore_index``
 positions from every mean and returns a scalar, so it is a drop-in for ``F.cross_entropy``
@@ -17,6 +17,7 @@ from ._base import SegLoss
 from .cals import CALSALMLoss, CALSHRLoss
 from .ce import CrossEntropyLoss
 from .confidence_penalty import ConfidencePenaltyLoss
+from .crac import CRaCLoss
 from .focal import FocalLoss, FocalLossSD
 from .label_smoothing import LabelSmoothingLoss
 from .mbls import MbLSLoss
@@ -35,6 +36,7 @@ LOSSES: dict[str, type[SegLoss]] = {
     "cals_alm": CALSALMLoss,
     "svls": SVLSLoss,
     "nacl": NACLLoss,
+    "crac": CRaCLoss,
 }
 
 
@@ -90,6 +92,7 @@ __all__ = [
     "CALSALMLoss",
     "CALSHRLoss",
     "ConfidencePenaltyLoss",
+    "CRaCLoss",
     "CrossEntropyLoss",
     "FocalLoss",
     "FocalLossSD",
