@@ -14,7 +14,7 @@ from cals_seg.losses._functional import class_penalty
 
 K = 5
 IGN = 255
-SPATIAL = ("svls", "nacl", "crac")  # (N, K, H, W) only: tests/test_spatial_losses.py
+SPATIAL = ("svls", "nacl", "crac", "cals_alm_bands")  # (N, K, H, W) only
 LOGIT_PULLS = ("nacl", "crac")  # penalties on the logits themselves: no shift invariance
 
 

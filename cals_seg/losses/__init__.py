@@ -1,5 +1,5 @@
 """Training criteria: cross-entropy, the calibration baselines, CALS-ALM / CALS-HR, and the
-spatial losses SVLS, NACL and CRaC.
+spatial losses SVLS, NACL and CRaC, and the region-adaptive CALS-ALM (``cals_alm_bands``).
 
 Every loss takes logits ``(N, K, *S)`` and targets ``(N, *S)``, excludes ``ignore_index``
 positions from every mean and returns a scalar, so it is a drop-in for ``F.cross_entropy``
@@ -15,6 +15,7 @@ from typing import Any
 from ._adaptive import AdaptiveLoss
 from ._base import SegLoss
 from .cals import CALSALMLoss, CALSHRLoss
+from .cals_bands import BandCALSALMLoss
 from .ce import CrossEntropyLoss
 from .confidence_penalty import ConfidencePenaltyLoss
 from .crac import CRaCLoss
@@ -37,6 +38,7 @@ LOSSES: dict[str, type[SegLoss]] = {
     "svls": SVLSLoss,
     "nacl": NACLLoss,
     "crac": CRaCLoss,
+    "cals_alm_bands": BandCALSALMLoss,
 }
 
 
@@ -88,6 +90,7 @@ def _check_number(value: Any, hint: Any, key: str) -> None:
 __all__ = [
     "LOSSES",
     "AdaptiveLoss",
+    "BandCALSALMLoss",
     "PENALTIES",
     "CALSALMLoss",
     "CALSHRLoss",
