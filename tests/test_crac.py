@@ -101,7 +101,9 @@ def _pixels(x, y, margin):
                         mixed |= lab != ys[a, i, j]
                         if lab != IGN:
                             counts[lab] += 1
-                            total += 1
+                        else:  # unknown label: 1/K to every class
+                            counts += 1.0 / k
+                        total += 1
                 q = counts / total
                 scale = 1.0 if mixed else margin
                 out.append((0 if mixed else 1, [abs(scale * q[c] - xs[a, c, i, j])

@@ -28,8 +28,9 @@ def _data(n=2, k=K, s=(7, 6), scale=3.0, seed=0, void=0.15):
 
 # ----------------------------------------------------------------- float64 loop references
 def _ref_distribution(y, k, weights, padding):
-    """q[a, c, i, j] by loops: weighted label counts of the valid window pixels over their
-    weights; outside the image class 0 ("zeros") or the nearest pixel ("replicate")."""
+    """q[a, c, i, j] by loops: weighted label counts of the window pixels (a void one counts
+    1/K for every class) over their weights; outside the image class 0 ("zeros") or the nearest
+    pixel ("replicate")."""
     y = y.numpy()
     n, h, w = y.shape
     r = len(weights) // 2
@@ -46,10 +47,11 @@ def _ref_distribution(y, k, weights, padding):
                             lab = 0
                         else:
                             lab = y[a, min(max(ii, 0), h - 1), min(max(jj, 0), w - 1)]
-                        if lab == IGN:
-                            continue
                         wt = weights[dy + r][dx + r]
-                        num[lab] += wt
+                        if lab == IGN:  # unknown label: 1/K to every class
+                            num += wt / k
+                        else:
+                            num[lab] += wt
                         den += wt
                 if den > 0:
                     q[a, :, i, j] = num / den
@@ -159,14 +161,16 @@ def test_equal_loop_references_with_void(seed):
 
 def test_hand_computed_neighbourhood_proportions():
     """2x2 image [[1, 1], [2, void]], K = 3, zero padding (class 0 outside the image). Pixel
-    (0, 0): 5 padded zeros, two 1s, one 2, one void -> (5, 2, 1) / 8 (the authors: / 9)."""
+    (0, 0): 5 padded zeros, two 1s, one 2, one void (1/3 to each class) -> (5 1/3, 2 1/3,
+    1 1/3) / 9 (the authors' formula: (5, 2, 1) / 9, leaving out: (5, 2, 1) / 8)."""
     y = torch.tensor([[[1, 1], [2, IGN]]])
     q = NACLLoss(3, ignore_index=IGN).proportions(y, y != IGN, torch.float64)
-    torch.testing.assert_close(q[0, :, 0, 0], torch.tensor([5, 2, 1], dtype=torch.float64) / 8)
+    expected = (torch.tensor([5, 2, 1], dtype=torch.float64) + 1 / 3) / 9
+    torch.testing.assert_close(q[0, :, 0, 0], expected)
     # (0, 1): 5 zeros outside, the 1s at (0,0) and (0,1), the 2 at (1,0), void at (1,1)
-    torch.testing.assert_close(q[0, :, 0, 1], torch.tensor([5, 2, 1], dtype=torch.float64) / 8)
+    torch.testing.assert_close(q[0, :, 0, 1], expected)
     # (1, 0): 5 zeros, 1s at (0,0) (0,1), the 2 itself, void
-    torch.testing.assert_close(q[0, :, 1, 0], torch.tensor([5, 2, 1], dtype=torch.float64) / 8)
+    torch.testing.assert_close(q[0, :, 1, 0], expected)
     # the loss: CE over the three valid pixels + 0.1 * mean_{i, k} |q_ik - l_ik| with l = 0
     x = torch.zeros(1, 3, 2, 2, dtype=torch.float64)
     expected = math.log(3) + 0.1 * (3 * 8 / 8) / (3 * 3)
@@ -200,7 +204,7 @@ def test_hand_computed_gaussian_soft_labels():
     assert q[0, 1, 1, 0].item() == pytest.approx(0.5 + (3 * edge + 2 * corner) / 2, abs=1e-15)
 
 
-def test_void_neighbours_left_out_and_void_pixels_get_no_gradient():
+def test_void_neighbours_spread_and_void_pixels_get_no_gradient():
     x, y = _data(seed=5, void=0.3)
     for loss in (SVLSLoss(K, ignore_index=IGN), NACLLoss(K, ignore_index=IGN)):
         a = x.clone().requires_grad_(True)
@@ -208,7 +212,7 @@ def test_void_neighbours_left_out_and_void_pixels_get_no_gradient():
         base.backward()
         void = (y == IGN).unsqueeze(1).expand_as(x)
         assert (a.grad[void] == 0).all()
-        # valid rows of q sum to 1 (void neighbours are not a class)
+        # valid rows of q sum to 1 (a void neighbour is 1/K of every class)
         q = (loss.soft_labels if isinstance(loss, SVLSLoss) else loss.proportions)(
             y, y != IGN, torch.float64)
         torch.testing.assert_close(q.sum(1)[y != IGN], torch.ones(int((y != IGN).sum()),

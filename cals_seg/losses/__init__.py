@@ -8,6 +8,7 @@ positions from every mean and returns a scalar, so it is a drop-in for ``F.cross
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import typing
 from typing import Any
@@ -67,6 +68,12 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
 def _check_number(value: Any, hint: Any, key: str) -> None:
     """Numeric parameters must be numbers: ``margin: ten`` is a message, not a TypeError deep
     inside the loss."""
+    if typing.get_origin(hint) in (collections.abc.Sequence, list, tuple):  # bands: [3, 8]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{key}: expected a list of numbers, got {value!r}.")
+        for item in value:
+            _check_number(item, typing.get_args(hint)[0], key)
+        return
     options = set(typing.get_args(hint)) or {hint}
     if value is None and type(None) in options:
         return

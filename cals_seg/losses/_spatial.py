@@ -5,10 +5,13 @@ A reader who wants a loss formula can skip this file. Notation: target ``y (N, H
 window ``W(i)`` of pixel ``i`` (``k x k``, centred), kernel weights ``w_j`` over the window's
 offsets. The *neighbourhood distribution* of a valid pixel ``i`` is::
 
-    q_ik = sum_{j in W(i), j valid} w_j [y_j = k]  /  sum_{j in W(i), j valid} w_j
+    q_ik = ( sum_{j in W(i), j valid} w_j [y_j = k]  +  (1 / K) sum_{j in W(i), j void} w_j )
+           / sum_{j in W(i)} w_j
 
-Void neighbours are left out of both sums (the distribution is over the known labels and sums
-to 1). Outside the image the label map is padded as the authors pad it: with class 0
+A void neighbour's label is unknown: its weight is spread evenly over the K classes, so ``q``
+sums to 1. (Leaving void neighbours out would make SVLS exactly CE on masks that outline every
+object with void, as VOC and the synthetic data do; docs/spatial_losses.md compares the
+choices.) Outside the image the label map is padded as the authors pad it: with class 0
 (``padding="zeros"``, NACL and CRaC, whose ``nn.Unfold`` pads with zeros) or with the nearest
 border label (``padding="replicate"``, SVLS). Without void pixels ``q`` is exactly the authors'
 target; docs/spatial_losses.md compares the two where there is void.
@@ -27,7 +30,7 @@ from torch import Tensor
 from ._base import SegLoss, check_and_flatten
 
 PADDINGS = ("zeros", "replicate")
-_TINY = 1e-30  # the denominator of a void pixel whose window holds no valid label
+_TINY = 1e-30  # a kernel whose weights are all 0 (refused earlier; kept safe)
 
 
 def check_spatial(logits: Tensor, name: str) -> None:
@@ -124,8 +127,7 @@ def neighbourhood_distribution(
         dtype: of the result (the logits' float32, or float64 in the tests' references).
 
     Returns:
-        ``(N, K, H, W)`` in ``dtype``; rows sum to 1 at valid pixels, 0 at void pixels whose window
-        holds no valid label.
+        ``(N, K, H, W)`` in ``dtype``; every row sums to 1.
     """
     k = kernel.shape[0]
     pad = k // 2
@@ -139,8 +141,9 @@ def neighbourhood_distribution(
                 continue
             lab = labels[:, dy:dy + h, dx:dx + w].unsqueeze(1)
             acc.scatter_add_(1, lab, torch.full_like(lab, weights[dy][dx], dtype=dtype))
-    q = acc[:, :num_classes]
-    return q.div_(q.sum(dim=1, keepdim=True).clamp_(min=_TINY))
+    total = acc.sum(dim=1, keepdim=True)
+    q = acc[:, :num_classes].add_(acc[:, num_classes:], alpha=1.0 / num_classes)
+    return q.div_(total.clamp_(min=_TINY))
 
 
 def mixed_windows(target: Tensor, valid: Tensor, num_classes: int, kernel_size: int = 3) -> Tensor:

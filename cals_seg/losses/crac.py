@@ -26,9 +26,9 @@ class CRaCLoss(AdaptiveLoss, SpatialLoss):
     """Cross-entropy plus a class- and region-wise augmented-Lagrangian penalty.
 
     With ``q_ik`` the label proportions of pixel ``i``'s 3x3 window (zero padding outside the
-    image, void neighbours left out, as :class:`NACLLoss`), ``r(i)`` its region (0 = boundary:
-    the window holds a label other than the centre's, a void neighbour included; 1 = interior)
-    and ``m`` the margin::
+    image, a void neighbour counting 1/K for every class, as :class:`NACLLoss`), ``r(i)`` its
+    region (0 = boundary: the window holds a label other than the centre's, a void neighbour
+    included; 1 = interior) and ``m`` the margin::
 
         h_ik = |q_ik - l_ik|        on the boundary,      |m q_ik - l_ik|   in the interior
         loss = CE(l, y) + (1 / (2 K |V|)) sum_{i in V} sum_k P(h_ik; rho_{r(i)k}, lambda_{r(i)k})

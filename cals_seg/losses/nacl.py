@@ -13,13 +13,13 @@ class NACLLoss(SpatialLoss):
     """Cross-entropy plus an L1 pull of the logits towards the label proportions of each pixel's
     neighbourhood::
 
-        q_ik = #{j in W(i), j valid, y_j = k} / #{j in W(i), j valid}      (k x k window W(i))
+        q_ik = (#{j in W(i): y_j = k} + #{j in W(i): y_j void} / K) / |W(i)|   (k x k window)
         loss = CE(l, y) + alpha * (1 / (|V| K)) sum_{i in V} sum_k |q_ik - l_ik|
 
     The penalty acts on the logits themselves, not on probabilities (the authors' default
     ``is_softmax: False``). Outside the image the label map is padded with class 0, as the
-    authors' zero-padded ``nn.Unfold``; void neighbours are left out of the proportions, void
-    pixels out of both means. Without void this is the authors' ``AdaptMarginSVLS`` with
+    authors' zero-padded ``nn.Unfold``; a void neighbour counts 1/K for every class, void
+    pixels leave both means. Without void this is the authors' ``AdaptMarginSVLS`` with
     ``kernel_ops: mean``, ``distance_type: l1`` (docs/spatial_losses.md).
 
     Args:

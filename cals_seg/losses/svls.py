@@ -19,12 +19,12 @@ class SVLSLoss(SpatialLoss):
     With the SVLS kernel ``w`` (a normalised ``k x k`` Gaussian of width ``sigma`` whose centre
     weight is replaced by the sum of the others, so the pixel's own label keeps half the mass)::
 
-        q_ik = sum_{j in W(i), j valid} w_j [y_j = k] / sum_{j in W(i), j valid} w_j
+        q_ik = sum_{j in W(i)} w_j u_jk / sum_{j in W(i)} w_j,   u_jk = [y_j = k] (1/K if void)
         loss = -(1 / |V|) sum_{i in V} sum_k q_ik log softmax(l_i)_k
 
     Outside the image the labels are replicated (the authors' ``padding_mode="replicate"``);
-    void neighbours are left out of both sums, void pixels out of the mean. Without void this is
-    the authors' ``CELossWithSVLS_2D`` (docs/spatial_losses.md).
+    a void neighbour's weight is spread evenly over the classes, void pixels leave the mean.
+    Without void this is the authors' ``CELossWithSVLS_2D`` (docs/spatial_losses.md).
 
     Args:
         num_classes: K.
