@@ -356,3 +356,28 @@ def test_band_map_function_is_picklable():
     fn = pickle.loads(pickle.dumps(BandMap((3.0, 8.0), IGN)))
     y = _mask(n=1, s=(20, 20), seed=7)[0].numpy()
     np.testing.assert_array_equal(fn(y), distance_bands(y[None], (3.0, 8.0), IGN)[0])
+
+
+def test_training_step_passes_the_band_map_to_the_criterion():
+    from torch import nn
+
+    from cals_seg.engine import train_one_epoch
+
+    seen: list[torch.Tensor] = []
+
+    class Recording(BandCALSALMLoss):
+        def forward(self, logits, target, band=None):
+            seen.append(band)
+            return super().forward(logits, target, band=band)
+
+    _, y = _data(n=2, s=(8, 8))
+    band = torch.from_numpy(distance_bands(y.numpy(), BANDS, IGN))
+    batch = {"image": torch.randn(2, 3, 8, 8), "mask": y, "band": band, "id": ["a", "b"]}
+    model = nn.Conv2d(3, K, 1)
+    crit = Recording(K, bands=BANDS, ignore_index=IGN)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_one_epoch(model, crit, [batch], opt, torch.device("cpu"), progress=False)
+    assert len(seen) == 1 and torch.equal(seen[0], band)
+    # a loss without extra inputs is called as before
+    train_one_epoch(model, CALSALMLoss(K, ignore_index=IGN), [batch], opt, torch.device("cpu"),
+                    progress=False)
