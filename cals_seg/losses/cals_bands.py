@@ -180,13 +180,13 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
                     f"Expected `band` to be an integer map of shape {tuple(target.shape)} (the "
                     f"target's), but got {band.dtype} {tuple(band.shape)}."
                 )
-            band = band.to(target.device).long()
+            band = band.to(target.device)
             if bool((((band < 0) | (band >= self.num_bands)) & valid).any()):
                 raise ValueError(
                     f"`band` holds values outside [0, {self.num_bands}) at valid pixels; it must "
                     f"come from BandMap(bands={self.bands}) of the same (augmented) mask."
                 )
-            band = band.masked_fill(~valid, -1)
+            band = band.to(torch.int8).masked_fill_(~valid, -1)  # 1 byte per pixel
             n, k = logits.shape[:2]
             flat = logits.reshape(n, k, -1)
             ce = ce_sum(flat, target.reshape(n, -1), self.ignore_index) / valid.sum().clamp(min=1)
