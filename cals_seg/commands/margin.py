@@ -129,15 +129,52 @@ def _sweep_table(rows: list[dict[str, Any]], name: str, choice: float | None) ->
     return lines
 
 
+def write_sweep(out: Path, rows: list[dict[str, Any]], config: Path, args: argparse.Namespace,
+                sets: list[str], minutes: float) -> None:
+    """The recommendation from the sweep's rows (the CE reference first), written to
+    ``OUT/results.json`` and ``OUT/results.md`` and printed."""
+    from ..gaps import recommend
+    from ..rundir import write_json
+
+    reference, candidates = rows[0], [r for r in rows[1:] if "error" not in r]
+    if "error" in reference:
+        choice, reason = None, "the CE reference run failed"
+    elif not candidates:
+        choice, reason = None, "every margin run failed"
+    else:
+        choice, reason = recommend(reference, candidates, args.max_miou_drop)
+    name = reference.get("score_name", "mIoU")
+    result = {
+        "config": str(config), "method": args.method, "seed": args.seed, "epochs": args.epochs,
+        "sets": sets, "max_miou_drop": args.max_miou_drop, "score_name": name, "rows": rows,
+        "recommended_margin": None if choice is None else choice["margin"], "reason": reason,
+        "minutes": minutes,
+    }
+    write_json(out / "results.json", result)
+    table = _sweep_table(rows, name, None if choice is None else choice["margin"])
+    verdict = (
+        f"recommended margin: {choice['margin']:g} ({reason})" if choice
+        else f"no recommendation: {reason}"
+    )
+    text = [
+        f"# Margin sweep: {config} ({args.method}, seed {args.seed}, {args.epochs} epochs)", "",
+        "Validation numbers from each run's best epoch; the choice uses the validation split "
+        "only.", "", *table, "", verdict, "",
+    ]
+    (out / "results.md").write_text("\n".join(text))
+    print("\n".join(table))
+    print(verdict)
+    print(f"wrote {out / 'results.md'} and results.json ({len(rows)} runs, {minutes:.1f} min)")
+
+
 def sweep_main(args: argparse.Namespace) -> int:
     import inspect
     from concurrent.futures import ThreadPoolExecutor
 
     from ..cli import USER_ERRORS, report
     from ..config import load_config
-    from ..gaps import recommend, run_summary
+    from ..gaps import run_summary
     from ..losses import LOSSES
-    from ..rundir import write_json
     from ..study import run_one
     from ..tasks import build_task
 
@@ -186,36 +223,7 @@ def sweep_main(args: argparse.Namespace) -> int:
             print(f"FAILED margin {m}: {error}", file=sys.stderr)
             row.update(run=str(run_dir), error=error)
         rows.append(row)
-    reference, candidates = rows[0], [r for r in rows[1:] if "error" not in r]
-    if "error" in reference:
-        choice, reason = None, "the CE reference run failed"
-    elif not candidates:
-        choice, reason = None, "every margin run failed"
-    else:
-        choice, reason = recommend(reference, candidates, args.max_miou_drop)
-    name = reference.get("score_name", "mIoU")
-    minutes = (time.perf_counter() - start) / 60
-    result = {
-        "config": str(config), "method": args.method, "seed": args.seed, "epochs": args.epochs,
-        "sets": sets, "max_miou_drop": args.max_miou_drop, "score_name": name, "rows": rows,
-        "recommended_margin": None if choice is None else choice["margin"], "reason": reason,
-        "minutes": minutes,
-    }
-    write_json(out / "results.json", result)
-    table = _sweep_table(rows, name, None if choice is None else choice["margin"])
-    verdict = (
-        f"recommended margin: {choice['margin']:g} ({reason})" if choice
-        else f"no recommendation: {reason}"
-    )
-    text = [
-        f"# Margin sweep: {config} ({args.method}, seed {args.seed}, {args.epochs} epochs)", "",
-        "Validation numbers from each run's best epoch; the choice uses the validation split "
-        "only.", "", *table, "", verdict, "",
-    ]
-    (out / "results.md").write_text("\n".join(text))
-    print("\n".join(table))
-    print(verdict)
-    print(f"wrote {out / 'results.md'} and results.json ({len(jobs)} runs, {minutes:.1f} min)")
+    write_sweep(out, rows, config, args, sets, (time.perf_counter() - start) / 60)
     return 1 if any("error" in r for r in rows) else 0
 
 
