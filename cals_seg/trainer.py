@@ -33,6 +33,7 @@ from .checks import (
     check_splits,
 )
 from .config import Config, config_to_dict, save_config
+from .data.extra_inputs import request_extra_inputs
 from .distributed import (
     barrier,
     broadcast_buffers,
@@ -291,6 +292,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         train_model = torch.compile(train_model)
     criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params)
     criterion = criterion.to(device)
+    request_extra_inputs(task.train_set, criterion)  # e.g. the band map, made by the loader
     adaptive = isinstance(criterion, AdaptiveLoss)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
