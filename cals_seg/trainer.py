@@ -33,6 +33,7 @@ from .checks import (
     check_splits,
 )
 from .config import Config, config_to_dict, save_config
+from .data.extra_inputs import request_extra_inputs
 from .distributed import (
     barrier,
     broadcast_buffers,
@@ -43,6 +44,7 @@ from .distributed import (
 )
 from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from .evaluation import Scaled, compute, evaluate, predict, scalars
+from .loggers import RunLoggers
 from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp, resolve_device
 from .rundir import (
@@ -290,6 +292,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         train_model = torch.compile(train_model)
     criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params)
     criterion = criterion.to(device)
+    request_extra_inputs(task.train_set, criterion)  # e.g. the band map, made by the loader
     adaptive = isinstance(criterion, AdaptiveLoss)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
@@ -319,6 +322,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         save_config(cfg, run.config)
         print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
               f"epochs {start_epoch + 1}..{t.epochs}", flush=True)
+    loggers = RunLoggers(t.loggers if main else [], run.path, config_to_dict(cfg),
+                         task.class_names, start_epoch)
 
     sign = 1.0 if t.best_mode == "max" else -1.0
     durations: list[float] = []
@@ -363,6 +368,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             state = training_state(model, optimizer, scheduler, criterion, scaler, cfg, k, epoch,
                                    score, best_score, best_epoch)
             run.append_history(record)
+            loggers.log_epoch(record, val, run.history())
             save_checkpoint(state, run.last)
             if improved:
                 link_checkpoint(run.last, run.best)
@@ -390,6 +396,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         write_json(run.test_metrics, test)
         run.write_temperature(test["temperature"])
         plot_run(run, test, task.class_names)
+        loggers.log_test(test)
+    loggers.close()
     return test
 
 
