@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from cals_seg.losses import BandCALSALMLoss, CALSALMLoss, CALSHRLoss, CRaCLoss
+from cals_seg.losses import CALSALMLoss, CALSHRLoss
 
 from ._dist import run_distributed
 
@@ -19,6 +19,8 @@ def _batches():
     for _ in range(6):
         x = torch.randn(2, K, 5, 5, generator=g, dtype=torch.float64) * 15
         y = torch.randint(0, K, (2, 5, 5), generator=g)
+        # Mostly the top class, so the accuracy is above chance and the auto margin moves.
+        y = torch.where(torch.rand(2, 5, 5, generator=g) < 0.7, x.argmax(1), y)
         y[torch.rand(2, 5, 5, generator=g) < 0.2] = IGN
         out.append((x, y))
     return out
@@ -42,8 +44,6 @@ def _criteria():
         CALSHRLoss(K, ignore_index=IGN),
         CALSALMLoss(K, ignore_index=IGN, rho_period=1, **auto),
         CALSHRLoss(K, ignore_index=IGN, **auto),
-        CRaCLoss(K, ignore_index=IGN, rho_period=1, margin=2.0),
-        BandCALSALMLoss(K, bands=(1.0, 1.5), ignore_index=IGN, rho_period=1, **auto),
     ]
 
 
@@ -65,8 +65,5 @@ def test_two_ranks_equal_one_process(tmp_path):
         for epoch_got, epoch_ref in zip(got, single, strict=True):
             for a, b in zip(epoch_got, epoch_ref, strict=True):
                 for key in b:
-                    if b[key] is None:  # a distance band without validation pixels
-                        assert a[key] is None, key
-                        continue
                     torch.testing.assert_close(torch.tensor(a[key]), torch.tensor(b[key]),
                                                rtol=1e-12, atol=0)

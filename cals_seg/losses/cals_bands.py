@@ -18,7 +18,17 @@ from torch import Tensor
 
 from .._validation import check_finite
 from ._adaptive import AdaptiveLoss
-from ._auto_margin import NUM_BINS, effective_margin_sums, largest_gap_bound, solve_temperature
+from ._auto_margin import (
+    MARGIN_RATE,
+    MARGIN_SKILL,
+    NUM_BINS,
+    beyond_chance,
+    class_counts,
+    effective_margin_sums,
+    largest_gap_bound,
+    next_margin,
+    solve_temperature,
+)
 from ._band_penalty import band_penalty
 from ._bands import BandMap, distance_bands
 from ._base import as_float32, autocast_off
@@ -149,7 +159,8 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
             self.add_statistic("_meff_hist", (nb, NUM_BINS))
             self.add_statistic("_gap_hist", (nb, NUM_BINS))
             self.add_statistic("_correct", nb)
-            keys += ["margin", "margin_temperature", "margin_ceiling"]
+            self.add_statistic("_class_count", (nb, k))  # the chance gate of each band
+            keys += ["margin", "margin_temperature", "margin_ceiling", "margin_skill"]
         self.log_keys = (*(f"{key}_band{b}" for key in keys for b in range(nb)), "band_pixels")
 
     def extra_input_fns(self) -> dict[str, BandMap]:
@@ -220,6 +231,7 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
                 out.setdefault("_meff_hist", []).append(hist)
                 out.setdefault("_gap_hist", []).append(gaps)
                 out.setdefault("_correct", []).append(correct)
+                out.setdefault("_class_count", []).append(class_counts(target2, in_band, k))
         return {key: torch.stack(values) for key, values in out.items()}
 
     def _update(self, epoch: int, stats: dict[str, Tensor], n: int) -> dict[str, Any]:
@@ -245,27 +257,42 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
                     self.rhos[b].copy_(grown.clamp_(self.rho_min, self.rho_max))
                 self.zbar_prev[b].copy_(zbar)
                 self.has_prev[b] = True
+            if self.auto_margin:  # the multipliers follow a margin that moves
+                logs.update(self._update_margin(b, epoch, stats, nb))
             logs[f"lambda_band{b}"] = self.lambdas[b].tolist()
             logs[f"rho_band{b}"] = self.rhos[b].tolist()
             logs[f"constraint_band{b}"] = zbar.tolist() if nb > 0 else None
-            if self.auto_margin:
-                logs.update(self._update_margin(b, epoch, stats, nb))
         return logs
 
     def _update_margin(self, b: int, epoch: int, stats: dict[str, Tensor],
                        nb: float) -> dict[str, float]:
+        """Band ``b``'s margin: the rule of CALS-ALM's ``margin: auto``
+        (:func:`~cals_seg.losses._auto_margin.next_margin`, at most a factor
+        :data:`~cals_seg.losses._auto_margin.MARGIN_RATE` per epoch, held while the network is
+        at chance) on the band's statistics; the band's multipliers follow the margin as
+        CALS-ALM's do: ``lambda <- lambda m' / m``, ``zbar_prev <- (m / m')(zbar_prev + 1) - 1``.
+        """
         t_hat: float | None = None
         ceiling: float | None = None
+        skill: float | None = None
         if nb > 0:
+            learned, skill = beyond_chance(float(stats["_correct"][b]), stats["_class_count"][b],
+                                           MARGIN_SKILL)
             t_hat = solve_temperature(stats["_meff_hist"][b], float(stats["_correct"][b]),
                                       self.num_classes)
             ceiling = largest_gap_bound(stats["_gap_hist"][b])
-            if epoch + 1 > self.margin_warmup:
-                high = max(min(self.margin_max, ceiling), self.margin_min)
-                new = min(max(float(self.margins[b]) / t_hat, self.margin_min), high)
-                self.margins[b] = new
+            if epoch + 1 > self.margin_warmup and learned:
+                old = float(self.margins[b])
+                new = next_margin(old, t_hat, ceiling, self.margin_min, self.margin_max,
+                                  MARGIN_RATE)
+                if new != old:
+                    self.margins[b] = new
+                    new = float(self.margins[b])
+                    self.lambdas[b].mul_(new / old).clamp_(self.lambda_min, self.lambda_max)
+                    self.zbar_prev[b].add_(1.0).mul_(old / new).sub_(1.0)
         return {f"margin_band{b}": float(self.margins[b]),
-                f"margin_temperature_band{b}": t_hat, f"margin_ceiling_band{b}": ceiling}
+                f"margin_temperature_band{b}": t_hat, f"margin_ceiling_band{b}": ceiling,
+                f"margin_skill_band{b}": skill}
 
     def extra_repr(self) -> str:
         auto = " (auto)" if self.auto_margin else ""
