@@ -155,6 +155,7 @@ def _vm_kib(key: str) -> int:
     raise RuntimeError(f"{key} not found in /proc/self/status (Linux only)")
 
 
+# Not split (over 80 lines): a benchmark script that reads top to bottom, as nanoGPT's.
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", type=int, nargs="+", default=[8, 21, 256, 256])

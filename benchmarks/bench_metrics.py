@@ -205,6 +205,7 @@ def _merge(best: dict | None, r: dict) -> dict:
     return out
 
 
+# Not split (over 80 lines): a benchmark script that reads top to bottom, as nanoGPT's.
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pixels", type=float, nargs="+", default=[1e7, 1e8])

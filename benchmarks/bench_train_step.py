@@ -28,6 +28,7 @@ from cals_seg.precision import AMP_CHOICES, precision_name, resolve_amp
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# Not split (over 80 lines): a benchmark script that reads top to bottom, as nanoGPT's.
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size", type=int, default=128)

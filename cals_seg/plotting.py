@@ -329,6 +329,7 @@ def _epochs(history: Sequence[Mapping]) -> list[float]:
     return [e.get("epoch", i) for i, e in enumerate(history)]
 
 
+# Not split (over 80 lines): one figure laid out panel by panel, read in one place.
 def plot_multiplier_curves(
     history: Sequence[Mapping],
     path: PathLike,
@@ -515,6 +516,7 @@ def _to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+# Not split (over 80 lines): one figure laid out panel by panel, read in one place.
 def plot_calibration_map(
     image,
     target,

@@ -104,6 +104,7 @@ def evaluate(model, loader, device, autocast, temperature: float = 1.0) -> dict[
 
 
 # ------------------------------------------------------------------------------------ main
+# Not split (over 80 lines): the example is a training script a user reads top to bottom.
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)

@@ -37,6 +37,8 @@ def _bincount(index: Tensor, size: int, weights: Tensor | None = None) -> Tensor
     return out if w is None else out.to(w.dtype)  # (empty input gives int64 even with weights)
 
 
+# Not split (over 80 lines): one pass, so that each (N, K, *S) temporary is freed right after
+# its last use (del); helpers would keep them alive.
 def _calibration_update(
     logits: Tensor,
     target: Tensor,
