@@ -52,6 +52,12 @@ def blocks(logits: Tensor, block: int | None = None) -> Iterator[tuple[slice, sl
     """``(images, positions)`` slices that tile ``logits (N, K, S)`` in blocks of about ``block``
     (default :func:`default_block`) elements: whole images when ``K * S`` is small
     (classification), spatial strips otherwise."""
+    if torch.compiler.is_compiling():
+        # Under torch.compile the whole tensor is one block: inductor fuses the elementwise
+        # chain into the reductions, so no temporary is materialised, and a Python loop over
+        # a symbolic batch size would specialise it.
+        yield slice(None), slice(None)
+        return
     block = default_block(logits) if block is None else block
     n, k, s = logits.shape
     per_image = k * s
@@ -66,7 +72,11 @@ def blocks(logits: Tensor, block: int | None = None) -> Iterator[tuple[slice, sl
             yield slice(i, i + step), slice(None)
 
 
-def _constraint(logits: Tensor, mx: Tensor, margin: float, out: Tensor | None = None) -> Tensor:
+def _constraint(
+    logits: Tensor, mx: Tensor, margin: float | Tensor, out: Tensor | None = None
+) -> Tensor:
+    if torch.is_tensor(margin):  # a 0-dim margin (under torch.compile: no recompilation)
+        return torch.sub(mx, logits, out=out).div_(margin).sub_(1.0)
     # z = (mx / m - 1) - l / m in one pass over the logits.
     return torch.add(mx.mul(1.0 / margin).sub_(1.0), logits, alpha=-1.0 / margin, out=out)
 
@@ -142,14 +152,16 @@ class _ClassPenalty(torch.autograd.Function):
 
 
 def class_penalty(
-    logits: Tensor, valid: Tensor, margin: float, value_fn: ElementFn, grad_fn: ElementFn
+    logits: Tensor, valid: Tensor, margin: float | Tensor, value_fn: ElementFn, grad_fn: ElementFn
 ) -> Tensor:
     """Mean over valid positions and classes of ``f(z)``, with the analytic backward above.
 
     Args:
         logits: ``(N, K, S)`` floating point.
         valid: ``(N, S)`` bool, True where the target is not ``ignore_index``.
-        margin: m > 0.
+        margin: m > 0: a number, or a 0-dim tensor (what the ``margin: auto`` losses pass
+            under ``torch.compile``, where a Python float would be a constant of the graph and
+            each new margin a recompilation).
         value_fn: elementwise ``f(z)`` on a block ``z (n, K, s)``; may modify its argument in
             place. Its values at void positions are discarded.
         grad_fn: elementwise ``f'(z)``; should work in place (it is handed a block of the
@@ -158,7 +170,8 @@ def class_penalty(
     Returns:
         0-dim tensor; 0 with a zero gradient when no position is valid.
     """
-    return _ClassPenalty.apply(logits, valid, float(margin), value_fn, grad_fn)
+    margin = margin if torch.is_tensor(margin) else float(margin)
+    return _ClassPenalty.apply(logits, valid, margin, value_fn, grad_fn)
 
 
 def ce_sum(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
