@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 _HALF = (torch.float16, torch.bfloat16)
+_INT32 = (-(2**31), 2**31 - 1)
 
 
 def autocast_off(device: torch.device) -> AbstractContextManager:
@@ -141,7 +142,15 @@ def flatten_deferred(
         out-of-range targets.
     """
     logits3, target2, valid, bad = _flatten(logits, target, num_classes, ignore_index)
-    return logits3, target2.masked_fill(bad, ignore_index), valid & ~bad, bad.sum()
+    if _INT32[0] <= ignore_index <= _INT32[1]:
+        # The same values through int32 (``bad`` is taken in int64, so no large label can wrap
+        # into range): inductor's C++ code then reads the cleaned targets as a plain load in
+        # the cross-entropy's loops; the int64 ``masked_fill`` was recomputed inside them and
+        # made the compiled cross-entropy 1.45x slower (8 x 21 x 256 x 256 logits, 1 thread).
+        target2 = target2.int().masked_fill(bad, ignore_index).long()
+    else:
+        target2 = target2.masked_fill(bad, ignore_index)
+    return logits3, target2, valid & ~bad, bad.sum()
 
 
 def _flatten(

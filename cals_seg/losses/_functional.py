@@ -121,6 +121,8 @@ class _ClassPenalty(torch.autograd.Function):
     # CPU, where backward runs on the calling thread) computes in float32 as well.
     @staticmethod
     def forward(ctx, logits, valid, margin, value_fn, grad_fn):  # type: ignore[override]
+        if torch.compiler.is_compiling():
+            return _compiled_forward(ctx, logits, valid, margin, value_fn, grad_fn)
         with autocast_off(logits.device):
             n, _, s = logits.shape
             maxima = torch.empty((n, 1, s), dtype=logits.dtype, device=logits.device)
@@ -132,6 +134,9 @@ class _ClassPenalty(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
+        if torch.compiler.is_compiling():
+            grad = _compiled_backward(ctx, grad_out, *ctx.saved_tensors)
+            return grad, None, None, None, None
         logits, maxima, valid = ctx.saved_tensors
         m = ctx.margin
         with autocast_off(logits.device):
@@ -149,6 +154,35 @@ class _ClassPenalty(torch.autograd.Function):
                 g.addcmul_(is_max, share)
                 grad[im, :, pos] = g  # a no-op when grad_fn worked in place
         return grad, None, None, None, None
+
+
+# Under torch.compile the two passes are written for the code generator, not for eager
+# kernels: no blocks, no in-place buffers (inductor fuses each pass into loops over the
+# positions with the K classes inside, so nothing block- or logits-sized is materialised but
+# the gradient). The forward reduces over the classes of each position (the direction of that
+# loop; per class over the positions is what observe() needs, not the training loss), and
+# takes, in the same loop, the per-position ``sum_c f'(z_ic) / #ties``: backward is then
+# pointwise and fuses into the cross-entropy's gradient loop. What the compiled graph keeps for
+# backward is chosen by AOTAutograd's partitioner; tests/test_compile_sync.py checks that it is
+# per-position maps beyond what the compiled cross-entropy keeps.
+def _compiled_forward(ctx, logits, valid, margin, value_fn, grad_fn):
+    maxima = logits.amax(dim=1, keepdim=True)
+    # value_fn and grad_fn may work in place: each gets its own z
+    per_position = value_fn(_constraint(logits, maxima, margin)).sum(dim=1)  # (N, S)
+    total = per_position.masked_fill(~valid, 0.0).sum(dtype=torch.float64)
+    ties = (logits == maxima).sum(dim=1, keepdim=True)
+    share = grad_fn(_constraint(logits, maxima, margin)).sum(dim=1, keepdim=True) / ties
+    denom = valid.sum().clamp(min=1) * logits.shape[1]
+    ctx.save_for_backward(logits, maxima, valid, share)
+    ctx.margin, ctx.grad_fn, ctx.denom = margin, grad_fn, denom
+    return (total / denom).to(logits.dtype)
+
+
+def _compiled_backward(ctx, grad_out, logits, maxima, valid, share):
+    # d/dl_ik = (grad_out / (|V| K m)) valid_i ([k is a max] sum_c f'(z_ic) / #ties - f'(z_ik))
+    g = ctx.grad_fn(_constraint(logits, maxima, ctx.margin))
+    scale = valid.unsqueeze(1).to(g.dtype) * (grad_out / (ctx.denom * ctx.margin))
+    return (torch.where(logits == maxima, share, 0.0) - g) * scale
 
 
 def class_penalty(
