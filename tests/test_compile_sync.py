@@ -382,6 +382,7 @@ def test_deferred_label_check_ignores_and_counts(name):
     torch.testing.assert_close(g1, g0, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_train_compile_compiles_model_and_criterion(tmp_path, monkeypatch):
     """train.compile: the trainer hands torch.compile the model and the criterion (recorded;
     the eager backend keeps the test fast) and trains through both."""
