@@ -24,13 +24,9 @@ from .distributed import (
     is_distributed,
     is_main_process,
 )
+from .errors import NonFiniteLossError
 from .evaluation import eval_collate, unpack_batch
 from .precision import autocast_context
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; training stops, checkpoints stay intact."""
-
 
 CHECK_EVERY = 50
 """Training steps between two reads of the device-side checks (and progress-bar updates)."""

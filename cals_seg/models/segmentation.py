@@ -9,9 +9,7 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 
-
-class WeightsUnavailableError(RuntimeError):
-    """Pretrained weights were asked for but could not be downloaded."""
+from ..errors import WeightsUnavailableError
 
 
 def build_segmentation_model(
