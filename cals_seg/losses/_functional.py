@@ -170,7 +170,7 @@ def _compiled_forward(ctx, logits, valid, margin, value_fn, grad_fn):
     # value_fn and grad_fn may work in place: each gets its own z
     per_position = value_fn(_constraint(logits, maxima, margin)).sum(dim=1)  # (N, S)
     total = per_position.masked_fill(~valid, 0.0).sum(dtype=torch.float64)
-    ties = (logits == maxima).sum(dim=1, keepdim=True)
+    ties = (logits == maxima).to(logits.dtype).sum(dim=1, keepdim=True)
     share = grad_fn(_constraint(logits, maxima, margin)).sum(dim=1, keepdim=True) / ties
     denom = valid.sum().clamp(min=1) * logits.shape[1]
     ctx.save_for_backward(logits, maxima, valid, share)
