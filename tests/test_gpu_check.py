@@ -23,7 +23,7 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                TMPDIR=str(tmp_path))
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert (tmp_path / "out" / "gpu_check.log").is_file()
@@ -34,7 +34,7 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
     stages = md.split("## 5. Stages")[1]
     for name in ("environment", "cuda_tests", "synthetic_data", "run_amp_auto",
                  "run_channels_last", "bench_loss", "bench_metrics", "bench_train_step_auto",
-                 "bench_loss_compiled"):
+                 "cuda_compile_tests", "bench_loss_compiled", "bench_train_step_compiled"):
         assert re.search(rf"^\| {name} \| ok \| \d+ \| \d+ \|$", stages, re.M), (name, stages)
     # the CUDA tests ran and skipped (no GPU here)
     assert re.search(r"\d+ skipped", md.split("## 1. CUDA tests")[1].split("## 2.")[0])
@@ -56,6 +56,7 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
         ("bench_loss_compiled", "loss: cals_alm fwd+bwd time / F.cross_entropy (both "
          "torch.compile)"),
         ("bench_train_step_auto", None),
+        ("bench_train_step_compiled", "train step (bf16, torch.compile): cals_alm step time / ce"),
     ]:
         found = [v for (s, w), v in targets.items() if s == stage and (what is None or w == what)]
         assert found, (stage, what, targets)
