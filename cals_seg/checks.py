@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from .config import Config, ConfigError, config_to_dict
+from .loggers import check_loggers
 from .losses import build_loss
 
 # The direction of each validation metric a run can select its best epoch by.
@@ -23,9 +24,9 @@ BEST_MODES = ("max", "min")
 # learning-rate schedule for the new length (see ``trainer.restore_training_state``).
 RESUMABLE_KEYS = (
     "name", "output_dir", "data.root", "data.num_workers", "train.epochs", "train.device",
-    "train.threads", "train.progress", "train.debug_checks", "eval.batch_size", "eval.n_bins",
-    "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize", "eval.pad",
-    "eval.window", "eval.stride",
+    "train.threads", "train.progress", "train.loggers", "train.debug_checks", "eval.batch_size",
+    "eval.n_bins", "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize",
+    "eval.pad", "eval.window", "eval.stride",
     "data.class_names",  # display names only
 )
 
@@ -62,6 +63,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"eval.num_maps: expected a number >= 0, got {e.num_maps}.")
     check_eval_protocol(cfg)
     check_class_names(cfg)
+    check_loggers(t.loggers)  # a missing package fails here, with its install command
     if t.best_mode not in BEST_MODES:
         raise ConfigError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
     direction = ("min" if t.best_metric in LOWER_BETTER

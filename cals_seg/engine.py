@@ -196,7 +196,11 @@ def train_one_epoch(
             target = target.to(device, non_blocking=True)
             with autocast_context(device, amp):
                 logits = model(inputs)
-            loss = criterion(logits, target)
+            # per-pixel maps the criterion asks the training data for
+            # (cals_seg.data.extra_inputs)
+            extras = {k: batch[k].to(device, non_blocking=True)
+                      for k in getattr(base, "extra_inputs", ())}
+            loss = criterion(logits, target, **extras)
             checks.record(step, loss.detach(), getattr(base, "bad_labels", None)
                           if not debug_checks else None)
             if debug_checks:
