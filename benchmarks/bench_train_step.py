@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train_step.py [--size 128] [--batch 8] [--classes 21] [--steps 6]
         [--encoder resnet18] [--device cpu|cuda] [--amp auto|none|bf16|fp16] [--channels-last]
+        [--compile [BACKEND]]
 
 One step = forward, loss, backward, AdamW step, on random images and labels with 10% void. The
 two criteria alternate step by step (after warm-up) so that drift of the machine (other load,
@@ -10,6 +11,13 @@ auto`` is resolved with ``cals_seg.precision.resolve_amp`` (bf16 where native, e
 and the resolved precision is printed. Peak memory (CUDA: ``torch.cuda.max_memory_allocated``,
 reset before one extra step per criterion) is reported per criterion. The ``TARGET`` line states
 the target: a CALS-ALM step at most 1.02x a CE step.
+
+The criteria run with ``deferred_checks`` as in the trainer (the label check stays on the
+device). ``--compile`` adds the step of ``train.compile``: the model and each criterion
+``torch.compile``-d separately (one compiled model shared by both criteria), timed in the same
+turns as the eager steps; "time / CE" of a compiled row is its ratio to the compiled CE step,
+"compile (s)" the first compiled step less the median one (the model's compilation counts in
+the first criterion's row), and a second ``TARGET`` line states the compiled ratio.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from cals_seg.models import build_segmentation_model
 from cals_seg.precision import AMP_CHOICES, precision_name, resolve_amp
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+COMPILED = " (compiled)"
 
 
 # Not split (over 80 lines): a benchmark script that reads top to bottom, as nanoGPT's.
@@ -40,6 +49,12 @@ def main() -> None:
     p.add_argument("--amp", default="none", choices=list(AMP_CHOICES),
                    help="auto: bf16 where native on the device, else float32 (resolve_amp)")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="cpu: the process's CPU time (time.process_time), steadier than the "
+                   "wall clock on a shared machine with --threads 1; CPU device only")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="also time the model and criterion under torch.compile(backend=BACKEND)")
     p.add_argument("--gpu-blocks", type=int, default=None,
                    help="blocks per penalty pass on an accelerator (default: the library's)")
     args = p.parse_args()
@@ -47,6 +62,9 @@ def main() -> None:
         penalty_blocks.GPU_BLOCKS = args.gpu_blocks
     print(f"# penalty blocks on an accelerator: {penalty_blocks.GPU_BLOCKS}")
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     asked = args.amp
     args.amp = resolve_amp(args.amp, device)
     print(f"# amp: {asked} -> {args.amp} ({precision_name(args.amp)} forward pass)")
@@ -62,14 +80,23 @@ def main() -> None:
     criteria = {"ce": build_loss("ce", args.classes, ignore_index=255).to(device),
                 "cals_alm": build_loss("cals_alm", args.classes, ignore_index=255).to(device)}
     criteria["cals_alm"].lambdas.fill_(0.5)  # an active penalty, as after some epochs
+    models = dict.fromkeys(criteria, model)
+    for c in list(criteria.values()):
+        c.deferred_checks = True  # as in the trainer: no host read of the label check
+    if args.compile:
+        compiled_model = torch.compile(model, backend=args.compile)
+        for name in list(criteria):
+            criteria[name + COMPILED] = torch.compile(criteria[name], backend=args.compile)
+            models[name + COMPILED] = compiled_model
 
-    def step(criterion) -> float:
+    def step(name: str) -> float:
+        criterion = criteria[name]
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock()
         dtype = AMP.get(args.amp, torch.bfloat16)
         with torch.autocast(device.type, dtype=dtype, enabled=args.amp != "none"):
-            logits = model(x)
+            logits = models[name](x)
         loss = criterion(logits, y)
         opt.zero_grad(set_to_none=True)
         if scaler is not None:
@@ -81,38 +108,50 @@ def main() -> None:
             opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return clock() - t0
 
-    for c in criteria.values():  # warm-up
-        step(c)
-        step(c)
+    first: dict[str, float] = {}
+    for name in criteria:  # warm-up (a compiled step compiles in the first)
+        t0 = time.perf_counter()  # wall: the C++ compiler runs in other processes
+        step(name)
+        first[name] = time.perf_counter() - t0
+        step(name)
     times: dict[str, list[float]] = {name: [] for name in criteria}
     for _ in range(args.steps):
-        for name, c in criteria.items():
-            times[name].append(step(c))
+        for name in criteria:
+            times[name].append(step(name))
     peak: dict[str, float] = {}
-    for name, c in criteria.items():
+    for name in criteria:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
-            step(c)
+            step(name)
             peak[name] = torch.cuda.max_memory_allocated(device) / 2**20
         else:
             peak[name] = float("nan")  # not measured on CPU
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# DeepLabV3-{args.encoder}, batch {args.batch} x 3 x {args.size} x {args.size}, "
           f"{args.classes} classes, {dev}, {torch.get_num_threads()} threads, amp={args.amp}, "
-          f"channels_last={args.channels_last}, torch {torch.__version__}")
-    print("| criterion | step (ms, median) | images/s | time / CE | peak memory (MiB) |")
-    print("|---|---:|---:|---:|---:|")
-    ce = statistics.median(times["ce"])
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med * 1e3:.1f} | {args.batch / med:.1f} | {med / ce:.3f}x | "
-              f"{peak[name]:.0f} |")
-    ratio = statistics.median(times["cals_alm"]) / ce
+          f"channels_last={args.channels_last}, {args.clock} clock, torch {torch.__version__}")
+    if args.compile:
+        print(f"# compiled rows: torch.compile(backend={args.compile!r}) of the model and of "
+              "the criterion; time / CE is to the compiled CE step")
+    print("| criterion | step (ms, median) | images/s | time / CE | peak memory (MiB) "
+          "| compile (s) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    for name in times:
+        ref = med["ce" + COMPILED] if name.endswith(COMPILED) else med["ce"]
+        comp = f"{first[name] - med[name]:.1f}" if name.endswith(COMPILED) else ""
+        print(f"| {name} | {med[name] * 1e3:.1f} | {args.batch / med[name]:.1f} | "
+              f"{med[name] / ref:.3f}x | {peak[name]:.0f} | {comp} |")
+    ratio = med["cals_alm"] / med["ce"]
     print(f"TARGET | train step ({args.amp}): cals_alm step time / ce | {ratio:.4g} | <= 1.02 | "
           f"{'MET' if ratio <= 1.02 else 'NOT MET'}")
+    if args.compile:
+        ratio = med["cals_alm" + COMPILED] / med["ce" + COMPILED]
+        print(f"TARGET | train step ({args.amp}, torch.compile): cals_alm step time / ce | "
+              f"{ratio:.4g} | <= 1.02 | {'MET' if ratio <= 1.02 else 'NOT MET'}")
 
 
 if __name__ == "__main__":

@@ -11,16 +11,21 @@
 #    and test_metrics.json (pre_ts.ece finite);
 # 3. bench_loss (8x21x512x512), bench_metrics (against torchmetrics), bench_train_step
 #    (DeepLabV3-ResNet50, 512x512, batch 8, amp auto -> bf16 and fp16), then the torch.compile
-#    work last (the compile run of 2., then bench_loss --compile: what most likely runs long);
+#    work last: the sync-free and compiled-criterion CUDA tests (tests/test_cuda_compile.py:
+#    torch.cuda.set_sync_debug_mode("error") around training steps, eager and compiled), the
+#    compile run of 2., bench_loss --compile (F.cross_entropy, ce, cals_alm) and
+#    bench_train_step --compile (what most likely runs long, last);
 # and writes ONE markdown report, $OUT/gpu_check.md ($OUT unset: runs/gpu_check/gpu_check.md),
 # with the targets and the measured values, plus the raw output of every stage in
 # gpu_check.log beside it.
 #
 # GPU_CHECK_SKIP="stage names ..." skips those stages (e.g. a rerun of the benchmarks only:
-# GPU_CHECK_SKIP="run_fp16 run_bf16 run_bf16_channels_last_compile bench_metrics").
+# GPU_CHECK_SKIP="run_fp16 run_bf16 run_bf16_channels_last_compile bench_metrics"; the compile
+# and sync checks only: GPU_CHECK_SKIP="cuda_tests run_fp16 run_bf16 bench_loss bench_metrics
+# bench_train_step_auto bench_train_step_fp16 run_bf16_channels_last_compile").
 #
 # Every stage runs under `timeout`, limited both by its own budget and by what is left of the
-# global deadline (GPU_CHECK_DEADLINE seconds, default 450 = 7.5 min), and a failed or timed-out
+# global deadline (GPU_CHECK_DEADLINE seconds, default 560, about 9 min), and a failed or timed-out
 # stage is recorded and the next one runs.
 #
 # --dry (automatic when torch sees no CUDA device): CUDA tests skip, 2 runs of 1 epoch on the
@@ -39,7 +44,7 @@ for arg in "$@"; do
   esac
 done
 START=$(date +%s)
-DEADLINE=${GPU_CHECK_DEADLINE:-450}
+DEADLINE=${GPU_CHECK_DEADLINE:-560}
 DEST=${OUT:-$ROOT/runs/gpu_check}
 mkdir -p "$DEST"
 MD=$DEST/gpu_check.md
@@ -134,7 +139,8 @@ fi
 cat "$WORK/nvidia-smi.out" >>"$LOG"
 
 # ---------------------------------------------------------------------------- 1. CUDA tests
-stage cuda_tests 90 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider -W ignore::UserWarning
+stage cuda_tests 90 "$PY" -m pytest -q -m cuda tests -p no:cacheprovider -W ignore::UserWarning \
+  --ignore=tests/test_cuda_compile.py
 TESTS_STATUS=$STATUS
 
 # ------------------------------------------------------------------------ 2. training runs
@@ -181,13 +187,15 @@ if [ "$DRY" -eq 1 ]; then
   COMPILE_ARGS=(--shape 2 5 32 32 --repeats 1 --losses F.cross_entropy cals_alm --compile eager)
   METRIC_ARGS=(--pixels 2e4 --batch 2 5 32 32 --repeats 1 --no-pinned)
   STEP_ARGS=(--size 32 --batch 2 --encoder resnet18 --steps 1)
+  STEP_COMPILE_ARGS=(--size 32 --batch 2 --encoder resnet18 --steps 1 --compile eager)
   STEP_AMPS=(auto)
 else
   DEV=cuda
   LOSS_ARGS=(--shape 8 21 512 512 --repeats 10)
-  COMPILE_ARGS=(--shape 8 21 512 512 --repeats 10 --losses F.cross_entropy cals_alm --compile)
+  COMPILE_ARGS=(--shape 8 21 512 512 --repeats 10 --losses F.cross_entropy ce cals_alm --compile)
   METRIC_ARGS=(--pixels 1e8 --batch 8 21 512 512 --repeats 2)
   STEP_ARGS=(--size 512 --batch 8 --encoder resnet50 --steps 15)
+  STEP_COMPILE_ARGS=(--size 512 --batch 8 --encoder resnet50 --steps 10 --compile)
   STEP_AMPS=(auto fp16)
 fi
 stage bench_loss 60 "$PY" benchmarks/bench_loss.py --device $DEV "${LOSS_ARGS[@]}"
@@ -199,11 +207,17 @@ for amp in "${STEP_AMPS[@]}"; do
     --amp "$amp" "${STEP_ARGS[@]}"
   BENCH_OUTS+=("$WORK/bench_train_step_$amp.out")
 done
+stage cuda_compile_tests 120 "$PY" -m pytest -q -m cuda tests/test_cuda_compile.py \
+  -p no:cacheprovider -W ignore::UserWarning
+COMPILE_TESTS_STATUS=$STATUS
 for spec in ${LATE_RUNS[@]+"${LATE_RUNS[@]}"}; do
   train_run "$spec"
 done
-stage bench_loss_compiled 100 "$PY" benchmarks/bench_loss.py --device $DEV "${COMPILE_ARGS[@]}"
+stage bench_loss_compiled 150 "$PY" benchmarks/bench_loss.py --device $DEV "${COMPILE_ARGS[@]}"
 BENCH_OUTS+=("$WORK/bench_loss_compiled.out")
+stage bench_train_step_compiled 200 "$PY" benchmarks/bench_train_step.py --device $DEV \
+  --amp auto "${STEP_COMPILE_ARGS[@]}"
+BENCH_OUTS+=("$WORK/bench_train_step_compiled.out")
 
 # -------------------------------------------------------------------------------- report
 {
@@ -225,6 +239,9 @@ BENCH_OUTS+=("$WORK/bench_loss_compiled.out")
   echo "pytest -m cuda: $TESTS_STATUS"
   fence "$WORK/cuda_tests.out" 40
   echo
+  echo "tests/test_cuda_compile.py (sync-free training steps, compiled criteria): $COMPILE_TESTS_STATUS"
+  fence "$WORK/cuda_compile_tests.out" 30
+  echo
   echo "## 2. Training runs"
   echo
   echo "Synthetic DeepLabV3 CALS-ALM, $EPOCHS epoch(s) each; PASS = the stage exited 0, all"
@@ -244,7 +261,7 @@ BENCH_OUTS+=("$WORK/bench_loss_compiled.out")
   echo "## 4. Targets"
   echo
   echo "Targets: CALS-ALM forward+backward at most 1.5x F.cross_entropy (eager, and compiled);"
-  echo "a DeepLabV3 training step with CALS-ALM at most 1.02x CE's; CalibrationMeter +"
+  echo "a DeepLabV3 training step with CALS-ALM at most 1.02x CE's (eager, and compiled); CalibrationMeter +"
   echo "SegmentationMeter at least 5x torchmetrics' throughput at the same pixel count; the loss's"
   echo "peak memory at most CE's plus one logits-sized tensor."
   echo

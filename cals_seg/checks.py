@@ -24,9 +24,9 @@ BEST_MODES = ("max", "min")
 # learning-rate schedule for the new length (see ``trainer.restore_training_state``).
 RESUMABLE_KEYS = (
     "name", "output_dir", "data.root", "data.num_workers", "train.epochs", "train.device",
-    "train.threads", "train.progress", "train.loggers", "eval.batch_size", "eval.n_bins",
-    "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize", "eval.pad",
-    "eval.window", "eval.stride",
+    "train.threads", "train.progress", "train.loggers", "train.debug_checks", "eval.batch_size",
+    "eval.n_bins", "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize",
+    "eval.pad", "eval.window", "eval.stride",
     "data.class_names",  # display names only
 )
 

@@ -146,8 +146,11 @@ class TrainConfig:
     ``nll`` ...) and ``best_mode`` ``max`` or ``min``. ``amp``: ``none``, ``bf16`` (CUDA or
     CPU) or ``fp16`` (CUDA only, with a gradient scaler) for the model's forward pass; the
     criterion and the meters compute in float32. ``sync_bn``: SyncBatchNorm under
-    torch.distributed. ``compile``: ``torch.compile`` the model. ``loggers``: live logs besides
-    ``history.jsonl``, any of ``csv``, ``tensorboard``, ``wandb`` (:mod:`cals_seg.loggers`)."""
+    torch.distributed. ``compile``: ``torch.compile`` the model and the criterion. ``loggers``:
+    live logs besides ``history.jsonl``, any of ``csv``, ``tensorboard``, ``wandb``
+    (:mod:`cals_seg.loggers`). ``debug_checks``: check the labels and the loss on the host at
+    every step (a device synchronisation per step; by default they are checked on the device
+    and read every 50 steps)."""
 
     epochs: int = 30
     batch_size: int = 8
@@ -163,6 +166,7 @@ class TrainConfig:
     channels_last: bool = False
     compile: bool = False
     loggers: list[str] = field(default_factory=list)
+    debug_checks: bool = False
 
 
 @dataclass

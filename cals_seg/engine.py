@@ -28,6 +28,14 @@ from .errors import NonFiniteLossError
 from .evaluation import eval_collate, unpack_batch
 from .precision import autocast_context
 
+CHECK_EVERY = 50
+"""Training steps between two reads of the device-side checks (and progress-bar updates)."""
+
+_NON_FINITE = (
+    "{desc}: the loss is {value} at step {step}; stopping. The last good checkpoint is left "
+    "intact: lower the learning rate (optim.lr), enable train.grad_clip, or check the labels."
+)
+
 
 # ----------------------------------------------------------------------------- data loading
 def _reseed_transform(dataset: Dataset, seed: int) -> None:
@@ -80,6 +88,66 @@ def seed_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
 
 
 # ----------------------------------------------------------------------------- train / eval
+class StepChecks:
+    """The checks of every training step, kept on the device and read every ``every`` steps.
+
+    Each step adds to 0-dim device tensors (no host synchronisation): whether the loss is
+    finite (the first non-finite step and its value are kept) and how many targets were
+    outside ``[0, K)`` (the count a criterion with ``deferred_checks`` leaves in
+    ``bad_labels``). :meth:`check` all-reduces them (so every process stops at the same step),
+    reads them on the host once and raises the error the eager check would have raised.
+
+    Args:
+        device: where the flags live (the loss's device).
+        criterion: the loss (its ``num_classes`` and ``ignore_index`` word the label error).
+    """
+
+    def __init__(self, device: torch.device, criterion: nn.Module) -> None:
+        self.criterion = criterion
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # non-finite, bad labels
+        self.first_step = torch.full((), -1, dtype=torch.int64, device=device)
+        self.first_value = torch.zeros((), dtype=torch.float32, device=device)
+
+    def record(self, step: int, loss: Tensor, bad_labels: Tensor | None) -> None:
+        """Add one step's loss (0-dim, detached) and bad-label count (0-dim int64 or None)."""
+        bad = ~torch.isfinite(loss)
+        first = bad & (self.first_step < 0)
+        self.first_step = torch.where(first, step, self.first_step)
+        self.first_value = torch.where(first, loss.float(), self.first_value)
+        labels = bad_labels if bad_labels is not None else torch.zeros_like(self.counts[1])
+        self.counts += torch.stack([bad.long(), labels.long()])
+
+    def check(self, desc: str, step: int) -> None:
+        """Read the flags (one synchronisation; an all-reduce under torch.distributed).
+
+        Raises:
+            ValueError: targets outside ``[0, K)`` were seen since the start of the epoch.
+            NonFiniteLossError: a loss was NaN or infinite.
+        """
+        counts = self.counts.clone()
+        all_reduce_sum_([counts])
+        non_finite, bad_labels = counts.tolist()
+        if bad_labels:
+            from .losses._base import bad_labels_message
+
+            c = self.criterion
+            raise ValueError(
+                f"{desc}: {bad_labels_message(bad_labels, c.num_classes, c.ignore_index)} "
+                f"(found by the check at step {step}; train.debug_checks: true stops at the "
+                "first such batch and lists the values)"
+            )
+        if non_finite:
+            first = int(self.first_step)
+            value = float(self.first_value) if first >= 0 else float("nan")
+            where = first if first >= 0 else f"<= {step} on another process"
+            raise NonFiniteLossError(_NON_FINITE.format(desc=desc, value=value, step=where))
+
+
+def _base_module(module: nn.Module) -> nn.Module:
+    """The module under ``torch.compile``'s wrapper (itself when not compiled)."""
+    return getattr(module, "_orig_mod", module)
+
+
 def train_one_epoch(
     model: nn.Module,
     criterion: nn.Module,
@@ -91,61 +159,101 @@ def train_one_epoch(
     grad_clip: float | None = None,
     progress: bool = True,
     desc: str = "train",
+    debug_checks: bool = False,
 ) -> dict[str, float]:
     """One pass over ``loader``. Returns the mean of the loss and of each term in
     ``criterion.terms`` (weighted by batch size), the throughput and the wall time.
 
+    A step does not synchronise with the device: the label check of the criterion and the
+    finiteness check of the loss stay on the device (:class:`StepChecks`) and are read every
+    :data:`CHECK_EVERY` steps and at the end of the epoch, where the progress bar is updated
+    too. A bad step therefore stops the epoch at the next check, not at once; the weights are
+    never saved in between (checkpoints are written after validation), so the last good
+    checkpoint stays intact. ``debug_checks=True`` restores the checks of every step: the
+    criterion raises on the first batch with bad labels (listing the values), a non-finite
+    loss stops before its optimizer step, the bar is updated every step.
+
     Raises:
-        NonFiniteLossError: when the loss is NaN or infinite (before the optimizer step, so the
-            weights stay those of the last good step), or when the last steps left non-finite
-            weights (checked once, at the end of the epoch).
+        NonFiniteLossError: when the loss is NaN or infinite, or when the last steps left
+            non-finite weights (checked once, at the end of the epoch).
+        ValueError: targets outside ``[0, K)`` other than the criterion's ``ignore_index``.
     """
     model.train()
     sums: dict[str, Tensor] = {}
     seen, start = 0, time.perf_counter()
     progress = progress and is_main_process()
+    base = _base_module(criterion)
+    deferred_before = getattr(base, "deferred_checks", None)
+    if deferred_before is not None:
+        base.deferred_checks = not debug_checks
+    checks = StepChecks(device, base)
     bar = tqdm(loader, desc=desc, leave=False, disable=not progress, dynamic_ncols=True)
-    for step, batch in enumerate(bar):
-        inputs, target = unpack_batch(batch)
-        inputs = inputs.to(device, non_blocking=True)
-        target = target.to(device, non_blocking=True)
-        with autocast_context(device, amp):
-            logits = model(inputs)
-        # per-pixel maps the criterion asks the training data for (cals_seg.data.extra_inputs)
-        extras = {k: batch[k].to(device, non_blocking=True)
-                  for k in getattr(criterion, "extra_inputs", ())}
-        loss = criterion(logits, target, **extras)
-        check = loss.detach().clone()
-        all_reduce_sum_([check])  # a NaN on any rank stops every rank at the same step
-        if not torch.isfinite(check):
-            raise NonFiniteLossError(
-                f"{desc}: the loss is {check.item()} at step {step}; stopping. The last good "
-                "checkpoint is left intact: lower the learning rate (optim.lr), enable "
-                "train.grad_clip, or check the labels."
-            )
-        optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-        else:
-            loss.backward()
-        if grad_clip:
-            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        n = inputs.shape[0]
-        seen += n
-        for key, value in {"loss": loss.detach(), **getattr(criterion, "terms", {})}.items():
-            sums[key] = sums.get(key, 0.0) + value.float() * n
-        if progress:
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(
-                {k: f"{float(v) / seen:.4f}" for k, v in sums.items()}
-                | {"img/s": f"{seen / elapsed:.1f}"}
-            )
+    try:
+        step = -1
+        for step, batch in enumerate(bar):
+            inputs, target = unpack_batch(batch)
+            inputs = inputs.to(device, non_blocking=True)
+            target = target.to(device, non_blocking=True)
+            with autocast_context(device, amp):
+                logits = model(inputs)
+            # per-pixel maps the criterion asks the training data for
+            # (cals_seg.data.extra_inputs)
+            extras = {k: batch[k].to(device, non_blocking=True)
+                      for k in getattr(base, "extra_inputs", ())}
+            loss = criterion(logits, target, **extras)
+            checks.record(step, loss.detach(), getattr(base, "bad_labels", None)
+                          if not debug_checks else None)
+            if debug_checks:
+                checks.check(desc, step)  # before the optimizer step
+            _optimizer_step(model, loss, optimizer, scaler, grad_clip)
+            n = inputs.shape[0]
+            seen += n
+            for key, value in {"loss": loss.detach(), **getattr(base, "terms", {})}.items():
+                sums[key] = sums.get(key, 0.0) + value.float() * n
+            if (step + 1) % CHECK_EVERY == 0 and not debug_checks:
+                checks.check(desc, step)
+            if progress and (debug_checks or (step + 1) % CHECK_EVERY == 0):
+                _show(bar, sums, seen, start)
+        checks.check(desc, step)
+    finally:
+        if deferred_before is not None:
+            base.deferred_checks = deferred_before
+    if progress:
+        _show(bar, sums, seen, start)
+    return _epoch_end(model, sums, seen, start, device, desc)
+
+
+def _optimizer_step(model: nn.Module, loss: Tensor, optimizer: torch.optim.Optimizer,
+                    scaler: torch.amp.GradScaler | None, grad_clip: float | None) -> None:
+    """Backward, optional unscale and gradient clipping, optimizer step."""
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+    else:
+        loss.backward()
+    if grad_clip:
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if scaler is not None:
+        scaler.step(optimizer)  # fp16: reads the found-inf flag on the host (GradScaler's own)
+        scaler.update()
+    else:
+        optimizer.step()
+
+
+def _show(bar: tqdm, sums: dict[str, Tensor], seen: int, start: float) -> None:
+    """The running means on the progress bar (one host read of all of them)."""
+    if not sums:
+        return
+    values = torch.stack([torch.as_tensor(v).double() for v in sums.values()]).tolist()
+    elapsed = time.perf_counter() - start
+    bar.set_postfix({k: f"{v / seen:.4f}" for k, v in zip(sums, values, strict=True)}
+                    | {"img/s": f"{seen / max(elapsed, 1e-9):.1f}"})
+
+
+def _epoch_end(model: nn.Module, sums: dict[str, Tensor], seen: int, start: float,
+               device: torch.device, desc: str) -> dict[str, float]:
+    """The end-of-epoch weight check and the epoch means over every process."""
     # the trained weights only (a model may hold unused, uninitialised parameters)
     weights = [p.detach().float().sum() for p in model.parameters() if p.grad is not None]
     if weights and not bool(torch.stack(weights).isfinite().all()):

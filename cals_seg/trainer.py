@@ -293,6 +293,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params)
     criterion = criterion.to(device)
     request_extra_inputs(task.train_set, criterion)  # e.g. the band map, made by the loader
+    # The training loss compiled too (observe() and the update stay eager: once per epoch).
+    train_criterion = torch.compile(criterion) if t.compile else criterion
     adaptive = isinstance(criterion, AdaptiveLoss)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
@@ -332,8 +334,9 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         seed_epoch(train_loader, t.seed, epoch)
         lr = optimizer.param_groups[0]["lr"]
         train_stats = train_one_epoch(
-            train_model, criterion, train_loader, optimizer, device, amp, scaler, t.grad_clip,
-            t.progress, desc=f"epoch {epoch + 1}/{t.epochs}",
+            train_model, train_criterion, train_loader, optimizer, device, amp, scaler,
+            t.grad_clip, t.progress, desc=f"epoch {epoch + 1}/{t.epochs}",
+            debug_checks=t.debug_checks,
         )
         scheduler.step()
         broadcast_buffers(model)  # every rank validates (and rank 0 saves) rank 0's BN stats

@@ -23,7 +23,7 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                TMPDIR=str(tmp_path))
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert (tmp_path / "out" / "gpu_check.log").is_file()
@@ -34,7 +34,7 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
     stages = md.split("## 5. Stages")[1]
     for name in ("environment", "cuda_tests", "synthetic_data", "run_amp_auto",
                  "run_channels_last", "bench_loss", "bench_metrics", "bench_train_step_auto",
-                 "bench_loss_compiled"):
+                 "cuda_compile_tests", "bench_loss_compiled", "bench_train_step_compiled"):
         assert re.search(rf"^\| {name} \| ok \| \d+ \| \d+ \|$", stages, re.M), (name, stages)
     # the CUDA tests ran and skipped (no GPU here)
     assert re.search(r"\d+ skipped", md.split("## 1. CUDA tests")[1].split("## 2.")[0])
@@ -56,11 +56,14 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
         ("bench_loss_compiled", "loss: cals_alm fwd+bwd time / F.cross_entropy (both "
          "torch.compile)"),
         ("bench_train_step_auto", None),
+        ("bench_train_step_compiled", None),
     ]:
         found = [v for (s, w), v in targets.items() if s == stage and (what is None or w == what)]
         assert found, (stage, what, targets)
         measured, limit, verdict = found[0]
         assert math.isfinite(float(measured)), (stage, what, measured)
         assert verdict in ("MET", "NOT MET") and limit.split()[0] in ("<=", ">="), found
+    compiled_step = [w for s, w in targets if s == "bench_train_step_compiled"]
+    assert any("torch.compile" in w for w in compiled_step), targets
     metrics = [k for k in targets if k[0] == "bench_metrics"]
     assert len(metrics) == 2, targets  # torchmetrics may be missing here: n/a is allowed

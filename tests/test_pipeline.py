@@ -205,7 +205,10 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(straight, tmp_path, monke
     assert not list((tmp_path / "runs" / "nan").glob(".*.tmp"))
 
 
-def test_train_one_epoch_raises_on_non_finite_loss():
+@pytest.mark.parametrize("debug_checks", [False, True])
+def test_train_one_epoch_raises_on_non_finite_loss(debug_checks):
+    """Both paths stop with the same message; only debug_checks stops before the optimizer step
+    (the default reads its device-side flag at the next check, here the end of the epoch)."""
     model = torch.nn.Conv2d(3, 4, 1)
     torch.nn.init.constant_(model.weight, float("nan"))
     before = model.bias.detach().clone()
@@ -213,10 +216,10 @@ def test_train_one_epoch_raises_on_non_finite_loss():
     from cals_seg.losses import build_loss
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(NonFiniteLossError, match="nan"):
+    with pytest.raises(NonFiniteLossError, match="the loss is nan at step 0; stopping"):
         train_one_epoch(model, build_loss("ce", 4), loader, opt, torch.device("cpu"),
-                        progress=False)
-    assert torch.equal(model.bias, before)  # no step was taken
+                        progress=False, debug_checks=debug_checks)
+    assert torch.equal(model.bias, before) == debug_checks  # debug: no step was taken
 
 
 def test_config_errors(tmp_path):

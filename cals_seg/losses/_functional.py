@@ -52,6 +52,12 @@ def blocks(logits: Tensor, block: int | None = None) -> Iterator[tuple[slice, sl
     """``(images, positions)`` slices that tile ``logits (N, K, S)`` in blocks of about ``block``
     (default :func:`default_block`) elements: whole images when ``K * S`` is small
     (classification), spatial strips otherwise."""
+    if torch.compiler.is_compiling():
+        # Under torch.compile the whole tensor is one block: inductor fuses the elementwise
+        # chain into the reductions, so no temporary is materialised, and a Python loop over
+        # a symbolic batch size would specialise it.
+        yield slice(None), slice(None)
+        return
     block = default_block(logits) if block is None else block
     n, k, s = logits.shape
     per_image = k * s
@@ -66,7 +72,11 @@ def blocks(logits: Tensor, block: int | None = None) -> Iterator[tuple[slice, sl
             yield slice(i, i + step), slice(None)
 
 
-def _constraint(logits: Tensor, mx: Tensor, margin: float, out: Tensor | None = None) -> Tensor:
+def _constraint(
+    logits: Tensor, mx: Tensor, margin: float | Tensor, out: Tensor | None = None
+) -> Tensor:
+    if torch.is_tensor(margin):  # a 0-dim margin (under torch.compile: no recompilation)
+        return torch.sub(mx, logits, out=out).div_(margin).sub_(1.0)
     # z = (mx / m - 1) - l / m in one pass over the logits.
     return torch.add(mx.mul(1.0 / margin).sub_(1.0), logits, alpha=-1.0 / margin, out=out)
 
@@ -111,6 +121,8 @@ class _ClassPenalty(torch.autograd.Function):
     # CPU, where backward runs on the calling thread) computes in float32 as well.
     @staticmethod
     def forward(ctx, logits, valid, margin, value_fn, grad_fn):  # type: ignore[override]
+        if torch.compiler.is_compiling():
+            return _compiled_forward(ctx, logits, valid, margin, value_fn, grad_fn)
         with autocast_off(logits.device):
             n, _, s = logits.shape
             maxima = torch.empty((n, 1, s), dtype=logits.dtype, device=logits.device)
@@ -122,6 +134,9 @@ class _ClassPenalty(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
+        if torch.compiler.is_compiling():
+            grad = _compiled_backward(ctx, grad_out, *ctx.saved_tensors)
+            return grad, None, None, None, None
         logits, maxima, valid = ctx.saved_tensors
         m = ctx.margin
         with autocast_off(logits.device):
@@ -141,15 +156,46 @@ class _ClassPenalty(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+# Under torch.compile the two passes are written for the code generator, not for eager
+# kernels: no blocks, no in-place buffers (inductor fuses each pass into loops over the
+# positions with the K classes inside, so nothing block- or logits-sized is materialised but
+# the gradient). The forward reduces over the classes of each position (the direction of that
+# loop; per class over the positions is what observe() needs, not the training loss), and
+# takes, in the same loop, the per-position ``sum_c f'(z_ic) / #ties``: backward is then
+# pointwise and fuses into the cross-entropy's gradient loop. What the compiled graph keeps for
+# backward is chosen by AOTAutograd's partitioner; tests/test_compile_sync.py checks that it is
+# per-position maps beyond what the compiled cross-entropy keeps.
+def _compiled_forward(ctx, logits, valid, margin, value_fn, grad_fn):
+    maxima = logits.amax(dim=1, keepdim=True)
+    # value_fn and grad_fn may work in place: each gets its own z
+    per_position = value_fn(_constraint(logits, maxima, margin)).sum(dim=1)  # (N, S)
+    total = per_position.masked_fill(~valid, 0.0).sum(dtype=torch.float64)
+    ties = (logits == maxima).to(logits.dtype).sum(dim=1, keepdim=True)
+    share = grad_fn(_constraint(logits, maxima, margin)).sum(dim=1, keepdim=True) / ties
+    denom = valid.sum().clamp(min=1) * logits.shape[1]
+    ctx.save_for_backward(logits, maxima, valid, share)
+    ctx.margin, ctx.grad_fn, ctx.denom = margin, grad_fn, denom
+    return (total / denom).to(logits.dtype)
+
+
+def _compiled_backward(ctx, grad_out, logits, maxima, valid, share):
+    # d/dl_ik = (grad_out / (|V| K m)) valid_i ([k is a max] sum_c f'(z_ic) / #ties - f'(z_ik))
+    g = ctx.grad_fn(_constraint(logits, maxima, ctx.margin))
+    scale = valid.unsqueeze(1).to(g.dtype) * (grad_out / (ctx.denom * ctx.margin))
+    return (torch.where(logits == maxima, share, 0.0) - g) * scale
+
+
 def class_penalty(
-    logits: Tensor, valid: Tensor, margin: float, value_fn: ElementFn, grad_fn: ElementFn
+    logits: Tensor, valid: Tensor, margin: float | Tensor, value_fn: ElementFn, grad_fn: ElementFn
 ) -> Tensor:
     """Mean over valid positions and classes of ``f(z)``, with the analytic backward above.
 
     Args:
         logits: ``(N, K, S)`` floating point.
         valid: ``(N, S)`` bool, True where the target is not ``ignore_index``.
-        margin: m > 0.
+        margin: m > 0: a number, or a 0-dim tensor (what the ``margin: auto`` losses pass
+            under ``torch.compile``, where a Python float would be a constant of the graph and
+            each new margin a recompilation).
         value_fn: elementwise ``f(z)`` on a block ``z (n, K, s)``; may modify its argument in
             place. Its values at void positions are discarded.
         grad_fn: elementwise ``f'(z)``; should work in place (it is handed a block of the
@@ -158,7 +204,8 @@ def class_penalty(
     Returns:
         0-dim tensor; 0 with a zero gradient when no position is valid.
     """
-    return _ClassPenalty.apply(logits, valid, float(margin), value_fn, grad_fn)
+    margin = margin if torch.is_tensor(margin) else float(margin)
+    return _ClassPenalty.apply(logits, valid, margin, value_fn, grad_fn)
 
 
 def ce_sum(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:

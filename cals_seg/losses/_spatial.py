@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._base import SegLoss, check_and_flatten
+from ._base import SegLoss
 
 PADDINGS = ("zeros", "replicate")
 _TINY = 1e-30  # a kernel whose weights are all 0 (refused earlier; kept safe)
@@ -62,11 +62,10 @@ class SpatialLoss(SegLoss):
 
     loss_name = "spatial"
 
-    def _prepare(self, logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _prepare(self, logits: Tensor, target: Tensor,
+                 deferred: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         check_spatial(logits, self.loss_name)
-        logits3, target2, valid = check_and_flatten(
-            logits, target, self.num_classes, self.ignore_index
-        )
+        logits3, target2, valid = self._check_flatten(logits, target, deferred)
         n, k, h, w = logits.shape
         return logits, target2.view(n, h, w), valid.view(n, h, w)
 

@@ -105,6 +105,15 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
         if self.auto_margin:
             self.margin = float(self.margin_value)
 
+    def _margin_for(self, like: Tensor) -> float | Tensor:
+        """The margin in force for the training loss: the Python float, except with ``"auto"``
+        under ``torch.compile``, where it is the 0-dim ``margin_value`` buffer (the margin
+        changes after each validation pass; as a float it would recompile the graph each time).
+        """
+        if self.auto_margin and torch.compiler.is_compiling():
+            return self.margin_value.to(like.dtype)
+        return self.margin
+
     def _per_class(self, values: Tensor, like: Tensor) -> Tensor:
         """``(K,)`` float64 buffer -> ``(1, K, 1)`` in the dtype of the logits."""
         return values.to(dtype=like.dtype).view(1, -1, 1)
@@ -278,7 +287,7 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         pen = class_penalty(
             logits,
             valid,
-            self.margin,
+            self._margin_for(logits),
             lambda z: value(z, rho, lam),
             lambda z: derivative(z, rho, lam),
         )
@@ -430,11 +439,12 @@ class CALSHRLoss(_ClassAdaptiveLoss):
     def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
         ce = ce_sum(logits, target, self.ignore_index) / valid.sum().clamp(min=1)
         # lambda_k relu(d - m) = lambda_k m relu(z); derivative in z: lambda_k m [z > 0].
-        w = self._per_class(self.lambdas, logits) * self.margin
+        margin = self._margin_for(logits)
+        w = self._per_class(self.lambdas, logits) * margin
         pen = class_penalty(
             logits,
             valid,
-            self.margin,
+            margin,
             lambda z: z.clamp_(min=0.0).mul_(w),
             lambda z: (z > 0).to(z.dtype).mul_(w),
         )

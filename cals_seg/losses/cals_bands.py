@@ -183,7 +183,8 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
                 outside ``[0, B)`` at valid pixels.
         """
         with autocast_off(logits.device):
-            logits, target, valid = self._prepare(as_float32(logits), target)
+            logits, target, valid = self._prepare(as_float32(logits), target,
+                                                  deferred=self.deferred_checks)
             if band is None:
                 band = self.band_map(target)
             elif band.shape != target.shape or band.is_floating_point():
