@@ -1,0 +1,37 @@
+"""The one exception type of errors caused by the user's input, and its kinds.
+
+Every error that a user can fix by changing a config value, a ``--set`` item, a command-line
+argument, a data file or a checkpoint is a :class:`UserError`: the command-line tools print it as
+one line (``error: <message>``, exit status 2). Anything else is a bug of the toolkit (or of a
+library it calls) and keeps its traceback.
+
+:class:`UserError` is a ``ValueError``, so code that caught the ``ValueError`` of a bad input
+keeps working; the kinds below also keep the built-in type their callers knew (a missing file is
+still a ``FileNotFoundError``, a diverging run still a ``RuntimeError``).
+
+Message format (see :mod:`cals_seg.rules`): the key or file, the value, what is allowed, the fix::
+
+    train.epochs: expected an integer >= 1, got 0; e.g. --set train.epochs=30.
+"""
+
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """An error caused by the user's input; its message names the key or file and the fix."""
+
+
+class DataError(UserError):
+    """A dataset that cannot be used as it is: a missing folder or file, a malformed split
+    file, a mask with values outside the classes, an image and a mask of different sizes."""
+
+
+class MissingPathError(UserError, FileNotFoundError):
+    """A file or folder the user named (or that a run needs) does not exist."""
+
+
+class RunExistsError(UserError, FileExistsError):
+    """A run folder that already holds a run, where a new run was asked for."""
+
+
+__all__ = ["DataError", "MissingPathError", "RunExistsError", "UserError"]
