@@ -12,6 +12,7 @@ import warnings
 from typing import Any
 
 from .config import Config, ConfigError, config_to_dict
+from .errors import DataError
 from .losses import build_loss
 
 # The direction of each validation metric a run can select its best epoch by.
@@ -183,17 +184,17 @@ def check_splits(task: Any, batch_size: int, bounded_input: bool = False) -> Non
     (unless ``bounded_input``: the network input is resized or tiled).
 
     Raises:
-        ValueError: naming the split and the fix.
+        DataError: naming the split and the fix.
     """
     for split in ("train", "val", "test"):
         if len(getattr(task, f"{split}_set")) == 0:
-            raise ValueError(
+            raise DataError(
                 f"The {split} split is empty; check the split files under data.root (for VOC "
                 "layouts, ImageSets/Segmentation/train.txt holds train + validation, val.txt the "
                 "test set) and data.val_fraction."
             )
     if len(task.train_set) < batch_size:
-        raise ValueError(
+        raise DataError(
             f"The training split has {len(task.train_set)} samples, fewer than "
             f"train.batch_size={batch_size} per process; lower train.batch_size."
         )
@@ -201,7 +202,7 @@ def check_splits(task: Any, batch_size: int, bounded_input: bool = False) -> Non
     if hasattr(val, "load_mask") and not any(
         (val.load_mask(i) != task.ignore_index).any() for i in val.ids
     ):
-        raise ValueError(
+        raise DataError(
             f"Every pixel of the {len(val)} validation images is void ({task.ignore_index}): "
             "nothing to validate or select the best epoch on. Check the masks, or raise "
             "data.val_fraction."

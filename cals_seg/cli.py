@@ -4,31 +4,50 @@ line, and launching under ``torchrun``. Library code does not import this module
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .checks import check_config
-from .config import Config, ConfigError, load_config
+from .config import Config, load_config
 from .distributed import cleanup, init_from_env, is_main_process
-from .engine import NonFiniteLossError, seed_everything
-from .models.segmentation import WeightsUnavailableError
+from .engine import seed_everything
+from .errors import MissingPathError, UserError
 
-# Errors caused by the user's input (config, data, checkpoint, network): printed as
-# "error: <message>" with exit code 2 instead of a traceback.
-USER_ERRORS = (
-    ConfigError,
-    ValueError,
-    FileNotFoundError,
-    FileExistsError,
-    NonFiniteLossError,
-    WeightsUnavailableError,
-)
+# The one type of errors caused by the user's input (config, data, checkpoint, network): printed
+# as "error: <message>" with exit code 2. Anything else keeps its traceback. (A tuple for the
+# tools that still write ``except USER_ERRORS``.)
+USER_ERRORS = (UserError,)
+
+
+# A --set item: a dotted key, "=", the value (a config path never looks like this).
+_SET_ITEM = re.compile(r"^[A-Za-z_][\w.-]*=")
+
+
+def split_set_items(argv: Sequence[str]) -> list[str]:
+    """``--set a=1 b=2 CONFIG`` -> ``--set=a=1 --set=b=2 CONFIG``: the items of ``--set`` are its
+    ``KEY=VALUE`` words, so a positional after them (CONFIG) stays a positional."""
+    out: list[str] = []
+    taking = False
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + list(argv[i:])
+        if taking and _SET_ITEM.match(word):
+            out.append(f"--set={word}")
+            continue
+        if word == "--set" and i + 1 < len(argv) and _SET_ITEM.match(argv[i + 1]):
+            taking = True
+            continue
+        taking = False
+        out.append(word)
+    return out
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
-    """``--set KEY=VALUE ...``: repeated groups add up, in order (a later value wins)."""
+    """``--set KEY=VALUE ...``: repeated groups add up, in order (a later value wins); only
+    ``KEY=VALUE`` words belong to it, so ``--set train.epochs=1 CONFIG`` keeps CONFIG."""
     parser.add_argument(
         "--set",
         nargs="+",
@@ -38,6 +57,12 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
         help="override config values, e.g. --set train.epochs=5 loss.params.margin=6 (may be "
         "repeated; applied in order)",
     )
+    parse = parser.parse_known_args
+
+    def parse_known_args(args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        return parse(split_set_items(sys.argv[1:] if args is None else args), namespace)
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def add_method_argument(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +126,7 @@ def run_config(args: argparse.Namespace) -> Config:
             what = "does not exist" if not run.exists() else (
                 "holds no run" if not (run / "config.yaml").is_file()
                 else "has no checkpoint_last.pt (a finished run keeps only checkpoint_best.pt)")
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"--resume {run}: the folder {what}, so there is nothing to continue; start a "
                 "new run without --resume (or name the run directory, runs/<name>)."
             )
@@ -131,7 +156,7 @@ def train_command(
             seed_everything(cfg.train.seed)  # the model's initialisation depends on it
             task = build_task(cfg, family)
             test = fit(cfg, task, resume=args.resume)
-        except USER_ERRORS as err:
+        except UserError as err:
             return report(err)
         if not is_main_process():
             return 0

@@ -31,7 +31,7 @@ from .checks import (
     check_resume,
     check_splits,
 )
-from .config import Config, config_to_dict, save_config
+from .config import Config, ConfigError, config_to_dict, save_config
 from .distributed import (
     barrier,
     broadcast_buffers,
@@ -40,6 +40,7 @@ from .distributed import (
     is_main_process,
 )
 from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
+from .errors import DataError, MissingPathError, RunExistsError
 from .evaluation import Scaled, compute, evaluate, predict, scalars
 from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp
@@ -74,7 +75,9 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(
             model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay
         )
-    raise ValueError(f"optim.name: unknown optimizer {o.name!r}; valid names are ['adamw', 'sgd'].")
+    raise ConfigError(
+        f"optim.name: unknown optimizer {o.name!r}; valid names are ['adamw', 'sgd']."
+    )
 
 
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer):
@@ -86,7 +89,7 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer):
         return torch.optim.lr_scheduler.MultiStepLR(optimizer, o.milestones, gamma=o.gamma)
     if o.schedule == "constant":
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    raise ValueError(
+    raise ConfigError(
         f"optim.schedule: unknown schedule {o.schedule!r}; valid names are "
         "['cosine', 'multistep', 'constant']."
     )
@@ -120,7 +123,7 @@ def restore_training_state(
 ) -> tuple[int, float | None, int | None]:
     """Inverse of :func:`training_state`; returns ``(next epoch, best score, best epoch)``."""
     if state["num_classes"] != num_classes:
-        raise ValueError(
+        raise CheckpointError(
             f"{where} was trained with {state['num_classes']} classes, but the config has "
             f"data.num_classes={num_classes}."
         )
@@ -242,13 +245,13 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
 def _check_before_training(cfg: Config, run: RunDir, resume: bool) -> None:
     check_config(cfg)
     if not resume and run.holds_run():
-        raise FileExistsError(
+        raise RunExistsError(
             f"{run.path} already holds a run ({', '.join(run.holds_run())}). Continue it with "
             f"--resume {run.path}, or choose another name (--set name=...)."
         )
     if resume and not run.last.is_file():
         found = run.holds_run()
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"--resume {run.path}: there is no checkpoint_last.pt to continue from "
             + (f"(it holds {', '.join(found)}: a finished run keeps only checkpoint_best.pt); "
                if found else "(no run there); ")
@@ -314,7 +317,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     val_loader = make_loader(task.val_set, cfg.eval.batch_size, False, workers)
     test_loader = make_loader(task.test_set, cfg.eval.batch_size, False, workers)
     if len(train_loader) == 0:
-        raise ValueError(
+        raise DataError(
             f"The training split has {len(task.train_set)} samples, fewer than "
             f"train.batch_size={t.batch_size} per process; lower train.batch_size."
         )
@@ -358,7 +361,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             if adaptive:
                 check_identical(criterion.state_fingerprint(), "the criterion's state")
         if t.best_metric not in val or val[t.best_metric] is None:
-            raise ValueError(
+            raise ConfigError(
                 f"train.best_metric={t.best_metric!r} has no value on the validation split; "
                 f"choose one of {sorted(scalars(val))} (or check that the split has valid labels)."
             )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import shutil
 import statistics
@@ -45,13 +46,13 @@ from cals_seg import plotting  # noqa: E402
 from cals_seg.cli import add_set_argument  # noqa: E402
 from cals_seg.config import (  # noqa: E402
     Config,
-    ConfigError,
     config_to_dict,
     load_config,
     resolve_config_path,
 )
+from cals_seg.errors import MissingPathError, UserError  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
-from cals_seg.rundir import RunDir  # noqa: E402
+from cals_seg.rundir import RunDir, UntrustedCheckpointError, atomic_write  # noqa: E402
 from cals_seg.tasks import build_task, task_family  # noqa: E402
 from cals_seg.trainer import resolve_device  # noqa: E402
 
@@ -191,7 +192,7 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
         return []
     ckpt = run_dir / "checkpoint_best.pt"
     if not ckpt.is_file():
-        raise FileNotFoundError(f"{run_dir} lacks the test metrics {missing} and {ckpt.name}")
+        raise MissingPathError(f"{run_dir} lacks the test metrics {missing} and {ckpt.name}")
     print(f"adding {', '.join(missing)} to {path} (one test pass of {ckpt.name})", flush=True)
     task.model.load_state_dict(load_checkpoint(ckpt)["model"])
     device = resolve_device(cfg.train.device)
@@ -275,20 +276,22 @@ def write_results(out: Path, rows: dict[str, dict[str, Any]], score_name: str) -
     if failures:
         text += "\nFailed runs (not in the means):\n\n"
         text += "".join(f"- {m}, seed {seed}: {err}\n" for m, seed, err in failures)
-    (out / "results.md").write_text(text)
-    with (out / "results.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
+    atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(text))
+    rows_csv = io.StringIO(newline="")
+    writer = csv.writer(rows_csv)
+    writer.writerow(
+        ["method", "seeds", "failed"]
+        + [f"{k}_mean" for k, *_ in COLUMNS]
+        + [f"{k}_std" for k, *_ in COLUMNS]
+    )
+    for method, cells in table.items():
         writer.writerow(
-            ["method", "seeds", "failed"]
-            + [f"{k}_mean" for k, *_ in COLUMNS]
-            + [f"{k}_std" for k, *_ in COLUMNS]
+            [method, len(rows[method]["summaries"]), len(rows[method]["failed"])]
+            + [cells[k][1] for k, *_ in COLUMNS]
+            + [cells[k][2] for k, *_ in COLUMNS]
         )
-        for method, cells in table.items():
-            writer.writerow(
-                [method, len(rows[method]["summaries"]), len(rows[method]["failed"])]
-                + [cells[k][1] for k, *_ in COLUMNS]
-                + [cells[k][2] for k, *_ in COLUMNS]
-            )
+    atomic_write(out / "results.csv",
+                 lambda tmp: Path(tmp).write_text(rows_csv.getvalue(), newline=""))
     print(text)
 
 
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (cfg.data.name, cfg.data.root) not in prepared:
                     prepared.add((cfg.data.name, cfg.data.root))
                     build_task(cfg)
-            except (ConfigError, ValueError, FileNotFoundError) as err:
+            except UserError as err:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
             # The row is the method's name (cals_alm_auto, not the loss cals_alm it uses), or
@@ -359,7 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if task_family(load_config(run_dir / "config.yaml")) == "segmentation":
                 backfill_test_metrics(run_dir)
-        except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
+        except UntrustedCheckpointError as err:  # never go on past a file that could run code
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        except UserError as err:
             print(f"FAILED {method} seed {seed}: {err}", file=sys.stderr)
             row["failed"].append((seed, f"adding the new test metrics: {err}"))
             continue

@@ -30,7 +30,6 @@ import torch  # noqa: E402
 from cals_seg import plotting  # noqa: E402
 from cals_seg.checks import bounded_input, warn_large_images  # noqa: E402
 from cals_seg.cli import (  # noqa: E402
-    USER_ERRORS,
     add_method_argument,
     add_protocol_arguments,
     add_set_argument,
@@ -43,6 +42,7 @@ from cals_seg.data.transforms import eval_transform  # noqa: E402
 from cals_seg.data.voc import voc_palette  # noqa: E402
 from cals_seg.distributed import is_main_process  # noqa: E402
 from cals_seg.engine import make_loader  # noqa: E402
+from cals_seg.errors import UserError  # noqa: E402
 from cals_seg.inference import EvalProtocol, segment_logits  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
 from cals_seg.rundir import RunDir, load_checkpoint, write_json  # noqa: E402
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         task = build_task(cfg, "segmentation")
         ckpt = load_checkpoint(args.checkpoint)
         if ckpt.get("num_classes") != task.num_classes:
-            raise ValueError(
+            raise UserError(
                 f"{args.checkpoint} was trained with {ckpt.get('num_classes')} "
                 f"classes, but {args.config} has data.num_classes="
                 f"{task.num_classes}; use the config the run was trained with."
@@ -161,13 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             task.model.load_state_dict(ckpt["model"])
         except RuntimeError as err:  # another architecture than the config's
-            raise ValueError(
+            raise UserError(
                 f"{args.checkpoint} does not fit the model of {args.config} "
                 f"({str(err).splitlines()[0]}); use the config the run was trained with."
             ) from None
         device = resolve_device(cfg.train.device)
         amp = resolve_amp(cfg.train.amp, device)
-    except USER_ERRORS as err:
+    except UserError as err:
         return report(err)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)

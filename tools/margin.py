@@ -47,9 +47,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from cals_seg.cli import USER_ERRORS, add_set_argument, report  # noqa: E402
+from cals_seg.cli import add_set_argument, report  # noqa: E402
 from cals_seg.config import load_config  # noqa: E402
 from cals_seg.engine import make_loader  # noqa: E402
+from cals_seg.errors import MissingPathError, UserError  # noqa: E402
 from cals_seg.evaluation import predict  # noqa: E402
 from cals_seg.losses import LOSSES  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
@@ -77,7 +78,7 @@ class GapHistogram:
 
     def __init__(self, width: float = 0.01, hi: float = 200.0) -> None:
         if not (width > 0 and hi > width):
-            raise ValueError(f"Expected 0 < bin width < histogram max, got {width} and {hi}.")
+            raise UserError(f"Expected 0 < bin width < histogram max, got {width} and {hi}.")
         self.width = float(width)
         self.nbins = math.ceil(hi / width)
         self.hi = self.nbins * self.width
@@ -160,7 +161,7 @@ def gap_statistics(
             above_cap[j] += int((confidence > cap).sum())
     pixels = largest_hist.n
     if pixels == 0:
-        raise ValueError("the split has no valid pixel (every label is ignore_index)")
+        raise UserError("the split has no valid pixel (every label is ignore_index)")
     return {
         "num_classes": num_classes,
         "pixels": pixels,
@@ -192,9 +193,9 @@ def _run_files(path: Path) -> tuple[Path, Path]:
     else:
         checkpoint, config = path, path.parent / "config.yaml"
     if not config.is_file():
-        raise FileNotFoundError(f"{config} not found: give a run directory or a checkpoint in one")
+        raise MissingPathError(f"{config} not found: give a run directory or a checkpoint in one")
     if not checkpoint.is_file():
-        raise FileNotFoundError(f"{checkpoint} not found (was the run kept with checkpoints?)")
+        raise MissingPathError(f"{checkpoint} not found (was the run kept with checkpoints?)")
     return config, checkpoint
 
 
@@ -227,7 +228,7 @@ def gaps_main(args: argparse.Namespace) -> int:
         task = build_task(cfg)
         ckpt = load_checkpoint(checkpoint)
         if ckpt.get("num_classes") != task.num_classes:
-            raise ValueError(
+            raise UserError(
                 f"{checkpoint} was trained with {ckpt.get('num_classes')} classes, but {config} "
                 f"has {task.num_classes}"
             )
@@ -235,7 +236,7 @@ def gaps_main(args: argparse.Namespace) -> int:
         device = resolve_device(cfg.train.device)
         amp = resolve_amp(cfg.train.amp, device)
         if any(m <= 0 for m in args.margins):
-            raise ValueError(f"margins must be > 0, got {args.margins}")
+            raise UserError(f"margins must be > 0, got {args.margins}")
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         split_set = {"val": task.val_set, "test": task.test_set}[args.split]
@@ -246,7 +247,7 @@ def gaps_main(args: argparse.Namespace) -> int:
             batches, task.num_classes, task.ignore_index, list(args.margins),
             tuple(args.percentiles), args.bin_width, args.hist_max,
         )
-    except USER_ERRORS as err:
+    except UserError as err:
         return report(err)
     stats = {
         "run": str(config.parent), "checkpoint": str(checkpoint), "epoch": ckpt.get("epoch"),
@@ -280,7 +281,7 @@ def best_epoch_line(history: list[dict[str, Any]]) -> dict[str, Any]:
     """The line of the best epoch: the last one marked ``"best": true``."""
     best = [h for h in history if h.get("best")]
     if not best:
-        raise ValueError("the run's history.jsonl has no line marked best")
+        raise UserError("the run's history.jsonl has no line marked best")
     return best[-1]
 
 
@@ -356,18 +357,18 @@ def sweep_main(args: argparse.Namespace) -> int:
     margins = list(dict.fromkeys(args.margins))
     try:
         if any(m <= 0 for m in margins):
-            raise ValueError(f"margins must be > 0, got {margins}")
+            raise UserError(f"margins must be > 0, got {margins}")
         if args.max_miou_drop < 0:
-            raise ValueError(f"--max-miou-drop must be >= 0, got {args.max_miou_drop}")
+            raise UserError(f"--max-miou-drop must be >= 0, got {args.max_miou_drop}")
         cfg = load_config(config, sets, args.method)
         ce_cfg = load_config(config, sets, "ce")
         if ce_cfg.loss.name != "ce":
-            raise ValueError(f"the method 'ce' of {config} is not cross-entropy")
+            raise UserError(f"the method 'ce' of {config} is not cross-entropy")
         loss_cls = LOSSES.get(cfg.loss.name)
         if loss_cls is None or "margin" not in inspect.signature(loss_cls).parameters:
-            raise ValueError(f"--method {args.method}: loss {cfg.loss.name!r} has no margin")
+            raise UserError(f"--method {args.method}: loss {cfg.loss.name!r} has no margin")
         build_task(cfg)  # generate an embedded dataset once, before runs start in parallel
-    except USER_ERRORS as err:
+    except UserError as err:
         return report(err)
     compare = _compare_module()
     out = Path(args.out)

@@ -45,7 +45,6 @@ from PIL import Image, ImageOps  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from cals_seg.cli import (  # noqa: E402
-    USER_ERRORS,
     add_protocol_arguments,
     add_set_argument,
     protocol_overrides,
@@ -53,6 +52,7 @@ from cals_seg.cli import (  # noqa: E402
 )
 from cals_seg.config import Config, load_config  # noqa: E402
 from cals_seg.data.voc import voc_palette  # noqa: E402
+from cals_seg.errors import MissingPathError, UserError  # noqa: E402
 from cals_seg.inference import EvalProtocol, Prediction, predict_image  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
 from cals_seg.rundir import CHECKPOINT_FILES, RunDir, load_checkpoint  # noqa: E402
@@ -65,7 +65,7 @@ SCALE_16 = 65535  # 16-bit PNG value of probability 1 (and of entropy ln K)
 HIGHLIGHT = (255, 0, 255)  # low-confidence pixels in the overlay
 
 
-class UnreadableImageError(ValueError):
+class UnreadableImageError(UserError):
     """An input that is not a decodable image."""
 
 
@@ -79,7 +79,7 @@ def resolve_run(path: str | Path) -> tuple[Path, Path]:
     if path.is_dir():
         found = [path / name for name in reversed(CHECKPOINT_FILES) if (path / name).is_file()]
         if not found:
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"{path} holds no checkpoint ({' or '.join(reversed(CHECKPOINT_FILES))}); give a "
                 "run directory of tools/train_seg.py or a checkpoint file."
             )
@@ -87,9 +87,9 @@ def resolve_run(path: str | Path) -> tuple[Path, Path]:
     elif path.is_file():
         run, checkpoint = path.parent, path
     else:
-        raise FileNotFoundError(f"{path} does not exist; give a run directory or a checkpoint.")
+        raise MissingPathError(f"{path} does not exist; give a run directory or a checkpoint.")
     if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"{run} has no config.yaml: the run's resolved config is needed to rebuild the model "
             "and its normalisation (tools/train_seg.py writes it next to the checkpoints)."
         )
@@ -190,16 +190,16 @@ def load_run(args: argparse.Namespace) -> tuple[Config, torch.nn.Module, EvalPro
     run, checkpoint = resolve_run(args.run)
     cfg = load_config(run / "config.yaml", [*args.set, *protocol_overrides(args)])
     if DATASETS.get(cfg.data.name, ("unknown",))[0] != "segmentation":
-        raise ValueError(f"{run} is a {cfg.data.name!r} run; predict_seg predicts segmentation.")
+        raise UserError(f"{run} is a {cfg.data.name!r} run; predict_seg predicts segmentation.")
     state = load_checkpoint(checkpoint)
     if state.get("num_classes") not in (None, cfg.data.num_classes):
-        raise ValueError(f"{checkpoint} has {state['num_classes']} classes, but {run}/config.yaml "
+        raise UserError(f"{checkpoint} has {state['num_classes']} classes, but {run}/config.yaml "
                          f"has data.num_classes={cfg.data.num_classes}.")
     model = build_model(cfg, encoder_weights=None)  # every weight comes from the checkpoint
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as err:
-        raise ValueError(f"{checkpoint} does not fit the model of {run}/config.yaml "
+        raise UserError(f"{checkpoint} does not fit the model of {run}/config.yaml "
                          f"({str(err).splitlines()[0]}).") from None
     protocol = eval_protocol(cfg, model)
     temperature = args.temperature
@@ -211,7 +211,7 @@ def load_run(args: argparse.Namespace) -> tuple[Config, torch.nn.Module, EvalPro
                           "(T = 1).", stacklevel=1)
             temperature = 1.0
     if not temperature > 0:
-        raise ValueError(f"--temperature: expected a number > 0, got {temperature}.")
+        raise UserError(f"--temperature: expected a number > 0, got {temperature}.")
     device = resolve_device(args.device or cfg.train.device)
     amp = resolve_amp(args.amp or cfg.train.amp, device, warn=False)
     if cfg.train.threads:
@@ -248,11 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg, model, protocol, temperature, device, amp = load_run(args)
-    except USER_ERRORS as err:
+    except UserError as err:
         return report(err)
     files = collect_inputs(args.inputs)
     if not files:
-        return report(ValueError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}"))
+        return report(UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names, k = class_names(cfg), cfg.data.num_classes

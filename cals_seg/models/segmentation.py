@@ -9,8 +9,10 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 
+from cals_seg.errors import MissingPathError, UserError
 
-class WeightsUnavailableError(RuntimeError):
+
+class WeightsUnavailableError(UserError, RuntimeError):
     """Pretrained weights were asked for but could not be downloaded."""
 
 
@@ -48,7 +50,7 @@ def build_segmentation_model(
             **params,
         )
     except (KeyError, ValueError, TypeError) as err:
-        raise ValueError(
+        raise UserError(
             f"model: cannot build {arch!r} with encoder {encoder_name!r}: {err}"
         ) from err
     except Exception as err:  # network errors surface as many exception types
@@ -63,7 +65,7 @@ def build_segmentation_model(
     if local:
         path = Path(encoder_weights)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"model.encoder_weights: {path} does not exist; give an encoder state dict file, "
                 "'imagenet', or null."
             )
@@ -71,7 +73,7 @@ def build_segmentation_model(
         state = state.get("state_dict", state) if isinstance(state, dict) else state
         missing, unexpected = model.encoder.load_state_dict(state, strict=False)
         if len(missing) == len(model.encoder.state_dict()):
-            raise ValueError(
+            raise UserError(
                 f"model.encoder_weights: {path} matches none of the parameters of encoder "
                 f"{encoder_name!r} (unexpected keys such as {list(unexpected)[:3]})."
             )
