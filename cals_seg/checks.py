@@ -7,13 +7,14 @@ Each error names the config key and how to get what was wanted.
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
 from .config import Config, ConfigError, config_to_dict
 from .errors import DataError
 from .losses import build_loss
+from .rules import check_all
+from .voc_checks import check_voc_data
 
 # The direction of each validation metric a run can select its best epoch by.
 LOWER_BETTER = ("ece", "aece", "mce", "cwce", "nll", "brier", "loss")
@@ -34,32 +35,22 @@ RESUMABLE_KEYS = (
 LARGE_IMAGE_PIXELS = 2048 * 2048
 
 
-def _positive(value: Any, key: str, fix: str, allow_zero: bool = False) -> None:
-    ok = isinstance(value, int | float) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}: expected a number {bound}, got {value!r}; {fix}.")
+def check_config(cfg: Config, reads_data: bool = True, writes_run: bool = True) -> None:
+    """Refuse a config whose values cannot give a sensible run (before any data or model work):
+    every key by the table of :mod:`cals_seg.rules` (ranges, choices, devices, names, paths),
+    then the rules between keys (best metric and mode, the loss parameters, the evaluation
+    protocol).
 
-
-def check_config(cfg: Config) -> None:
-    """Refuse a config whose values cannot give a sensible run (before any data or model work).
+    Args:
+        cfg: the resolved config.
+        reads_data: the command reads the data (its paths must exist).
+        writes_run: the command writes a run folder (``output_dir`` must be writable).
 
     Raises:
-        ConfigError: naming the key and the fix.
+        ConfigError: naming the key, the value, what is allowed and the fix.
     """
-    t, o, e = cfg.train, cfg.optim, cfg.eval
-    for key, value in (("train.epochs", t.epochs), ("train.batch_size", t.batch_size),
-                       ("eval.batch_size", e.batch_size), ("eval.n_bins", e.n_bins)):
-        if value < 1:
-            raise ConfigError(f"{key}: expected an integer >= 1, got {value}; e.g. --set {key}="
-                              f"{ {'train.epochs': 30, 'eval.n_bins': 15}.get(key, 8) }.")
-    _positive(o.lr, "optim.lr", "e.g. --set optim.lr=0.001")
-    _positive(o.weight_decay, "optim.weight_decay", "use 0 for none", allow_zero=True)
-    if t.grad_clip is not None:
-        _positive(t.grad_clip, "train.grad_clip", "use null for no clipping")
-    if e.num_maps < 0:
-        raise ConfigError(f"eval.num_maps: expected a number >= 0, got {e.num_maps}.")
+    check_all(cfg, reads_data, writes_run)
+    t = cfg.train
     check_eval_protocol(cfg)
     if t.best_mode not in BEST_MODES:
         raise ConfigError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
@@ -193,6 +184,7 @@ def check_splits(task: Any, batch_size: int, bounded_input: bool = False) -> Non
                 "layouts, ImageSets/Segmentation/train.txt holds train + validation, val.txt the "
                 "test set) and data.val_fraction."
             )
+    check_voc_data(task)  # split files, mask values, image/mask sizes: each named with its file
     if len(task.train_set) < batch_size:
         raise DataError(
             f"The training split has {len(task.train_set)} samples, fewer than "

@@ -44,6 +44,7 @@ from .errors import DataError, MissingPathError, RunExistsError
 from .evaluation import Scaled, compute, evaluate, predict, scalars
 from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp
+from .rules import check_model_input
 from .rundir import (
     CheckpointError,
     RunDir,
@@ -310,6 +311,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    check_model_input(cfg, task)
     check_splits(task, t.batch_size, bounded_input(cfg))
     check_best_metric(task, t.best_metric, cfg.eval.n_bins)
     workers = cfg.data.num_workers

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cals_seg import plotting  # noqa: E402
-from cals_seg.cli import add_set_argument  # noqa: E402
+from cals_seg.checks import check_config  # noqa: E402
+from cals_seg.cli import add_set_argument, report  # noqa: E402
 from cals_seg.config import (  # noqa: E402
     Config,
     config_to_dict,
@@ -52,6 +53,7 @@ from cals_seg.config import (  # noqa: E402
 )
 from cals_seg.errors import MissingPathError, UserError  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
+from cals_seg.rules import check_folder  # noqa: E402
 from cals_seg.rundir import RunDir, UntrustedCheckpointError, atomic_write  # noqa: E402
 from cals_seg.tasks import build_task, task_family  # noqa: E402
 from cals_seg.trainer import resolve_device  # noqa: E402
@@ -321,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     add_set_argument(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    try:
+        check_folder("--out", str(args.out), must_exist=False, writable=True)
+    except UserError as err:
+        return report(err)
     args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
     first_run: dict[str, Path] = {}
@@ -330,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.configs:
         for method in args.methods or [None]:
             try:
-                cfg = load_config(config, args.set, method)
+                cfg = load_config(config, [*args.set, f"output_dir={args.out / 'runs'}"], method)
+                check_config(cfg)
                 # Build each dataset once here (the embedded ones are generated on first
                 # use), so that parallel runs never race to write the same files.
                 if (cfg.data.name, cfg.data.root) not in prepared:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cals_seg import plotting  # noqa: E402
-from cals_seg.checks import bounded_input, warn_large_images  # noqa: E402
+from cals_seg.checks import bounded_input, check_config, warn_large_images  # noqa: E402
 from cals_seg.cli import (  # noqa: E402
     add_method_argument,
     add_protocol_arguments,
@@ -45,9 +45,11 @@ from cals_seg.engine import make_loader  # noqa: E402
 from cals_seg.errors import UserError  # noqa: E402
 from cals_seg.inference import EvalProtocol, segment_logits  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
+from cals_seg.rules import check_folder, check_model_input  # noqa: E402
 from cals_seg.rundir import RunDir, load_checkpoint, write_json  # noqa: E402
 from cals_seg.tasks import build_task  # noqa: E402
 from cals_seg.trainer import calibrated_test, resolve_device  # noqa: E402
+from cals_seg.voc_checks import check_voc_data  # noqa: E402
 
 
 def _count(value: str) -> int:
@@ -150,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, [*args.set, *protocol_overrides(args)], args.method)
+        check_config(cfg, reads_data=True, writes_run=False)
+        if args.out:
+            check_folder("--out", args.out, must_exist=False, writable=True)
         task = build_task(cfg, "segmentation")
+        check_model_input(cfg, task)
+        check_voc_data(task, tuple(dict.fromkeys(("val", args.split))))
         ckpt = load_checkpoint(args.checkpoint)
         if ckpt.get("num_classes") != task.num_classes:
             raise UserError(

@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from cals_seg.checks import check_config  # noqa: E402
 from cals_seg.cli import add_set_argument, report  # noqa: E402
 from cals_seg.config import load_config  # noqa: E402
 from cals_seg.engine import make_loader  # noqa: E402
@@ -225,6 +226,7 @@ def gaps_main(args: argparse.Namespace) -> int:
     try:
         config, checkpoint = _run_files(Path(args.run))
         cfg = load_config(config, args.set)
+        check_config(cfg, reads_data=True, writes_run=False)
         task = build_task(cfg)
         ckpt = load_checkpoint(checkpoint)
         if ckpt.get("num_classes") != task.num_classes:
@@ -362,6 +364,8 @@ def sweep_main(args: argparse.Namespace) -> int:
             raise UserError(f"--max-miou-drop must be >= 0, got {args.max_miou_drop}")
         cfg = load_config(config, sets, args.method)
         ce_cfg = load_config(config, sets, "ce")
+        check_config(cfg)
+        check_config(ce_cfg)
         if ce_cfg.loss.name != "ce":
             raise UserError(f"the method 'ce' of {config} is not cross-entropy")
         loss_cls = LOSSES.get(cfg.loss.name)

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from PIL import Image, ImageOps  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from cals_seg.checks import check_config  # noqa: E402
 from cals_seg.cli import (  # noqa: E402
     add_protocol_arguments,
     add_set_argument,
@@ -55,6 +56,7 @@ from cals_seg.data.voc import voc_palette  # noqa: E402
 from cals_seg.errors import MissingPathError, UserError  # noqa: E402
 from cals_seg.inference import EvalProtocol, Prediction, predict_image  # noqa: E402
 from cals_seg.precision import resolve_amp  # noqa: E402
+from cals_seg.rules import check_folder  # noqa: E402
 from cals_seg.rundir import CHECKPOINT_FILES, RunDir, load_checkpoint  # noqa: E402
 from cals_seg.tasks import DATASETS  # noqa: E402
 from cals_seg.tasks.segmentation import build_model, class_names, eval_protocol  # noqa: E402
@@ -188,7 +190,10 @@ def load_run(args: argparse.Namespace) -> tuple[Config, torch.nn.Module, EvalPro
                                                  torch.device, str]:
     """Config, model (on its device, eval mode), protocol, temperature, device and precision."""
     run, checkpoint = resolve_run(args.run)
-    cfg = load_config(run / "config.yaml", [*args.set, *protocol_overrides(args)])
+    given = [f"train.{key}={getattr(args, key)}" for key in ("device", "amp")
+             if getattr(args, key) is not None]  # checked as the config keys they replace
+    cfg = load_config(run / "config.yaml", [*args.set, *protocol_overrides(args), *given])
+    check_config(cfg, reads_data=False, writes_run=False)
     if DATASETS.get(cfg.data.name, ("unknown",))[0] != "segmentation":
         raise UserError(f"{run} is a {cfg.data.name!r} run; predict_seg predicts segmentation.")
     state = load_checkpoint(checkpoint)
@@ -212,8 +217,8 @@ def load_run(args: argparse.Namespace) -> tuple[Config, torch.nn.Module, EvalPro
             temperature = 1.0
     if not temperature > 0:
         raise UserError(f"--temperature: expected a number > 0, got {temperature}.")
-    device = resolve_device(args.device or cfg.train.device)
-    amp = resolve_amp(args.amp or cfg.train.amp, device, warn=False)
+    device = resolve_device(cfg.train.device)
+    amp = resolve_amp(cfg.train.amp, device, warn=False)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     return cfg, model.to(device).eval(), protocol, float(temperature), device, amp
@@ -247,6 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_folder("--out", args.out, must_exist=False, writable=True)
         cfg, model, protocol, temperature, device, amp = load_run(args)
     except UserError as err:
         return report(err)

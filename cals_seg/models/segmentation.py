@@ -49,11 +49,16 @@ def build_segmentation_model(
             activation=None,
             **params,
         )
-    except (KeyError, ValueError, TypeError) as err:
+    except (KeyError, ValueError, TypeError, AssertionError) as err:
         raise UserError(
             f"model: cannot build {arch!r} with encoder {encoder_name!r}: {err}"
         ) from err
     except Exception as err:  # network errors surface as many exception types
+        if hub_weights is None and params:  # smp/torch refusing a value of model.params
+            raise UserError(
+                f"model.params: cannot build {arch!r} with {params} ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[0][:120]}); check the values, or remove them."
+            ) from None
         if hub_weights is None:
             raise
         raise WeightsUnavailableError(

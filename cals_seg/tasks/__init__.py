@@ -154,7 +154,7 @@ def generate_embedded(cfg: Config, generate: Callable[..., Any], classes: int, w
         raise ConfigError(f"data.synthetic: unknown key(s) {unknown}; valid keys are {accepted}.")
     try:
         generate(d.root, **d.synthetic)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:  # the generator's own checks of its keywords
         raise ConfigError(f"data.synthetic: {err}") from None
 
 
