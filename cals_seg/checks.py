@@ -7,6 +7,7 @@ Each error names the config key and how to get what was wanted.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -66,8 +67,23 @@ def check_config(cfg: Config, reads_data: bool = True, writes_run: bool = True) 
         build_loss(cfg.loss.name, cfg.data.num_classes, ignore_index=cfg.data.ignore_index,
                    **cfg.loss.params)
     except (ValueError, TypeError) as err:
-        message = str(err)
-        raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
+        raise ConfigError(_loss_message(str(err), cfg)) from None
+
+
+def _loss_message(message: str, cfg: Config) -> str:
+    """A loss's own refusal (``Expected `alpha` in [0, 1], but got -1.``) as the one format,
+    naming the key: ``loss.params.alpha: expected ... ; set loss.params.alpha=...``."""
+    if message.startswith("loss."):
+        return message
+    named = re.search(r"`(\w+)`", message)
+    if named and named.group(1) in cfg.loss.params:
+        key = f"loss.params.{named.group(1)}"
+        return (f"{key}: {message[0].lower()}{message[1:].rstrip('.')}; set {key} in that "
+                f"range (the loss {cfg.loss.name!r} refuses {cfg.loss.params[named.group(1)]!r}).")
+    if named and named.group(1) != cfg.loss.name:
+        key = f"loss.params.{named.group(1)}"
+        return f"{key} (default): {message} Set {key} to a value the loss takes."
+    return f"loss.params ({cfg.loss.name}): {message}"
 
 
 def check_eval_protocol(cfg: Config) -> None:

@@ -52,8 +52,8 @@ def _finite(x: Any) -> bool:
 def ints(lo: int, hi: int | None = None, example: Any = None, fix: str | None = None) -> Rule:
     """An integer in ``[lo, hi]``."""
     text = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-    return Rule(text, lambda v: isinstance(v, int) and lo <= v and (hi is None or v <= hi),
-                example, fix)
+    return Rule(text, lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v
+                and (hi is None or v <= hi), example, fix)
 
 
 def nums(lo: float, hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
@@ -310,7 +310,9 @@ def check_names(cfg: Config) -> None:
                          "get_encoder_names()) or tu-<timm model>", m.encoder_name,
                          "e.g. --set model.encoder_name=resnet18")
         check_model_params(m.params, smp.MODEL_ARCHITECTURES_MAPPING[m.arch.lower()],
-                           timm_encoder=m.encoder_name.startswith("tu-"))
+                           timm_encoder=m.encoder_name.startswith("tu-"),
+                           own=("encoder_name", "encoder_weights", "classes", "activation",
+                                "in_channels", "aux_params"))  # images are RGB, logits out
     elif kind == "classification":
         import timm
 
@@ -320,26 +322,74 @@ def check_names(cfg: Config) -> None:
         if not timm.is_model(m.encoder_name):
             raise refuse("model.encoder_name", "a timm model (timm.list_models())",
                          m.encoder_name, "e.g. --set model.encoder_name=resnet50")
-    elif kind == "text" and m.arch != "gpcn":
-        raise refuse("model.arch", "'gpcn' for text", m.arch, "use --set model.arch=gpcn")
+    elif kind == "text":
+        if m.arch != "gpcn":
+            raise refuse("model.arch", "'gpcn' for text", m.arch, "use --set model.arch=gpcn")
+        from .models.text import GlobalPoolingCNN
+
+        params = dict(m.params)
+        freeze = params.pop("freeze_glove", False)
+        if not isinstance(freeze, bool):
+            raise refuse("model.params.freeze_glove", "true or false", freeze,
+                         "e.g. --set model.params.freeze_glove=false")
+        check_model_params(params, GlobalPoolingCNN, timm_encoder=False,
+                           own=("vocab_size", "embed_dim", "num_classes", "embedding",
+                                "freeze"))
 
 
-def check_model_params(params: dict[str, Any], model_class: type, timm_encoder: bool) -> None:
-    """``model.params``: keywords of the smp architecture; the config's own keys (encoder,
-    weights, classes) are not among them. Other keywords reach the encoder, where only a timm
-    encoder (``tu-...``) checks them: elsewhere they would be dropped silently, so they are
-    refused."""
+MAX_WIDTH = 65536  # largest layer width, kernel or pool a model keyword may ask for
+
+
+def _param_rule(name: str, default: Any, hint: Any) -> Rule | None:
+    """The rule of a model keyword, by kind: its ``Literal`` choices; a probability when its
+    name says dropout; a width or size in ``[1, MAX_WIDTH]`` for integers (one or a list);
+    true/false for flags; None when the default says nothing (``None``)."""
+    if typing.get_origin(hint) is typing.Literal:
+        return choices(*typing.get_args(hint))
+    if "dropout" in name:
+        return nums(0, 1)
+    if isinstance(default, bool):
+        return Rule("true or false", lambda v: isinstance(v, bool))
+    if isinstance(default, int):
+        return ints(1, MAX_WIDTH)
+    if isinstance(default, float):
+        return nums(0)
+    if isinstance(default, tuple | list) and default and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in default):
+        return Rule(f"a non-empty list of integers in [1, {MAX_WIDTH}]",
+                    lambda v: isinstance(v, list | tuple) and len(v) > 0 and all(
+                        isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_WIDTH
+                        for x in v))
+    return None
+
+
+def check_model_params(params: dict[str, Any], model_class: type, timm_encoder: bool,
+                       own: tuple[str, ...] = ()) -> None:
+    """``model.params``: keywords of the model's constructor, each by the rule of its kind
+    (:func:`_param_rule`); the keys the config sets itself (``own``) are not among them. With
+    an smp model, keywords it does not name reach the encoder, where only a timm encoder
+    (``tu-...``) checks them: elsewhere they would be dropped silently, so they are refused."""
     import inspect
 
-    own = {"encoder_name", "encoder_weights", "classes", "activation", "in_channels",
-           "aux_params"}  # set by the toolkit: images are RGB, the model returns logits
-    named = [p for p in inspect.signature(model_class.__init__).parameters
-             if p not in ("self", "kwargs") and p not in own]
-    for key in params:
+    signature = inspect.signature(model_class.__init__)
+    try:
+        hints = typing.get_type_hints(model_class.__init__)
+    except Exception:  # annotations this Python cannot evaluate: the kinds of the defaults
+        hints = {}
+    named = {p.name: p.default for p in signature.parameters.values()
+             if p.name not in ("self", "kwargs") and p.name not in own
+             and p.kind is not inspect.Parameter.VAR_KEYWORD}
+    for key, value in params.items():
+        where = f"model.params.{key}"
         if key in own or (key not in named and not timm_encoder):
-            raise refuse(f"model.params.{key}", f"a keyword of {model_class.__name__}, one of "
-                         f"{named}", params[key], f"remove model.params.{key}" + (
+            raise refuse(where, f"a keyword of {model_class.__name__}, one of {list(named)}",
+                         value, f"remove {where}" + (
                              f" and set model.{key}" if key.startswith("encoder_") else ""))
+        default = named.get(key, inspect.Parameter.empty)
+        rule = _param_rule(key, default, hints.get(key))
+        if rule is not None and not rule.ok(value):
+            shown = "" if default is inspect.Parameter.empty else f" (the default: {default!r})"
+            raise refuse(where, rule.allowed, value, f"e.g. remove {where}{shown}")
 
 
 def check_stride(cfg: Config) -> None:

@@ -51,7 +51,8 @@ def build_segmentation_model(
         )
     except (KeyError, ValueError, TypeError, AssertionError) as err:
         raise UserError(
-            f"model: cannot build {arch!r} with encoder {encoder_name!r}: {err}"
+            f"model: cannot build {arch!r} with encoder {encoder_name!r}"
+            + (f" and model.params {params}" if params else "") + f": {err}"
         ) from err
     except Exception as err:  # network errors surface as many exception types
         if hub_weights is None and params:  # smp/torch refusing a value of model.params

@@ -51,7 +51,8 @@ def text_task(cfg: Config) -> ClassificationTask:
     if d.max_len < model.receptive_field():
         raise ConfigError(
             f"data.max_len={d.max_len} is shorter than the GPCN's receptive field "
-            f"({model.receptive_field()})."
+            f"({model.receptive_field()} tokens, from model.params kernel_sizes and pool_size); "
+            "raise data.max_len or lower those."
         )
     return ClassificationTask(
         sets["train"], sets["val"], sets["test"], model, k, d.ignore_index, list(classes)
