@@ -213,7 +213,11 @@ def check_rules(cfg: Config) -> None:
         if rule is None:
             continue
         value = value_of(cfg, key)
-        if not rule.ok(value):
+        try:
+            ok = rule.ok(value)
+        except TypeError:  # a value set in Python, past the type check of load_config
+            ok = False
+        if not ok:
             example = rule.example if rule.example is not None else defaults[key]
             fix = rule.fix or f"e.g. --set {key}={yaml_text(example)}"
             raise refuse(key, rule.allowed, value, fix)
