@@ -7,10 +7,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test compare margin lint bench clean
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,8 +20,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The README "Results" table: eight methods x three seeds on the embedded dataset, two runs
-# side by side with one thread each (see README for the duration on each kind of CPU).
+# The results table of docs/results.md: eight methods x three seeds on the embedded dataset, two
+# runs side by side with one thread each (docs/results.md gives the duration on each CPU kind).
 METHODS := ce ls fl flsd ecp mbls cals_hr cals_alm
 compare: $(STAMP)
 	$(PY) tools/compare.py configs/synthetic_deeplabv3.yaml --methods $(METHODS) \

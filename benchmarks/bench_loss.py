@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -30,9 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cals_seg.losses import LOSSES, build_loss  # noqa: E402
-from cals_seg.losses import _functional as penalty_blocks  # noqa: E402
+from cals_seg.losses import LOSSES, build_loss
+from cals_seg.losses import _functional as penalty_blocks
 
 NAMES = ["F.cross_entropy", *LOSSES]
 COMPILED = " (compiled)"

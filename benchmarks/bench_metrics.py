@@ -66,8 +66,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 CONFIGS = ["ours cw=False", "ours cw=True", "torchmetrics", "calibration", "boundary", "size"]
 REGION_CONFIGS = ("calibration", "boundary", "size")  # timed on label maps with objects
 VOID = 255

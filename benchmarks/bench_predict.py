@@ -28,7 +28,6 @@ import cv2
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 SIZES = [(4000, 3000), (500, 375), (500, 375), (375, 500)]  # (width, height)
 PROTOCOLS = {

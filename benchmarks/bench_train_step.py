@@ -15,18 +15,15 @@ the target: a CALS-ALM step at most 1.02x a CE step.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cals_seg.losses import _functional as penalty_blocks  # noqa: E402
-from cals_seg.losses import build_loss  # noqa: E402
-from cals_seg.models import build_segmentation_model  # noqa: E402
-from cals_seg.precision import AMP_CHOICES, precision_name, resolve_amp  # noqa: E402
+from cals_seg.losses import _functional as penalty_blocks
+from cals_seg.losses import build_loss
+from cals_seg.models import build_segmentation_model
+from cals_seg.precision import AMP_CHOICES, precision_name, resolve_amp
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -29,6 +29,7 @@ RESUMABLE_KEYS = (
     "train.threads", "train.progress", "eval.batch_size", "eval.n_bins",
     "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize", "eval.pad",
     "eval.window", "eval.stride",
+    "data.class_names",  # display names only
 )
 
 # An evaluation image above this many pixels gets a warning (a 4000 x 3000 image takes
@@ -53,6 +54,7 @@ def check_config(cfg: Config, reads_data: bool = True, writes_run: bool = True) 
     check_all(cfg, reads_data, writes_run)
     t = cfg.train
     check_eval_protocol(cfg)
+    check_class_names(cfg)
     if t.best_mode not in BEST_MODES:
         raise ConfigError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
     direction = ("min" if t.best_metric in LOWER_BETTER
@@ -86,44 +88,54 @@ def _loss_message(message: str, cfg: Config) -> str:
     return f"loss.params ({cfg.loss.name}): {message}"
 
 
-def check_eval_protocol(cfg: Config) -> None:
-    """Refuse evaluation-protocol values (``eval.mode``, ``window``, ``stride``, ``resize``,
-    ``pad``) that :class:`cals_seg.inference.EvalProtocol` cannot run, and ``data.eval_size`` for
-    segmentation, where it would shrink the masks.
+def check_class_names(cfg: Config) -> None:
+    """Refuse a ``data.class_names`` that is not ``data.num_classes`` different names.
 
     Raises:
         ConfigError: naming the key and the fix.
     """
-    e = cfg.eval
-    if e.mode not in ("whole", "slide"):
+    names, k = cfg.data.class_names, cfg.data.num_classes
+    if names is None:
+        return
+    if len(names) != k:
         raise ConfigError(
-            f"eval.mode: expected 'whole' or 'slide', got {e.mode!r}; e.g. --set eval.mode=slide "
-            "eval.window=512 eval.stride=341 (tiles), or eval.mode=whole with eval.resize=1024."
+            f"data.class_names: {len(names)} names for data.num_classes={k} classes; give one "
+            "name per class, in class-index order (or null for the dataset's own names)."
         )
-    for key, value in (("eval.window", e.window), ("eval.resize", e.resize),
-                       ("eval.pad", e.pad)):
-        if value is None and key != "eval.window":
-            continue
-        if value < 1:
-            fix = "e.g. --set eval.window=512" if key == "eval.window" else "or null for none"
-            raise ConfigError(f"{key}: expected an integer >= 1, got {value}; {fix}.")
-    if not 1 <= e.stride <= e.window:
-        raise ConfigError(
-            f"eval.stride: expected an integer in [1, eval.window] = [1, {e.window}], got "
-            f"{e.stride}; a stride above the window leaves pixels that no tile covers. E.g. --set "
-            f"eval.stride={max(1, e.window * 2 // 3)} (two thirds of the window)."
-        )
-    from .tasks import DATASETS  # the datasets and models are imported only when needed
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice or not all(n.strip() for n in names):
+        what = f"the names {twice} occur twice" if twice else "a name is empty"
+        raise ConfigError(f"data.class_names: {what}; each class needs its own name.")
 
-    family = DATASETS.get(cfg.data.name, ("unknown",))[0]
-    if cfg.data.eval_size is not None and family == "segmentation":
-        raise ConfigError(
-            f"data.eval_size: {cfg.data.eval_size} would shrink the masks of a segmentation "
-            "split; metrics are now taken at each image's own resolution. Set data.eval_size: "
-            f"null and choose the network input with eval.pad: {cfg.data.eval_size} (pad, the "
-            f"paper's VOC protocol), eval.resize: {cfg.data.eval_size} (longest side), or "
-            "eval.mode: slide (tiles)."
-        )
+
+def check_eval_protocol(cfg: Config) -> None:
+    """Refuse evaluation-protocol values (``eval.mode``, ``window``, ``stride``, ``resize``,
+    ``pad``) that :class:`cals_seg.inference.EvalProtocol` cannot run: the rule is the
+    protocol's own (it validates itself when it is built); here it is reported under the config
+    keys, with a fix.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    from .inference import EvalProtocol
+
+    e = cfg.eval
+    stride = max(1, e.window * 2 // 3) if isinstance(e.window, int) else 341
+    fixes = {
+        "mode": "e.g. --set eval.mode=slide eval.window=512 eval.stride=341 (tiles), or "
+                "eval.mode=whole with eval.resize=1024",
+        "window": "e.g. --set eval.window=512",
+        "stride": f"e.g. --set eval.stride={stride} (two thirds of the window)",
+        "resize": "or null for none",
+        "pad": "or null for none",
+    }
+    try:
+        EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window, stride=e.stride)
+    except ValueError as err:
+        text = str(err)
+        field = text.split("`")[1] if text.count("`") >= 2 else "mode"
+        message = text.replace("`window`", "eval.window").replace(f"`{field}`", f"eval.{field}")
+        raise ConfigError(f"{message.rstrip('.')}; {fixes.get(field, '')}.") from None
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -185,10 +197,12 @@ def check_best_metric(task: Any, best_metric: str, n_bins: int) -> None:
         )
 
 
-def check_splits(task: Any, batch_size: int, bounded_input: bool = False) -> None:
+def check_splits(task: Any, batch_size: int, bounded_input: bool = False,
+                 world_size: int = 1) -> None:
     """Refuse splits that would fail later (empty, fewer training samples than a batch, no
     valid validation label) and warn about evaluation images large enough to take minutes
-    (unless ``bounded_input``: the network input is resized or tiled).
+    (unless ``bounded_input``: the network input is resized or tiled). Under torch.distributed
+    each of the ``world_size`` processes trains on its share of the split.
 
     Raises:
         DataError: naming the split and the fix.
@@ -201,9 +215,10 @@ def check_splits(task: Any, batch_size: int, bounded_input: bool = False) -> Non
                 "test set) and data.val_fraction."
             )
     check_voc_data(task)  # split files, mask values, image/mask sizes: each named with its file
-    if len(task.train_set) < batch_size:
+    if len(task.train_set) // world_size < batch_size:
+        share = "" if world_size == 1 else f" ({len(task.train_set) // world_size} per process)"
         raise DataError(
-            f"The training split has {len(task.train_set)} samples, fewer than "
+            f"The training split has {len(task.train_set)} samples{share}, fewer than "
             f"train.batch_size={batch_size} per process; lower train.batch_size."
         )
     val = task.val_set

@@ -4,23 +4,21 @@ line, and launching under ``torchrun``. Library code does not import this module
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from .checks import check_config
-from .config import Config, load_config
-from .distributed import cleanup, init_from_env, is_main_process
-from .engine import seed_everything
-from .errors import MissingPathError, UserError
+from .errors import USER_ERRORS, MissingPathError, UserError  # noqa: F401 (USER_ERRORS: for the commands)
 
-# The one type of errors caused by the user's input (config, data, checkpoint, network): printed
-# as "error: <message>" with exit code 2. Anything else keeps its traceback. (A tuple for the
-# tools that still write ``except USER_ERRORS``.)
-USER_ERRORS = (UserError,)
+if TYPE_CHECKING:
+    from .config import Config
 
+# This module is imported before argparse runs (``--help`` must answer at once): it imports
+# nothing heavy at the top; torch, the data and the models are imported inside the commands.
+# The tools catch one type, UserError (USER_ERRORS is that type as a tuple): anything else keeps
+# its traceback.
 
 # A --set item: a dotted key, "=", the value (a config path never looks like this).
 _SET_ITEM = re.compile(r"^[A-Za-z_][\w.-]*=")
@@ -104,14 +102,16 @@ def training_parser(doc: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("config", help="YAML config or setup file")
+    parser.add_argument("config", nargs="?", default=None,
+                        help="YAML config or setup file (not needed with --resume)")
     add_method_argument(parser)
     add_set_argument(parser)
     parser.add_argument(
         "--resume",
         default=None,
         metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its checkpoint_last.pt",
+        help="continue the run in RUN_DIR from its checkpoint_last.pt, with the run's own "
+        "config.yaml (--set changes it)",
     )
     return parser
 
@@ -119,19 +119,19 @@ def training_parser(doc: str | None) -> argparse.ArgumentParser:
 def run_config(args: argparse.Namespace) -> Config:
     """The config of a training command: the given file, or, with ``--resume``, the run's own
     resolved ``config.yaml``; ``--set`` overrides on top."""
+    from .config import load_config
+    from .rundir import RunDir
+
     if args.resume:
-        load_config(args.config, args.set, args.method)  # still validate what was given
-        run = Path(args.resume)
-        if not (run / "config.yaml").is_file() or not (run / "checkpoint_last.pt").is_file():
-            what = "does not exist" if not run.exists() else (
-                "holds no run" if not (run / "config.yaml").is_file()
-                else "has no checkpoint_last.pt (a finished run keeps only checkpoint_best.pt)")
-            raise MissingPathError(
-                f"--resume {run}: the folder {what}, so there is nothing to continue; start a "
-                "new run without --resume (or name the run directory, runs/<name>)."
-            )
-        # the run's own resolved config (CONFIG is only validated): --set is the way to change
-        return load_config(run / "config.yaml", args.set)
+        if args.config is not None:  # the older form CONFIG --resume RUN_DIR: still validated
+            load_config(args.config, args.set, args.method)
+        run = RunDir(args.resume)
+        run.check_resumable()
+        # the run's own resolved config: --set is the way to change it
+        return load_config(run.config, args.set)
+    if args.config is None:
+        raise MissingPathError("give a CONFIG (a YAML config or setup file), or --resume "
+                               "RUN_DIR to continue a run.")
     return load_config(args.config, args.set, args.method)
 
 
@@ -145,14 +145,18 @@ def train_command(
     doc: str | None, family: str, summary: Callable[[dict[str, Any]], str] | None = None
 ) -> Callable[[list[str] | None], int]:
     """The ``main`` of a training tool: config -> seed -> task -> :func:`fit` -> summary."""
-    from .tasks import build_task
-    from .trainer import fit
 
     def main(argv: list[str] | None = None) -> int:
         args = training_parser(doc).parse_args(argv)
+        from .checks import check_config
+        from .distributed import is_main_process
+        from .engine import seed_everything
+        from .tasks import build_task
+        from .trainer import fit
+
         try:
             cfg = run_config(args)
-            check_config(cfg)  # before any data is generated or read
+            check_config(cfg)  # every key by rule, before the seed, the data or the model
             seed_everything(cfg.train.seed)  # the model's initialisation depends on it
             task = build_task(cfg, family)
             test = fit(cfg, task, resume=args.resume)
@@ -177,7 +181,12 @@ def train_command(
 
 
 def launch(main: Callable[[], int]) -> NoReturn:
-    """Run a tool's ``main``: join the process group under torchrun, leave it at the end."""
+    """Run a tool's ``main``: join the process group under torchrun, leave it at the end.
+    A plain launch (``WORLD_SIZE`` unset or 1) loads nothing first, so ``--help`` is instant."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(main())
+    from .distributed import cleanup, init_from_env
+
     init_from_env()
     try:
         code = main()

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from .errors import UserError
+from .errors import ConfigError
 
 
 @dataclass
@@ -55,6 +55,18 @@ class DataConfig:
     - ``max_len``: tokens kept per document (padded with ``<pad>``); ``min_freq`` and
       ``vocab_size``: the vocabulary (training split only, ``<pad>`` and ``<unk>`` included);
       ``text_strip``: what is removed from a post, a subset of ``[headers, quotes, signature]``.
+
+    Segmentation also reads ``cityscapes`` (``root`` holds ``leftImg8bit/`` and ``gtFine/``),
+    ``ade20k`` (``root`` holds ``images/`` and ``annotations/`` of ADEChallengeData2016) and
+    ``folder`` (images and masks matched by stem, see :mod:`cals_seg.data.folder`):
+
+    - ``class_names``: ``num_classes`` display names for metrics, plots and predictions (any
+      dataset; ``null``: the dataset's own names, else ``class 0 ...``).
+    - ``image_dir``, ``mask_dir`` (folder): the image and mask folder names.
+    - ``palette`` (folder): one ``[r, g, b]`` per class to decode RGB colour masks exactly
+      (``null``: masks hold class indices); ``void_colours``: colours that are void;
+      ``unknown_colours``: ``error`` (a colour in neither list is an error naming the file)
+      or ``void``.
     """
 
     name: str = "synthetic"
@@ -79,6 +91,12 @@ class DataConfig:
     min_freq: int = 1
     vocab_size: int | None = 20000
     text_strip: list[str] = field(default_factory=lambda: ["headers", "quotes", "signature"])
+    class_names: list[str] | None = None
+    image_dir: str = "images"
+    mask_dir: str = "masks"
+    palette: list[list[int]] | None = None
+    void_colours: list[list[int]] = field(default_factory=list)
+    unknown_colours: str = "error"
 
 
 @dataclass
@@ -204,8 +222,6 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
-class ConfigError(UserError):
-    """A config file or override that does not match :class:`Config`."""
 
 
 class _WrongType(Exception):

@@ -24,13 +24,9 @@ from .distributed import (
     is_distributed,
     is_main_process,
 )
-from .errors import UserError
+from .errors import NonFiniteLossError
 from .evaluation import eval_collate, unpack_batch
 from .precision import autocast_context
-
-
-class NonFiniteLossError(UserError, RuntimeError):
-    """The training loss became NaN or infinite; training stops, checkpoints stay intact."""
 
 
 # ----------------------------------------------------------------------------- data loading

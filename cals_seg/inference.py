@@ -69,17 +69,17 @@ class EvalProtocol:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"Expected `mode` to be one of {list(MODES)}, but got {self.mode!r}.")
+            raise ValueError(f"`mode`: expected one of {list(MODES)}, got {self.mode!r}.")
         for name in ("window", "stride", "multiple", "tile_batch", "resize", "pad"):
             value = getattr(self, name)
             if value is None and name in ("resize", "pad", "multiple"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Expected `{name}` to be a positive integer, but got {value!r}.")
+                raise ValueError(f"`{name}`: expected an integer >= 1, got {value!r}.")
         if self.stride > self.window:
             raise ValueError(
-                f"Expected `stride` <= `window` (pixels between tiles would have no logits), but "
-                f"got stride={self.stride}, window={self.window}."
+                f"`stride`: expected an integer in [1, `window`] = [1, {self.window}], got "
+                f"{self.stride}; a stride above the window leaves pixels that no tile covers."
             )
 
 

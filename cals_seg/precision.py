@@ -18,8 +18,8 @@ from .errors import UserError
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")
-# Measured on a 2-core AMD EPYC with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 (README,
-# "Benchmarks"): a DeepLabV3-ResNet18 training step, 8x3x64x64, 2 threads, took 7.2 s in
+# Measured on a 2-core AMD EPYC with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# (docs/benchmarks.md): a DeepLabV3-ResNet18 training step, 8x3x64x64, 2 threads, took 7.2 s in
 # emulated bf16 against 0.35 s in float32.
 EMULATED_BF16_SLOWDOWN = "about 20x"
 
@@ -90,3 +90,12 @@ def autocast_context(device: torch.device, amp: str) -> AbstractContextManager:
 def precision_name(amp: str) -> str:
     """What a resolved ``amp`` means in words for logs: ``bfloat16``, ``float16``, ``float32``."""
     return {"bf16": "bfloat16", "fp16": "float16", "none": "float32"}[amp]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> this process' GPU under torchrun, CUDA when available, else CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    return torch.device(name)

@@ -49,6 +49,12 @@ def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _colours(value: Any) -> bool:
+    return all(isinstance(c, list) and len(c) == 3 and all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 255 for x in c)
+        for c in value)
+
+
 def ints(lo: int, hi: int | None = None, example: Any = None, fix: str | None = None) -> Rule:
     """An integer in ``[lo, hi]``."""
     text = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
@@ -127,6 +133,16 @@ RULES: dict[str, Rule | None] = {
     "data.max_len": ints(1, 1_000_000),
     "data.min_freq": ints(1),
     "data.vocab_size": optional(ints(2, 100_000_000)),
+    "data.class_names": TYPE_ONLY,  # num_classes different names: checks.check_class_names
+    "data.image_dir": Rule("a folder name (not empty)", lambda v: v.strip() != ""),
+    "data.mask_dir": Rule("a folder name (not empty)", lambda v: v.strip() != ""),
+    "data.palette": optional(Rule(
+        "a list of [r, g, b] colours with values in [0, 255]", lambda v: _colours(v),
+        fix="e.g. --set 'data.palette=[[0, 0, 0], [128, 0, 0]]' (one per class)")),
+    "data.void_colours": Rule("a list of [r, g, b] colours with values in [0, 255]",
+                              lambda v: _colours(v), fix="e.g. --set 'data.void_colours=[[255, "
+                              "255, 255]]'"),
+    "data.unknown_colours": choices("error", "void"),
     "data.text_strip": Rule(
         "a list of steps out of ['headers', 'quotes', 'signature']",
         lambda v: set(v) <= {"headers", "quotes", "signature"}, fix="e.g. --set "
@@ -215,7 +231,7 @@ def check_rules(cfg: Config) -> None:
         value = value_of(cfg, key)
         try:
             ok = rule.ok(value)
-        except TypeError:  # a value set in Python, past the type check of load_config
+        except (TypeError, AttributeError):  # a value set in Python, past load_config
             ok = False
         if not ok:
             example = rule.example if rule.example is not None else defaults[key]

@@ -34,18 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import UserError
+from .errors import CheckpointError, MissingPathError, UntrustedCheckpointError
 
 CHECKPOINT_FILES = ("checkpoint_last.pt", "checkpoint_best.pt")
 RUN_FILES = ("config.yaml", "history.jsonl", *CHECKPOINT_FILES, "test_metrics.json")
 
 
-class CheckpointError(UserError):
-    """A checkpoint that cannot be read (missing, truncated, or not written by this toolkit)."""
-
-
-class UntrustedCheckpointError(CheckpointError):
-    """A checkpoint whose pickle would build Python objects beyond tensors and plain types."""
 
 
 def json_safe(obj: Any) -> Any:
@@ -309,6 +303,24 @@ class RunDir:
     def holds_run(self) -> list[str]:
         """The files of a run found here (empty for a new or empty folder)."""
         return [name for name in RUN_FILES if (self.path / name).exists()]
+
+    def check_resumable(self) -> None:
+        """Refuse to resume from a folder without ``config.yaml`` and ``checkpoint_last.pt``.
+
+        Raises:
+            FileNotFoundError: naming what is missing and what to do instead.
+        """
+        if self.config.is_file() and self.last.is_file():
+            return
+        found = self.holds_run()
+        what = ("does not exist" if not self.path.exists() else
+                "holds no run" if not found else
+                f"has no checkpoint_last.pt (it holds {', '.join(found)}: a finished run keeps "
+                "only checkpoint_best.pt)")
+        raise MissingPathError(
+            f"--resume {self.path}: the folder {what}, so there is nothing to continue; start a "
+            "new run without --resume (or name the run directory, runs/<name>)."
+        )
 
     def history(self) -> list[dict[str, Any]]:
         return read_jsonl(self.history_file)

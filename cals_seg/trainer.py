@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader
 from .checks import (
     bounded_input,
     check_best_metric,
-    check_config,
     check_resume,
     check_splits,
 )
@@ -36,17 +35,17 @@ from .distributed import (
     barrier,
     broadcast_buffers,
     check_identical,
+    get_world_size,
     is_distributed,
     is_main_process,
 )
 from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
-from .errors import DataError, MissingPathError, RunExistsError
+from .errors import RunExistsError
 from .evaluation import Scaled, compute, evaluate, predict, scalars
 from .losses import AdaptiveLoss, build_loss
-from .precision import precision_name, resolve_amp
+from .precision import precision_name, resolve_amp, resolve_device
 from .rules import check_model_input
 from .rundir import (
-    CheckpointError,
     RunDir,
     link_checkpoint,
     load_checkpoint,
@@ -55,17 +54,9 @@ from .rundir import (
     set_rng_state,
     write_json,
 )
+from .runs import load_weights
 from .tasks import Task
 from .temperature import fit_temperature
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> this process' GPU under torchrun, CUDA when available, else CPU."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    return torch.device(name)
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
@@ -123,18 +114,7 @@ def restore_training_state(
     num_classes: int, where: Path,
 ) -> tuple[int, float | None, int | None]:
     """Inverse of :func:`training_state`; returns ``(next epoch, best score, best epoch)``."""
-    if state["num_classes"] != num_classes:
-        raise CheckpointError(
-            f"{where} was trained with {state['num_classes']} classes, but the config has "
-            f"data.num_classes={num_classes}."
-        )
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as err:  # another architecture: the user's input, not a bug
-        raise CheckpointError(
-            f"{where} does not fit the model of the config ({str(err).splitlines()[0]}); "
-            "resume with the run's own config.yaml."
-        ) from None
+    load_weights(model, state, where, where.parent / "config.yaml", num_classes)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     criterion.load_state_dict(state["criterion"])
@@ -243,21 +223,14 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
 
 
 # ----------------------------------------------------------------------------- the run
-def _check_before_training(cfg: Config, run: RunDir, resume: bool) -> None:
-    check_config(cfg)
+def _check_before_training(run: RunDir, resume: bool) -> None:
     if not resume and run.holds_run():
         raise RunExistsError(
             f"{run.path} already holds a run ({', '.join(run.holds_run())}). Continue it with "
             f"--resume {run.path}, or choose another name (--set name=...)."
         )
-    if resume and not run.last.is_file():
-        found = run.holds_run()
-        raise MissingPathError(
-            f"--resume {run.path}: there is no checkpoint_last.pt to continue from "
-            + (f"(it holds {', '.join(found)}: a finished run keeps only checkpoint_best.pt); "
-               if found else "(no run there); ")
-            + "start a new run without --resume."
-        )
+    if resume:
+        run.check_resumable()
 
 
 def _epoch_line(epoch: int, epochs: int, train: dict, val: dict, metric: str, score: float,
@@ -278,7 +251,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     """Train, validate, update the multipliers, checkpoint, and test the best checkpoint.
 
     Args:
-        cfg: the resolved config (written to ``<run_dir>/config.yaml``).
+        cfg: the resolved config (written to ``<run_dir>/config.yaml``), checked by
+            :func:`cals_seg.tasks.build_task` (:func:`cals_seg.checks.check_config`).
         task: data, model and meters (:func:`cals_seg.tasks.build_task`).
         resume: a run directory holding ``checkpoint_last.pt`` to continue from.
 
@@ -287,7 +261,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     """
     t, k = cfg.train, task.num_classes
     run = RunDir(resume if resume is not None else cfg.run_dir)
-    _check_before_training(cfg, run, resume is not None)
+    _check_before_training(run, resume is not None)
     device = resolve_device(t.device)
     amp = resolve_amp(t.amp, device, warn=is_main_process())
     if t.threads:
@@ -312,17 +286,12 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     check_model_input(cfg, task)
-    check_splits(task, t.batch_size, bounded_input(cfg))
+    check_splits(task, t.batch_size, bounded_input(cfg), get_world_size())
     check_best_metric(task, t.best_metric, cfg.eval.n_bins)
     workers = cfg.data.num_workers
     train_loader = make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed)
     val_loader = make_loader(task.val_set, cfg.eval.batch_size, False, workers)
     test_loader = make_loader(task.test_set, cfg.eval.batch_size, False, workers)
-    if len(train_loader) == 0:
-        raise DataError(
-            f"The training split has {len(task.train_set)} samples, fewer than "
-            f"train.batch_size={t.batch_size} per process; lower train.batch_size."
-        )
 
     start_epoch, best_score, best_epoch = 0, None, None
     run.path.mkdir(parents=True, exist_ok=True)
@@ -406,6 +375,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         best_score=best["best_score"],
         precision=amp,
         class_names=task.class_names,
+        family=task.family,
+        score_metric=task.score_metric,
     )
     if main:
         write_json(run.test_metrics, test)

@@ -132,8 +132,12 @@ def check_samples(dataset: Any, split: str) -> None:
 
 
 def is_voc_layout(dataset: Any) -> bool:
-    return all(hasattr(dataset, a) for a in ("ids", "image_path", "mask_path", "num_classes",
-                                             "ignore_index"))
+    """A VOC-layout dataset (``voc`` and the embedded ``synthetic``): index masks and
+    ``ImageSets/Segmentation`` split files. The other layouts have their own checks
+    (``cals_seg.data.check``, ``tools/check_data.py``)."""
+    from .data.voc import VOCSegmentation
+
+    return isinstance(dataset, VOCSegmentation)
 
 
 def check_voc_data(task: Any, splits: tuple[str, ...] = ("train", "val", "test")) -> None:

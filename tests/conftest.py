@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from pathlib import Path
 from types import ModuleType
 
@@ -14,11 +14,8 @@ def pytest_configure(config) -> None:
 
 
 def load_tool(name: str) -> ModuleType:
-    """``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The command behind ``tools/<name>.py``: ``cals_seg.commands.<name>``."""
+    return importlib.import_module(f"cals_seg.commands.{name}")
 
 
 def recomputed_test_accuracy(run_dir: Path) -> tuple[float, int]:

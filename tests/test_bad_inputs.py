@@ -155,7 +155,7 @@ ERRORS = {
         r"trained with other settings \(loss.name: 'ce' -> 'ls'.*start a new run"),
     "own-resume-finished-run": (
         "train_seg", lambda t, f: _resume(_finished_copy(f)),
-        r"has no checkpoint_last.pt \(a finished run keeps only checkpoint_best.pt\)"),
+        r"has no checkpoint_last.pt \(it holds .*a finished run keeps only checkpoint_best.pt\)"),
     "own-eval-other-architecture": (
         "eval_seg",
         lambda t, f: [str(f[1] / "config.yaml"), "--checkpoint", str(f[1] / "checkpoint_best.pt"),

@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from cals_seg.study import backfill_test_metrics
+
 from .conftest import load_tool
 from .test_pipeline import ROOT, _overrides
 
@@ -69,7 +71,7 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
             del old[view][key]
     old["pre_ts"]["ece"] = 0.5  # a kept value is not recomputed
     path.write_text(json.dumps(old))
-    assert compare.backfill_test_metrics(run0) == sorted(dropped)
+    assert backfill_test_metrics(run0) == sorted(dropped)
     new = json.loads(path.read_text())
     assert new["added_keys"] == sorted(dropped) and new["pre_ts"]["ece"] == 0.5
     for view in ("pre_ts", "post_ts"):
@@ -77,4 +79,4 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
         for key in ("ece_band", "ece_size"):
             for a, b in zip(new[view][key], full[view][key], strict=True):
                 assert (a is None and b is None) or a == pytest.approx(b, rel=1e-6, abs=1e-9)
-    assert compare.backfill_test_metrics(run0) == []  # nothing missing any more
+    assert backfill_test_metrics(run0) == []  # nothing missing any more

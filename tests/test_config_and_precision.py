@@ -22,7 +22,7 @@ SETUPS = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 
 # ----------------------------------------------------------------------------- setup files
 def test_every_setup_file_resolves_each_method_to_its_loss():
-    assert len(SETUPS) == 10  # 9 setups + the under-confident regime of the synthetic one
+    assert len(SETUPS) == 13  # 12 setups + the under-confident regime of the synthetic one
     for setup in SETUPS:
         raw = (CONFIGS / f"{setup}.yaml").read_text()
         methods = load_config(CONFIGS / f"{setup}.yaml").name  # the default method
@@ -77,9 +77,10 @@ def test_setup_file_errors(tmp_path):
 
 def test_overrides_apply_after_the_method_in_order():
     cfg = load_config(CONFIGS / "synthetic_deeplabv3_cals_alm.yaml",
-                      ["loss.params.margin=3", "train.epochs=4", "train.epochs=5"])
+                      ["loss.params.rho_init=2", "loss.params.margin=3", "train.epochs=4",
+                       "train.epochs=5"])
     assert cfg.loss.params["margin"] == 3 and cfg.train.epochs == 5
-    assert cfg.loss.params["rho_init"] == 1.0  # the rest of the method's loss is kept
+    assert cfg.loss.params["rho_init"] == 2  # earlier overrides of the method's loss are kept
 
 
 @pytest.mark.parametrize("tool", ["train_seg", "train_cls", "eval_seg", "compare", "demo"])
@@ -140,7 +141,8 @@ def test_resolve_amp_errors_and_fp16_only_on_cuda():
 
 
 def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch):
-    compare = load_tool("compare")
+    from cals_seg.study import config_differences
+
     cfg = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
                       [f"output_dir={tmp_path}", "name=r"])
     from cals_seg.config import save_config
@@ -151,9 +153,9 @@ def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch)
     here = precision.resolve_amp("auto", torch.device("cpu"), warn=False)
     there = "bf16" if here == "none" else "none"
     run.test_metrics.write_text(json.dumps({"precision": here}))
-    assert compare.config_differences(run.path, cfg) == []
+    assert config_differences(run.path, cfg) == []
     run.test_metrics.write_text(json.dumps({"precision": there}))
-    assert compare.config_differences(run.path, cfg) == [
+    assert config_differences(run.path, cfg) == [
         f"train.amp (resolved: {there} there, {here} here)"
     ]
 
@@ -164,17 +166,28 @@ def test_a_folder_holding_any_run_file_is_refused(tmp_path):
 
     cfg = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml", [f"output_dir={tmp_path}"])
     run = RunDir(cfg.run_dir)
-    _check_before_training(cfg, run, resume=False)  # nothing there yet
+    _check_before_training(run, resume=False)  # nothing there yet
     run.path.mkdir(parents=True)
-    _check_before_training(cfg, run, resume=False)  # an empty folder is fine
-    with pytest.raises(FileNotFoundError, match="no checkpoint_last.pt"):
-        _check_before_training(cfg, run, resume=True)
+    _check_before_training(run, resume=False)  # an empty folder is fine
+    with pytest.raises(FileNotFoundError, match="holds no run"):
+        _check_before_training(run, resume=True)
     (run.path / "history.jsonl").write_text('{"epoch": 0}\n')
     with pytest.raises(FileExistsError, match=r"history.jsonl.*--resume"):
-        _check_before_training(cfg, run, resume=False)
-    bad = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml", ["train.best_mode=maximize"])
+        _check_before_training(run, resume=False)
+    with pytest.raises(FileNotFoundError, match="no checkpoint_last.pt"):
+        _check_before_training(run, resume=True)
+
+
+def test_the_config_is_checked_before_any_data_is_built(tmp_path):
+    """build_task checks the config first: a bad value is refused before the embedded dataset
+    is generated."""
+    from cals_seg.tasks import build_task
+
+    bad = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
+                      ["train.best_mode=maximize", f"data.root={tmp_path / 'data'}"])
     with pytest.raises(ValueError, match="best_mode"):
-        _check_before_training(bad, RunDir(tmp_path / "other"), resume=False)
+        build_task(bad)
+    assert not (tmp_path / "data").exists()
 
 
 def test_history_trim_and_best_repair(tmp_path):

@@ -45,8 +45,6 @@ from .conftest import load_tool
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 SETUP_FILES = sorted(CONFIGS.glob("*.yaml"))
-FAMILY_OF_DATA = {"synthetic": "segmentation", "voc": "segmentation", "20news": "text",
-                  "synthetic_text": "text"}  # every other dataset: image classification
 BASE = {  # family -> (setup file, tiny settings); {tmp} is the test's folder
     "segmentation": ("synthetic_deeplabv3.yaml", [
         "data.root={tmp}/data_seg", "data.synthetic={num_train: 8, num_test: 4, image_size: 32}",
@@ -87,6 +85,14 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def family_of(dataset: str) -> str:
+    """``segmentation``, ``classification`` (images) or ``text``, from the dataset registry."""
+    from cals_seg.tasks import DATASETS
+
+    found, builder = DATASETS[dataset]
+    return "text" if getattr(builder, "__module__", "").endswith(".text") else found
+
+
 def setup_keys() -> dict[tuple[str, str], tuple[Any, str]]:
     """(family, key) -> (a shipped value, the ``--set`` items of its loss section), over every
     setup file; the loss keys come from the methods tables."""
@@ -95,7 +101,7 @@ def setup_keys() -> dict[tuple[str, str], tuple[Any, str]]:
         data = config_mod._yaml_load(path.read_text())
         methods = data.pop("methods")
         data.pop("method", None)
-        family = FAMILY_OF_DATA.get(data["data"]["name"], "classification")
+        family = family_of(data["data"]["name"])
         for key, value in _flat(data).items():
             keys.setdefault((family, key), (value, ""))
         for loss in methods.values():
@@ -187,9 +193,9 @@ def tool_module(name: str) -> Any:
 STOP = {
     "train_seg": ("cals_seg.trainer", "train_one_epoch"),
     "train_cls": ("cals_seg.trainer", "train_one_epoch"),
-    "eval_seg": ("tool", "calibrated_test"),
-    "predict_seg": ("tool", "predict_image"),
-    "compare": ("tool", "run_one"),
+    "eval_seg": ("tool", "evaluate_run"),
+    "predict_seg": ("cals_seg.inference", "predict_image"),
+    "compare": ("cals_seg.study", "run_one"),
 }
 
 
@@ -356,6 +362,7 @@ def _fuzz(env, monkeypatch, after_work: bool, families=tuple(BASE)) -> tuple[int
     count, failures, index = 0, [], 0
     start = time.perf_counter()
     seconds: dict[str, float] = {}
+    monkeypatch.chdir(env["tmp"])  # relative paths among the values land in the test's folder
     for family, key, loss, value in cases(env["tmp"]):
         if family not in families:
             continue

@@ -22,7 +22,7 @@ from cals_seg.inference import (
     segment_logits,
 )
 from cals_seg.tasks import build_task
-from cals_seg.tasks.segmentation import build_model
+from cals_seg.tasks.segmentation import build_model, eval_protocol
 
 from .conftest import load_tool
 
@@ -152,10 +152,10 @@ def test_slide_on_cuda_matches_the_cpu():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"mode": "tiles"}, "`mode` to be one of"),
-    ({"window": 0}, "`window` to be a positive integer"),
-    ({"stride": 600}, "`stride` <= `window`"),
-    ({"resize": 0}, "`resize` to be a positive integer"),
+    ({"mode": "tiles"}, r"`mode`: expected one of \['whole', 'slide'\], got 'tiles'"),
+    ({"window": 0}, "`window`: expected an integer >= 1, got 0"),
+    ({"stride": 600}, r"`stride`: expected an integer in \[1, `window`\] = \[1, 512\]"),
+    ({"resize": 0}, "`resize`: expected an integer >= 1"),
 ])
 def test_protocol_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -164,19 +164,24 @@ def test_protocol_arguments_are_checked(kwargs, match):
 
 # --------------------------------------------------------------------------- config keys
 @pytest.mark.parametrize("override, match", [
-    ("eval.mode=tiles", r"eval.mode: expected 'whole' or 'slide', got 'tiles'; e.g. --set "
-                        r"eval.mode=slide"),
+    ("eval.mode=tiles", r"eval.mode: expected one of \['whole', 'slide'\], got 'tiles'; e.g. "
+                        r"--set eval.mode=slide"),
     ("eval.window=0", r"eval.window: expected an integer >= 1, got 0; e.g. --set eval.window="),
     ("eval.stride=600", r"eval.stride: expected an integer in \[1, eval.window\] = \[1, 512\], "
                         r"got 600; .*--set eval.stride=341"),
     ("eval.stride=0", r"eval.stride: .*got 0"),
     ("eval.resize=0", r"eval.resize: expected an integer >= 1, got 0; or null"),
-    ("data.eval_size=512", r"data.eval_size: 512 would shrink the masks.*eval.pad: 512"),
 ])
 def test_bad_protocol_keys_name_the_key_and_the_fix(override, match):
     cfg = load_config(SETUP, [override], "ce")
     with pytest.raises(ConfigError, match=match):
         check_config(cfg)
+
+
+def test_eval_size_is_refused_where_the_protocol_is_built():
+    cfg = load_config(SETUP, ["data.eval_size=512"], "ce")
+    with pytest.raises(ConfigError, match=r"data.eval_size: 512 would shrink the masks.*eval.pad"):
+        eval_protocol(cfg, None)
 
 
 def test_voc_config_keeps_the_paper_padding():

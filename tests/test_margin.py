@@ -12,6 +12,7 @@ import torch
 
 from cals_seg.config import load_config
 from cals_seg.evaluation import unpack_batch
+from cals_seg.gaps import confidence_cap, recommend
 from cals_seg.rundir import load_checkpoint, read_jsonl
 from cals_seg.tasks import build_task
 
@@ -95,10 +96,9 @@ def test_gaps_against_float64_reference(sweep, tmp_path, capsys):
 
 
 def test_gaps_cap_formula_hand_values():
-    margin = load_tool("margin")
-    assert margin.confidence_cap(6.0, 11) == pytest.approx(1 / (1 + 10 * math.exp(-6)))
-    assert round(margin.confidence_cap(6.0, 11), 3) == 0.976
-    assert margin.confidence_cap(0.0, 4) == 0.25  # every gap 0: uniform
+    assert confidence_cap(6.0, 11) == pytest.approx(1 / (1 + 10 * math.exp(-6)))
+    assert round(confidence_cap(6.0, 11), 3) == 0.976
+    assert confidence_cap(0.0, 4) == 0.25  # every gap 0: uniform
 
 
 def test_sweep_recommendation_follows_the_validation_rule(sweep, capsys):
@@ -137,7 +137,6 @@ def test_sweep_recommendation_follows_the_validation_rule(sweep, capsys):
 
 
 def test_recommend_rule_on_given_numbers():
-    recommend = load_tool("margin").recommend
     ce = {"score_name": "mIoU", "val_score": 0.500, "val_ece": 0.030}
 
     def cand(m, ece, score):

@@ -99,7 +99,9 @@ def test_resume_reaches_the_same_result(straight, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_mod, "train_one_epoch", real)
     run_b = tmp_path / "runs" / "straight"
     assert load_checkpoint(run_b / "checkpoint_last.pt")["epoch"] == 0
-    _, test_b = _run(tmp_path, "straight", resume=run_b)
+    # the command line form: the run folder alone (its own config.yaml), no CONFIG
+    assert load_tool("train_seg").main(["--resume", str(run_b)]) == 0
+    test_b = json.loads((run_b / "test_metrics.json").read_text())
 
     hist_a = [json.loads(x) for x in (cfg_a.run_dir / "history.jsonl").read_text().splitlines()]
     hist_b = [json.loads(x) for x in (run_b / "history.jsonl").read_text().splitlines()]
@@ -130,6 +132,41 @@ def test_eval_seg_reproduces_test_metrics(straight, capsys):
         assert (out / f"{name}.png").is_file(), name
     assert got["pre_ts"]["count_band"] == ref["pre_ts"]["count_band"]
     assert got["pre_ts"]["aurc"] == pytest.approx(ref["pre_ts"]["aurc"], rel=1e-9)
+
+
+def test_eval_seg_takes_the_run_folder(straight):
+    """``eval_seg RUN`` (the run's own config and best checkpoint) gives the numbers of the
+    older ``CONFIG --checkpoint FILE`` form and of test_metrics.json."""
+    _, cfg, _ = straight
+    out = cfg.run_dir / "eval_folder"
+    assert load_tool("eval_seg").main([str(cfg.run_dir), "--out", str(out), "--num-maps",
+                                       "0"]) == 0
+    got = json.loads((out / "metrics.json").read_text())
+    ref = json.loads((cfg.run_dir / "test_metrics.json").read_text())
+    assert got["family"] == ref["family"] == "segmentation"
+    assert got["score_metric"] == ref["score_metric"] == "miou"
+    for metric in ("ece", "nll", "miou"):
+        assert got["pre_ts"][metric] == pytest.approx(ref["pre_ts"][metric], rel=1e-9)
+
+
+def test_load_run_gives_what_every_tool_needs(straight):
+    from cals_seg.errors import CheckpointError
+    from cals_seg.runs import load_run
+
+    _, cfg, _ = straight
+    run = load_run(cfg.run_dir)
+    assert run.checkpoint.name == "checkpoint_best.pt" and run.family == "segmentation"
+    assert run.score_metric == "miou" and len(run.class_names) == cfg.data.num_classes
+    assert run.temperature == json.loads((cfg.run_dir / "temperature.json").read_text())[
+        "temperature"]
+    assert not run.model.training and run.protocol is not None and run.task is None
+    assert load_run(cfg.run_dir, "last").checkpoint.name == "checkpoint_last.pt"
+    with pytest.raises(ValueError, match="classification run"):
+        load_run(cfg.run_dir, family="classification")
+    with pytest.raises(CheckpointError, match="does not fit the model of .*config.yaml"):
+        load_run(cfg.run_dir, overrides=["model.params={decoder_channels: 16}"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_run(cfg.run_dir / "nothing")
 
 
 def test_eval_seg_rejects_checkpoint_of_other_class_count(straight, capsys):

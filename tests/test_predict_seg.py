@@ -158,3 +158,15 @@ def test_a_4000x3000_photo_gets_every_output_at_its_size(run_dir, tmp_path):
         assert Image.open(out / f"photo_{kind}.png").size == (4000, 3000), kind
     (line,) = _lines(out)
     assert (line["width"], line["height"]) == (4000, 3000) and line["seconds"] > 0
+
+
+def test_label_pngs_use_the_dataset_palette():
+    from cals_seg.data.voc import voc_palette
+    from cals_seg.predict import label_palette
+
+    colours = [[1, 2, 3], [250, 0, 7]]
+    palette = label_palette(colours)
+    assert palette.shape == (256, 3) and palette.dtype.name == "uint8"
+    assert palette[:2].tolist() == colours
+    assert (palette[2:] == voc_palette()[2:]).all()
+    assert (label_palette(None) == voc_palette()).all()

@@ -1,48 +1,13 @@
 """Generate the embedded default dataset (synthetic scenes in the VOC layout).
 
-Usage::
-
-    python tools/make_synthetic.py --root data/synthetic [--seed 0] [--num-train 120]
-        [--num-test 200] [--image-size 64] [--overwrite]
-
-The result is read with ``VOCSegmentation(root, ids, num_classes=11)``; ``paper_split(root)`` gives
-the train / val / test ids.
+``python tools/make_synthetic.py --help`` tells how to use it. The command lives in
+``cals_seg/commands/make_synthetic.py``; installed, it is also ``cals-make-synthetic``.
 """
 
-from __future__ import annotations
-
-import argparse
-import sys
-import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cals_seg.data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc  # noqa: E402
-from cals_seg.data.voc import paper_split  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--root", type=Path, required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-train", type=int, default=120, help="ids in train.txt")
-    parser.add_argument("--num-test", type=int, default=200, help="ids in val.txt (the test set)")
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace a synthetic dataset generated with other parameters")
-    args = parser.parse_args(argv)
-
-    start = time.perf_counter()
-    root = generate_synthetic_voc(args.root, num_train=args.num_train, num_test=args.num_test,
-                                  image_size=args.image_size, seed=args.seed,
-                                  overwrite=args.overwrite)
-    split = paper_split(root)
-    print(f"synthetic dataset at {root} ({time.perf_counter() - start:.1f}s): "
-          f"{len(split['train'])} train / {len(split['val'])} val / {len(split['test'])} test "
-          f"images, {len(SYNTHETIC_CLASSES)} classes: {', '.join(SYNTHETIC_CLASSES)}")
-    return root
-
+try:
+    from cals_seg.commands.make_synthetic import run
+except ModuleNotFoundError as err:  # the toolkit is not installed in this Python
+    raise SystemExit(f"error: {err}; install it first: pip install -e . (make does)") from None
 
 if __name__ == "__main__":
-    main()
+    run()

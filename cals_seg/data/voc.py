@@ -22,6 +22,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from cals_seg.data.paired import hold_out
 from cals_seg.data.transforms import eval_transform
 from cals_seg.errors import DataError
 
@@ -131,16 +132,8 @@ def paper_split(
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"Expected `val_fraction` to be in [0, 1), but got {val_fraction}.")
-    pool = read_split(root, "train")
-    n_val = round(val_fraction * len(pool))
-    order = np.random.default_rng(seed).permutation(len(pool))
-    is_val = np.zeros(len(pool), dtype=bool)
-    is_val[order[:n_val]] = True
-    return {
-        "train": [i for i, v in zip(pool, is_val, strict=True) if not v],
-        "val": [i for i, v in zip(pool, is_val, strict=True) if v],
-        "test": read_split(root, "val"),
-    }
+    train, val = hold_out(read_split(root, "train"), val_fraction, seed)
+    return {"train": train, "val": val, "test": read_split(root, "val")}
 
 
 def _read_pixels(path: Path, what: str, sample_id: str, rgb: bool) -> tuple[str, np.ndarray]:

@@ -58,7 +58,8 @@ def build_classification_model(
     try:
         return timm.create_model(name, **kwargs)
     except (TypeError, KeyError) as err:
-        raise UserError(f"model: cannot build timm model {name!r}: {err}") from err
+        raise UserError(f"model: cannot build timm model {name!r}"
+                        + (f" with model.params {params}" if params else "") + f": {err}") from err
     except Exception as err:  # network errors surface as many exception types
         if not kwargs.get("pretrained"):
             raise

@@ -9,11 +9,7 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 
-from cals_seg.errors import MissingPathError, UserError
-
-
-class WeightsUnavailableError(UserError, RuntimeError):
-    """Pretrained weights were asked for but could not be downloaded."""
+from ..errors import MissingPathError, UserError, WeightsUnavailableError
 
 
 def build_segmentation_model(

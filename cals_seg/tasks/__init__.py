@@ -124,15 +124,36 @@ def task_family(cfg: Config) -> str:
     return DATASETS[cfg.data.name][0]
 
 
+TASK_TYPES: dict[str, type[Task]] = {
+    "segmentation": SegmentationTask,
+    "classification": ClassificationTask,
+}
+
+
+def score_metric(cfg: Config) -> str:
+    """The headline metric of ``cfg``'s task family (``miou``, ``acc``), without reading data."""
+    return TASK_TYPES[task_family(cfg)].score_metric
+
+
 def build_task(cfg: Config, family: str | None = None) -> Task:
-    """The task of ``cfg`` (``family``: also check that it is one, naming the right tool)."""
+    """The task of ``cfg`` (``family``: also check that it is one, naming the right tool).
+
+    The config is checked first (:func:`cals_seg.checks.check_config`), before any data is
+    generated or read.
+    """
+    from ..checks import check_config
+
     found = task_family(cfg)
     if family is not None and found != family:
         tool = "tools/train_seg.py" if found == "segmentation" else "tools/train_cls.py"
         raise ConfigError(
             f"data.name={cfg.data.name!r} is a {found} dataset; train it with {tool}."
         )
-    return DATASETS[cfg.data.name][1](cfg)
+    check_config(cfg, reads_data=True, writes_run=False)  # data.class_names included
+    task = DATASETS[cfg.data.name][1](cfg)
+    if cfg.data.class_names is not None:  # display names of any dataset
+        task.class_names = list(cfg.data.class_names)
+    return task
 
 
 def generate_embedded(cfg: Config, generate: Callable[..., Any], classes: int, what: str) -> None:
@@ -174,8 +195,10 @@ __all__ = [
     "ClassificationTask",
     "SegmentationTask",
     "Task",
+    "TASK_TYPES",
     "build_task",
     "dataset_names",
     "register_dataset",
+    "score_metric",
     "task_family",
 ]

@@ -1,44 +1,94 @@
-"""Segmentation datasets in VOC layout and the smp model: ``data.name`` ``voc``, ``synthetic``.
+"""Segmentation datasets and the smp model: ``data.name`` ``voc``, ``synthetic``,
+``cityscapes``, ``ade20k``, ``folder``.
 
 To add a dataset in another layout: write its ``Dataset`` (items ``{"image": (3, H, W),
-"mask": (H, W)}``) in ``cals_seg/data/``, and here a builder registered under its name that
-returns :func:`segmentation_task` of its three splits.
+"mask": (H, W)}``; subclassing :class:`cals_seg.data.paired.PairedSegmentation` gives the
+loading, the label checks and ``tools/check_data.py``) in ``cals_seg/data/``, and here a
+function ``splits(cfg, transforms) -> {"train", "val", "test": Dataset}`` registered with
+:func:`segmentation_dataset` under its name and its class names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from torch import nn
+from torch.utils.data import Dataset
 
-from ..checks import check_eval_protocol
+from ..checks import check_class_names, check_eval_protocol
 from ..config import Config
+from ..data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
+from ..data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
+from ..data.folder import ColourTable, FolderSegmentation, folder_split
 from ..data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
 from ..data.transforms import eval_transform, train_transform
 from ..data.voc import VOC_CLASSES, VOCSegmentation, paper_split
+from ..errors import ConfigError
 from ..inference import EvalProtocol, input_multiple
 from ..models import build_segmentation_model
-from . import SegmentationTask, class_names_or_default, generate_embedded, register_dataset
+from . import (
+    SegmentationTask,
+    class_names_or_default,
+    generate_embedded,
+    register_dataset,
+)
+
+SPLITS = ("train", "val", "test")
+Transform = Callable[..., dict[str, Any]]
+SplitBuilder = Callable[[Config, Mapping[str, Transform]], dict[str, Dataset]]
 
 
-def segmentation_task(cfg: Config, splits: dict[str, list[str]],
-                      class_names: Sequence[str]) -> SegmentationTask:
-    """VOC-layout datasets of ``splits`` (``{"train", "val", "test": ids}`` under
-    ``data.root``) with the config's transforms, and the smp model."""
+def split_transforms(cfg: Config) -> dict[str, Transform]:
+    """Training augmentation for ``train``; normalisation only for ``val`` and ``test`` (the
+    evaluation protocol makes the network input and brings the logits back to the image)."""
     d = cfg.data
-    model = build_model(cfg, cfg.model.encoder_weights)
     train_tf = train_transform(d.crop_size, scale_range=tuple(d.scale_range),
                                color_jitter=d.color_jitter, ignore_index=d.ignore_index)
-    # Evaluation samples are the unmodified images and masks (normalised only); the protocol
-    # makes the network input (resize / pad / tiles) and brings the logits back to their size.
-    protocol = eval_protocol(cfg, model)
     eval_tf = eval_transform(None, ignore_index=d.ignore_index)
-    common = dict(num_classes=d.num_classes, ignore_index=d.ignore_index)
-    sets = {
-        split: VOCSegmentation(d.root, splits[split], train_tf if split == "train" else eval_tf,
-                               **common)
-        for split in ("train", "val", "test")
-    }
+    return {"train": train_tf, "val": eval_tf, "test": eval_tf}
+
+
+def refuse_listing_problems(sets: Mapping[str, Dataset]) -> None:
+    """The cheap data check run when a task is built: refuse splits whose listing found files
+    missing, images without masks or ids listed twice (``dataset.problems``); warn about the
+    rest (``dataset.warnings``: masks without images, blank lines in split files).
+
+    Raises:
+        ValueError: every problem, each naming its files, and the full check to run.
+    """
+    notes = dict.fromkeys(w for split in SPLITS for w in getattr(sets[split], "warnings", []))
+    for note in notes:  # files training does not use: said once, not refused
+        warnings.warn(f"data: {note}", stacklevel=3)
+    problems = list(dict.fromkeys(p for split in SPLITS
+                                  for p in getattr(sets[split], "problems", [])))
+    if problems:
+        raise ValueError(
+            f"the dataset has {len(problems)} problem(s): " + "; ".join(problems)
+            + ". Fix the files (tools/check_data.py CONFIG lists every problem of the data)."
+        )
+
+
+def segmentation_task(cfg: Config, make_splits: SplitBuilder,
+                      class_names: Sequence[str] | None) -> SegmentationTask:
+    """The task of any segmentation dataset: ``make_splits(cfg, transforms)`` gives the
+    three splits (items ``{"image": (3, H, W), "mask": (H, W)}``), built with the config's
+    transforms and checked (:func:`refuse_listing_problems`), and the smp model.
+
+    Args:
+        cfg: the run's config.
+        make_splits: the dataset's split builder.
+        class_names: the dataset's own names (``data.class_names`` replaces them).
+    """
+    d = cfg.data
+    # The data first: a wrong root or a missing file is reported before any weights are
+    # downloaded (building datasets and transforms draws from no global random generator).
+    sets = make_splits(cfg, split_transforms(cfg))
+    refuse_listing_problems(sets)
+    model = build_model(cfg, cfg.model.encoder_weights)
+    protocol = eval_protocol(cfg, model)
     return SegmentationTask(
         sets["train"], sets["val"], sets["test"], model, d.num_classes, d.ignore_index,
         class_names_or_default(class_names, d.num_classes), protocol,
@@ -51,10 +101,17 @@ def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
 
     Raises:
         ConfigError: a bad ``eval.mode`` / ``window`` / ``stride`` / ``resize`` / ``pad``, or a
-            ``data.eval_size`` (see :func:`cals_seg.checks.check_eval_protocol`).
+            ``data.eval_size`` (a segmentation split is evaluated at its own resolution).
     """
+    d, e = cfg.data, cfg.eval
+    if d.eval_size is not None:
+        raise ConfigError(
+            f"data.eval_size: {d.eval_size} would shrink the masks of a segmentation split; "
+            "metrics are now taken at each image's own resolution. Set data.eval_size: null "
+            f"and choose the network input with eval.pad: {d.eval_size} (pad, the paper's VOC "
+            f"protocol), eval.resize: {d.eval_size} (longest side), or eval.mode: slide (tiles)."
+        )
     check_eval_protocol(cfg)
-    e = cfg.eval
     return EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window,
                         stride=e.stride, multiple=input_multiple(model),
                         tile_batch=max(1, e.batch_size))
@@ -68,27 +125,136 @@ def build_model(cfg: Config, encoder_weights: str | None = None) -> nn.Module:
                                     cfg.data.num_classes, **m.params)
 
 
-CLASS_NAMES = {"voc": VOC_CLASSES, "synthetic": SYNTHETIC_CLASSES}
+SPLIT_BUILDERS: dict[str, SplitBuilder] = {}
+CLASS_NAMES: dict[str, Sequence[str] | None] = {}
+
+
+def segmentation_dataset(name: str, classes: Sequence[str] | None) -> Callable[[SplitBuilder],
+                                                                              SplitBuilder]:
+    """Decorator: ``splits(cfg, transforms)`` becomes the dataset ``data.name == name`` with
+    default class names ``classes`` (its task is :func:`segmentation_task` of it)."""
+
+    def add(splits: SplitBuilder) -> SplitBuilder:
+        SPLIT_BUILDERS[name] = splits
+        CLASS_NAMES[name] = classes
+        register_dataset(name, family="segmentation")(
+            lambda cfg: segmentation_task(cfg, splits, classes))
+        return splits
+
+    return add
+
+
+def segmentation_splits(cfg: Config) -> dict[str, Dataset]:
+    """The three splits of ``cfg``'s dataset without augmentation, without the model and
+    without refusing listing problems (what ``tools/check_data.py`` reads).
+
+    Raises:
+        ValueError: not a segmentation dataset, or a layout that cannot be read at all.
+    """
+    if cfg.data.name not in SPLIT_BUILDERS:
+        raise ConfigError(
+            f"data.name: {cfg.data.name!r} is not a segmentation dataset; valid names are "
+            f"{sorted(SPLIT_BUILDERS)}."
+        )
+    eval_tf = eval_transform(None, ignore_index=cfg.data.ignore_index)
+    return SPLIT_BUILDERS[cfg.data.name](cfg, dict.fromkeys(SPLITS, eval_tf))
 
 
 def class_names(cfg: Config) -> list[str]:
-    """The class names of ``cfg``'s dataset, without reading the data."""
+    """The class names of ``cfg``'s dataset, without reading the data: ``data.class_names``,
+    else the dataset's own, else ``class 0 ...``."""
+    if cfg.data.class_names is not None:
+        check_class_names(cfg)
+        return list(cfg.data.class_names)
     return class_names_or_default(CLASS_NAMES.get(cfg.data.name), cfg.data.num_classes)
 
 
-@register_dataset("voc", family="segmentation")
-def voc(cfg: Config) -> SegmentationTask:
-    """PASCAL VOC 2012 with the paper's split: ``train.txt`` 80/20 train/val, ``val.txt`` test."""
+def _check_num_classes(cfg: Config, expected: int, what: str) -> None:
+    if cfg.data.num_classes != expected:
+        raise ConfigError(
+            f"data.num_classes: {what} has {expected} classes, but the config says "
+            f"{cfg.data.num_classes}; set data.num_classes: {expected}."
+        )
+
+
+def _existing_root(cfg: Config) -> str:
+    if not Path(cfg.data.root).is_dir():
+        raise ConfigError(f"data.root: the folder '{cfg.data.root}' does not exist; point "
+                          f"data.root at the {cfg.data.name} dataset.")
+    return cfg.data.root
+
+
+def _voc_splits(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Dataset]:
     d = cfg.data
     split = paper_split(d.root, val_fraction=d.val_fraction, seed=d.split_seed)
-    return segmentation_task(cfg, split, VOC_CLASSES)
+    return {s: VOCSegmentation(d.root, split[s], transforms[s], num_classes=d.num_classes,
+                               ignore_index=d.ignore_index) for s in SPLITS}
 
 
-@register_dataset("synthetic", family="segmentation")
-def synthetic(cfg: Config) -> SegmentationTask:
+@segmentation_dataset("voc", VOC_CLASSES)
+def voc(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Dataset]:
+    """PASCAL VOC 2012 with the paper's split: ``train.txt`` 80/20 train/val, ``val.txt`` test."""
+    return _voc_splits(cfg, transforms)
+
+
+@segmentation_dataset("synthetic", SYNTHETIC_CLASSES)
+def synthetic(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Dataset]:
     """The embedded dataset (VOC layout), generated at ``data.root`` when missing
     (``data.synthetic`` holds the generator's keyword arguments), with the paper's split."""
-    d = cfg.data
     generate_embedded(cfg, generate_synthetic_voc, len(SYNTHETIC_CLASSES), "the synthetic dataset")
-    split = paper_split(d.root, val_fraction=d.val_fraction, seed=d.split_seed)
-    return segmentation_task(cfg, split, SYNTHETIC_CLASSES)
+    return _voc_splits(cfg, transforms)
+
+
+@segmentation_dataset("cityscapes", CITYSCAPES_CLASSES)
+def cityscapes(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Dataset]:
+    """Cityscapes fine: 19 train ids; a seeded ``data.val_fraction`` of ``train`` is the
+    validation split, the official ``val`` the test set."""
+    d = cfg.data
+    _check_num_classes(cfg, len(CITYSCAPES_CLASSES), "Cityscapes")
+    files = cityscapes_split(_existing_root(cfg), d.val_fraction, d.split_seed)
+    return {s: CityscapesSegmentation(files[s], transforms[s], num_classes=d.num_classes,
+                                      ignore_index=d.ignore_index) for s in SPLITS}
+
+
+@segmentation_dataset("ade20k", ADE20K_CLASSES)
+def ade20k(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Dataset]:
+    """ADE20K (ADEChallengeData2016): 150 classes, annotation 0 void; a seeded
+    ``data.val_fraction`` of ``training`` is the validation split, ``validation`` the test set."""
+    d = cfg.data
+    _check_num_classes(cfg, len(ADE20K_CLASSES), "ADE20K")
+    files = ade20k_split(_existing_root(cfg), d.val_fraction, d.split_seed)
+    return {s: ADE20KSegmentation(files[s], transforms[s], num_classes=d.num_classes,
+                                  ignore_index=d.ignore_index) for s in SPLITS}
+
+
+def colour_table(cfg: Config) -> ColourTable | None:
+    """The folder dataset's colour decoding (``data.palette``), or ``None`` for index masks.
+
+    Raises:
+        ConfigError: a malformed palette, or colour keys given without ``data.palette``.
+    """
+    d = cfg.data
+    if d.palette is None:
+        if d.void_colours:
+            raise ConfigError("data.void_colours is only read with data.palette (colour masks); "
+                              "set data.palette or remove data.void_colours.")
+        return None
+    if len(d.palette) != d.num_classes:
+        raise ConfigError(f"data.palette: {len(d.palette)} colours for data.num_classes="
+                          f"{d.num_classes}; give one [r, g, b] per class, in class order.")
+    try:
+        return ColourTable(d.palette, d.void_colours, d.ignore_index, d.unknown_colours)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+@segmentation_dataset("folder", None)
+def folder(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Dataset]:
+    """Images and masks matched by file stem (:mod:`cals_seg.data.folder`); without a val
+    split, a seeded ``data.val_fraction`` of train."""
+    d = cfg.data
+    colours = colour_table(cfg)
+    files = folder_split(_existing_root(cfg), d.image_dir, d.mask_dir, d.split_files,
+                         d.val_fraction, d.split_seed)
+    return {s: FolderSegmentation(files[s], transforms[s], num_classes=d.num_classes,
+                                  ignore_index=d.ignore_index, colours=colours) for s in SPLITS}

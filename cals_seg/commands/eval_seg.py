@@ -1,0 +1,170 @@
+"""Evaluate a trained segmentation run: metrics before/after calibration, plots, maps.
+
+Metrics before and after temperature scaling (fitted on the validation split), plots, and
+per-image calibration maps.
+
+    python tools/eval_seg.py runs/<name> [--checkpoint best|last|FILE] [--split test]
+        [--out DIR] [--num-maps 4] [--mode slide --window 512 --stride 341]
+        [--resize S] [--pad P] [--set key=value ...]
+    python tools/eval_seg.py CONFIG --checkpoint FILE ...     (older form: another config)
+
+Every metric is taken at each image's own resolution against its unmodified mask; the network
+input follows the run's ``eval`` section (resize, pad, whole or slide), overridden by the options.
+
+Writes DIR/metrics.json (every metric of the test meters, pooled and per-image, per boundary
+band and object size, pre- and post-TS with T), DIR/reliability_{pre,post}_ts.png,
+DIR/ece_bands.png and DIR/ece_sizes.png (ECE per distance band / object-size bucket, pre- and
+post-TS), DIR/risk_coverage.png, DIR/reliability_bands_{pre,post}_ts.png (one diagram per band),
+DIR/lambda_curves.png when the run has multipliers, and DIR/maps/<id>.png (image, ground truth,
+prediction, confidence, errors, confidence on errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..cli import add_method_argument, add_protocol_arguments, add_set_argument, protocol_overrides
+from ..errors import MissingPathError
+
+
+def _count(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return n
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("run", metavar="RUN_DIR",
+                        help="a run folder (or, older form, a YAML config with --checkpoint)")
+    parser.add_argument("--checkpoint", default="best",
+                        help="best (default), last, or a checkpoint file")
+    parser.add_argument("--split", default="test", choices=["train", "val", "test"])
+    parser.add_argument("--out", default=None, help="output folder (default: <run>/eval_<split>)")
+    parser.add_argument(
+        "--num-maps",
+        type=_count,
+        default=None,
+        help="calibration maps for the first N images (default: eval.num_maps)",
+    )
+    add_protocol_arguments(parser)
+    add_method_argument(parser)
+    add_set_argument(parser)
+    return parser.parse_args(argv)
+
+
+def open_run(args: argparse.Namespace):
+    """The run of ``RUN_DIR [--checkpoint best|last|FILE]``, or of the older form
+    ``CONFIG --checkpoint FILE`` (the config given instead of the run's own)."""
+    from ..runs import load_run
+
+    sets = [*args.set, *protocol_overrides(args)]
+    given = Path(args.run)
+    if given.is_file() and given.suffix in (".yaml", ".yml"):  # CONFIG --checkpoint FILE
+        if args.checkpoint in ("best", "last"):
+            raise MissingPathError(f"{given} is a config: name the checkpoint with --checkpoint "
+                                    "FILE, or give the run folder instead.")
+        return load_run(args.checkpoint, overrides=sets, family="segmentation", with_data=True,
+                        config=given, method=args.method)
+    if args.checkpoint in ("best", "last"):
+        return load_run(given, args.checkpoint, overrides=sets, family="segmentation",
+                        with_data=True)
+    return load_run(args.checkpoint, overrides=sets, family="segmentation", with_data=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from ..cli import USER_ERRORS, report
+    from ..rules import check_folder
+    from ..voc_checks import check_voc_data
+
+    try:
+        if args.out:
+            check_folder("--out", args.out, must_exist=False, writable=True)
+        run = open_run(args)
+        check_voc_data(run.task, tuple(dict.fromkeys(("val", args.split))))  # files named
+    except USER_ERRORS as err:
+        return report(err)
+    return evaluate_run(run, args)
+
+
+def evaluate_run(run, args: argparse.Namespace) -> int:
+    """Test metrics before/after temperature scaling, plots and calibration maps of ``run``."""
+    import copy
+
+    from .. import plotting
+    from ..checks import bounded_input, warn_large_images
+    from ..distributed import is_main_process
+    from ..engine import make_loader
+    from ..reports import calibration_maps, plot_regions
+    from ..rundir import RunDir, write_json
+    from ..trainer import calibrated_test
+
+    cfg, task, model, amp = run.config, run.task, run.model, run.precision
+    split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
+    warn_large_images(split_set, args.split, bounded_input(cfg))
+    if args.split == "train":  # the training images without augmentation (a copy, not the task's)
+        split_set = copy.copy(split_set)
+        split_set.transform = task.val_set.transform
+    e, workers = cfg.eval, cfg.data.num_workers
+    result = calibrated_test(
+        model, task, make_loader(task.val_set, e.batch_size, False, workers),
+        make_loader(split_set, e.batch_size, False, workers), run.device, amp, e.n_bins,
+        e.temperature_scaling, cfg.train.progress,
+    )
+    result.update(checkpoint=str(run.checkpoint), epoch=run.epoch, split=args.split,
+                  precision=amp, family=run.family, score_metric=run.score_metric)
+    if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
+        return 0
+
+    out = Path(args.out) if args.out else run.checkpoint.resolve().parent / f"eval_{args.split}"
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "metrics.json", result)
+    for key in ("pre_ts", "post_ts"):
+        if result.get(key):
+            title = f"{cfg.name} {args.split}, {key.replace('_', '-')}"
+            if key == "post_ts":
+                title += f" (T = {result['temperature']:.2f})"
+            plotting.plot_reliability_diagram(
+                result[key]["reliability"],
+                out / f"reliability_{key}.png",
+                title=title,
+                ece=result[key]["ece"],
+            )
+    plot_regions(result, out, f"{cfg.name} {args.split}")
+    history = RunDir(run.checkpoint.resolve().parent).history()
+    plotting.plot_multiplier_curves(history, out / "lambda_curves.png", task.class_names)
+    num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
+    maps = calibration_maps(
+        model,
+        split_set,
+        split_set.ids[:num_maps],
+        out / "maps",
+        run.device,
+        task.class_names,
+        task.ignore_index,
+        protocol=task.protocol,
+        amp=amp,
+    )
+    pre, post = result["pre_ts"], result["post_ts"]
+    line = f"{args.split}: ECE {pre['ece']:.4f}  AECE {pre['aece']:.4f}  mIoU {pre['miou']:.4f}"
+    if post is not None:
+        line += f"  | post-TS ECE {post['ece']:.4f} (T = {result['temperature']:.3f})"
+    print(line)
+    print(f"wrote {out / 'metrics.json'} and {len(maps)} calibration maps in {out / 'maps'}")
+    return 0
+
+
+def run() -> None:
+    """Console entry point (joins the process group under torchrun)."""
+    from ..cli import launch
+
+    launch(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,158 @@
+"""Calibrated segmentation of new, unlabelled images with a trained run.
+
+    python tools/predict_seg.py runs/<name> photos/ extra.jpg --out predictions/ \\
+        [--threshold 0.5] [--temperature T] [--mode slide --window 512 --stride 341] \\
+        [--resize S] [--pad P] [--device auto|cpu|cuda] [--strict] [--set key=value ...]
+
+RUN_DIR_OR_CHECKPOINT is a run directory (its checkpoint_best.pt, else checkpoint_last.pt) or a
+checkpoint inside one; the run's resolved config.yaml rebuilds the model and the normalisation,
+and its temperature.json (fitted on the validation split) calibrates the confidences
+(--temperature 1 switches that off). INPUTS are image files or folders (searched recursively).
+
+Per image, named after the input file, in DIR:
+
+    <name>_label.png        the predicted class per pixel, a palette PNG (VOC colours)
+    <name>_confidence.png   top-label probability of softmax(logits / T), 16-bit PNG: value / 65535
+    <name>_entropy.png      predictive entropy / ln K (0: certain, 1: uniform), 16-bit PNG
+    <name>_overlay.png      image, prediction colours, pixels under --threshold in magenta
+
+and one JSON line per input in DIR/predictions.jsonl: size, temperature, mean confidence, the
+fraction of pixels under the threshold, mean entropy (nats), predicted class areas, seconds, and
+the output files (or the error of an unreadable input). Outputs are at the image's own
+resolution whatever the network input (see cals_seg.inference).
+
+Exit status: 0, or 1 when some inputs could not be read (each is named, the rest are written),
+or 2 on a usage error or, with --strict, at the first unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from ..cli import add_protocol_arguments, add_set_argument, protocol_overrides
+from ..errors import UserError
+
+
+def open_run(args: argparse.Namespace):
+    """The run to predict with (eval mode, on its device) and the temperature to use."""
+    from ..runs import load_run
+
+    run = load_run(args.run, overrides=[*args.set, *protocol_overrides(args)],
+                   device=args.device, amp=args.amp, family="segmentation")
+    temperature = args.temperature
+    if temperature is None:
+        temperature = run.temperature
+        if temperature is None:
+            warnings.warn(f"{run.path} has no temperature.json (the run did not finish, or "
+                          "eval.temperature_scaling is false): confidences are not calibrated "
+                          "(T = 1).", stacklevel=1)
+            temperature = 1.0
+    if not temperature > 0:
+        raise UserError(f"--temperature: expected a number > 0, got {temperature}.")
+    return run, float(temperature)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", metavar="RUN_DIR_OR_CHECKPOINT")
+    parser.add_argument("inputs", nargs="+", metavar="INPUTS", help="image files or folders")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    parser.add_argument("--threshold", type=float, default=0.5,
+                        help="confidence under which a pixel is highlighted (default 0.5)")
+    parser.add_argument("--temperature", type=float, default=None, metavar="T",
+                        help="instead of the run's fitted temperature (1: no calibration)")
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1 (default: the "
+                        "run's train.device)")
+    parser.add_argument("--amp", default=None, choices=["auto", "none", "bf16", "fp16"],
+                        help="precision of the forward pass (default: the run's train.amp)")
+    parser.add_argument("--strict", action="store_true",
+                        help="stop at the first unreadable input (default: name it, go on)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    add_protocol_arguments(parser)
+    add_set_argument(parser)
+    args = parser.parse_args(argv)
+    if not 0 < args.threshold <= 1:
+        parser.error(f"--threshold: expected a number in (0, 1], got {args.threshold}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tqdm import tqdm
+
+    from ..cli import USER_ERRORS, report
+    from ..inference import predict_image
+    from ..predict import (
+        IMAGE_SUFFIXES,
+        UnreadableImageError,
+        collect_inputs,
+        label_palette,
+        output_names,
+        read_image,
+        summary,
+        write_outputs,
+    )
+    from ..rules import check_folder
+
+    try:
+        check_folder("--out", args.out, must_exist=False, writable=True)
+        run, temperature = open_run(args)
+    except USER_ERRORS as err:
+        return report(err)
+    cfg, model, protocol, device, amp = run.config, run.model, run.protocol, run.device, \
+        run.precision
+    files = collect_inputs(args.inputs)
+    if not files:
+        return report(UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names, k = run.class_names, cfg.data.num_classes
+    palette = label_palette(cfg.data.palette)
+    failed: list[str] = []
+    bar = tqdm(files, desc="predict", unit="img", disable=not args.progress, dynamic_ncols=True)
+    with (out / "predictions.jsonl").open("w") as log:
+        for path, name in zip(bar, output_names(files), strict=True):
+            start = time.perf_counter()
+            try:
+                image = read_image(path)
+            except UnreadableImageError as err:
+                tqdm.write(f"error: {err}; " + ("stopping (--strict)." if args.strict
+                                                else "skipped, going on."), file=sys.stderr)
+                log.write(json.dumps({"input": str(path), "error": str(err)}) + "\n")
+                if args.strict:
+                    return 2
+                failed.append(str(path))
+                continue
+            pred = predict_image(model, image, temperature, protocol, amp)
+            record = {
+                "input": str(path), "height": image.shape[0], "width": image.shape[1],
+                "temperature": temperature, "threshold": args.threshold,
+                **summary(pred, args.threshold, names),
+                "outputs": write_outputs(out, name, image, pred, k, args.threshold, palette),
+            }
+            record["seconds"] = time.perf_counter() - start
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+    done = len(files) - len(failed)
+    print(f"wrote {done} prediction(s) to {out} (T = {temperature:.3f}, {device.type}, "
+          f"precision {amp}, {protocol.mode}); summary lines in {out / 'predictions.jsonl'}")
+    if failed:
+        print(f"error: {len(failed)} input(s) could not be read: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def run() -> None:
+    """Console entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

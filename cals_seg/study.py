@@ -1,0 +1,268 @@
+"""Studies: train one run per (config, method, seed), reuse finished ones, and tabulate them.
+
+The library behind ``tools/compare.py`` (and the margin sweep of ``tools/margin.py``): a run is
+trained in its own process (``python -m cals_seg.commands.train_seg`` or ``train_cls``), reused
+when its ``test_metrics.json`` exists and its saved config matches, and summarised into one table
+row per method with mean and standard deviation over seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import Config, config_to_dict, load_config
+from .errors import MissingPathError
+from .precision import resolve_amp, resolve_device
+from .rundir import RunDir, atomic_write
+from .tasks import build_task, task_family
+
+# (key in test_metrics, column title, lower is better, shown in percent)
+COLUMNS = [
+    ("score", None, False, True),
+    ("ece", "ECE", True, True),
+    ("aece", "AECE", True, True),
+    ("cwce", "CWCE", True, True),
+    ("nll", "NLL", True, False),
+    ("ece_image_mean", "ECE (image mean)", True, True),
+    ("ece_boundary", "boundary ECE", True, True),
+    ("ece_interior", "interior ECE", True, True),
+    ("post_ece", "post-TS ECE", True, True),
+    ("temperature", "T", None, False),
+]
+
+
+# keys that may differ between a saved run and the requested one without changing its results
+_IGNORED_KEYS = {"output_dir", "train.progress", "train.threads"}
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "params":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _resolved_precision(run: RunDir) -> str | None:
+    """The precision a run used (``none``/``bf16``/``fp16``), from its files; None if unknown."""
+    if run.test_metrics.is_file():
+        return json.loads(run.test_metrics.read_text()).get("precision")
+    history = run.history()
+    return history[-1].get("precision") if history else None
+
+
+def config_differences(run_dir: Path, expected: Config) -> list[str]:
+    """Dotted keys whose value in ``run_dir/config.yaml`` differs from ``expected``, and
+    ``train.amp (resolved)`` when ``amp: auto`` resolved to another precision there (another
+    CPU or GPU) than it does here."""
+    saved = _flatten(config_to_dict(load_config(run_dir / "config.yaml")))
+    wanted = _flatten(config_to_dict(expected))
+    keys = (saved.keys() | wanted.keys()) - _IGNORED_KEYS
+    differ = sorted(k for k in keys if saved.get(k) != wanted.get(k))
+    there = _resolved_precision(RunDir(run_dir))
+    here = resolve_amp(expected.train.amp, resolve_device(expected.train.device), warn=False)
+    if there is not None and there != here:
+        differ.append(f"train.amp (resolved: {there} there, {here} here)")
+    return differ
+
+
+def run_one(
+    config: Path, method: str | None, seed: int, out: Path, sets: list[str],
+    checkpoints: str = "best",
+) -> tuple[Path, str | None]:
+    """Train one (config, method, seed) run unless it has finished already; return
+    (run dir, error).
+
+    A run directory left by an earlier call is reused (finished) or resumed (interrupted) only
+    if it was trained with the same config, in the same resolved precision; otherwise the run is
+    reported as failed with the keys that differ, and nothing is overwritten."""
+    cfg = load_config(config, sets, method)
+    name = f"{cfg.name}_seed{seed}"
+    run_dir = out / "runs" / name
+    if (run_dir / "config.yaml").is_file():
+        expected = load_config(
+            config, [*sets, f"name={name}", f"output_dir={out / 'runs'}", f"train.seed={seed}"],
+            method,
+        )
+        differ = config_differences(run_dir, expected)
+        if differ:
+            return run_dir, (
+                f"{run_dir} was trained with another config (differs in {', '.join(differ)}); "
+                "delete it to retrain, or pass another --out"
+            )
+    if (run_dir / "test_metrics.json").is_file():
+        print(f"reusing {run_dir}", flush=True)
+        return run_dir, None
+    tool = "train_seg" if task_family(cfg) == "segmentation" else "train_cls"
+    cmd = [
+        sys.executable,
+        "-m",
+        f"cals_seg.commands.{tool}",
+        str(config),
+        *(["--method", method] if method else []),
+        "--set",
+        *sets,
+        f"name={name}",
+        f"output_dir={out / 'runs'}",
+        f"train.seed={seed}",
+        "train.progress=false",
+    ]
+    if (run_dir / "checkpoint_last.pt").is_file():  # interrupted: continue it
+        cmd += ["--resume", str(run_dir)]
+    elif run_dir.exists():  # stopped (with a matching config) before its first checkpoint
+        shutil.rmtree(run_dir)
+    print("$ " + " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return run_dir, lines[-1] if lines else f"exit code {proc.returncode}"
+    # a finished run is reused from test_metrics.json: its resume point is no longer needed
+    drop = {"all": [], "best": ["checkpoint_last.pt"]}.get(
+        checkpoints, ["checkpoint_last.pt", "checkpoint_best.pt"]
+    )
+    for name in drop:
+        (run_dir / name).unlink(missing_ok=True)
+    return run_dir, None
+
+
+def backfill_test_metrics(run_dir: Path) -> list[str]:
+    """Add to ``run_dir/test_metrics.json`` the keys the task's test meters write now and the
+    file lacks (a run finished before those meters existed); return them (``[]``: none missing).
+
+    The run's ``checkpoint_best.pt`` is evaluated once on its test split, in the precision it
+    was tested in, with the saved temperature for the post-TS view (no refit); keys already in
+    the file are kept as they are. Raises ``FileNotFoundError`` when keys are missing and the
+    checkpoint is not there.
+    """
+    import torch
+
+    from cals_seg.engine import make_loader
+    from cals_seg.evaluation import Scaled, compute, evaluate
+    from cals_seg.rundir import load_checkpoint, write_json
+
+    path = run_dir / "test_metrics.json"
+    metrics = json.loads(path.read_text())
+    cfg = load_config(run_dir / "config.yaml")
+    task = build_task(cfg)
+    n_bins = cfg.eval.n_bins
+    views = [v for v in ("pre_ts", "post_ts") if metrics.get(v)]
+    missing = sorted(set(compute(task.meters(n_bins, test=True))) - set(metrics["pre_ts"]))
+    if not missing:
+        return []
+    ckpt = run_dir / "checkpoint_best.pt"
+    if not ckpt.is_file():
+        raise MissingPathError(f"{run_dir} lacks the test metrics {missing} and {ckpt.name}")
+    print(f"adding {', '.join(missing)} to {path} (one test pass of {ckpt.name})", flush=True)
+    task.model.load_state_dict(load_checkpoint(ckpt)["model"])
+    device = resolve_device(cfg.train.device)
+    amp = metrics.get("precision") or resolve_amp(cfg.train.amp, device, warn=False)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    meters = {v: {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
+              for v in views}  # fmt: skip
+    consumers: list[Any] = list(meters["pre_ts"].values())
+    if "post_ts" in meters:
+        consumers.append(Scaled(metrics["temperature"], meters["post_ts"].values()))
+    loader = make_loader(task.test_set, cfg.eval.batch_size, False, cfg.data.num_workers)
+    evaluate(task.model.to(device), loader, device, consumers, amp, protocol=task.protocol)
+    for view in views:
+        new = compute(meters[view])
+        metrics[view].update({k: new[k] for k in missing})
+    metrics["added_keys"] = sorted(set(metrics.get("added_keys", [])) | set(missing))
+    write_json(path, metrics)
+    return missing
+
+
+def summarise(metrics: dict[str, Any], score_metric: str) -> dict[str, float]:
+    """One run's row entries: ``score_metric`` (the task's headline metric, e.g. ``miou``) as
+    ``score``, and the calibration columns of :data:`COLUMNS`."""
+    pre, post = metrics["pre_ts"], metrics.get("post_ts")
+    score = pre[score_metric]
+    bands = pre.get("ece_band") or [None]
+    return {
+        "score": score,
+        "ece": pre["ece"],
+        "aece": pre["aece"],
+        "cwce": pre.get("cwce"),
+        "nll": pre["nll"],
+        "ece_image_mean": pre.get("ece_image_mean"),
+        "ece_boundary": bands[0],
+        "ece_interior": bands[-1],
+        "post_ece": post["ece"] if post else None,
+        "temperature": metrics["temperature"],
+    }
+
+
+def mean_std(values: list[float], percent: bool) -> tuple[str, float | None, float | None]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-", None, None
+    scale = 100.0 if percent else 1.0
+    mean = statistics.fmean(values) * scale
+    std = statistics.stdev(values) * scale if len(values) > 1 else 0.0
+    text = f"{mean:.2f}" if len(values) == 1 else f"{mean:.2f} ± {std:.2f}"
+    return text, mean, std
+
+
+def write_results(out: Path, rows: dict[str, dict[str, Any]], score_name: str) -> None:
+    """results.md (best per column in bold) and results.csv."""
+    table = {}
+    for method, row in rows.items():
+        table[method] = {
+            key: mean_std([s[key] for s in row["summaries"]], pct) for key, _, _, pct in COLUMNS
+        }
+    best = {}
+    for key, _, lower, _ in COLUMNS:
+        means = [(cells[key][1], m) for m, cells in table.items() if cells[key][1] is not None]
+        if lower is None or not means:
+            continue
+        best[key] = (min(means) if lower else max(means))[1]
+    titles = [score_name if title is None else title for _, title, _, _ in COLUMNS]
+    lines = [
+        "| method | seeds | " + " | ".join(titles) + " |",
+        "|---|---:|" + "---:|" * len(COLUMNS),
+    ]
+    for method, cells in table.items():
+        shown = [
+            f"**{cells[key][0]}**" if best.get(key) == method else cells[key][0]
+            for key, *_ in COLUMNS
+        ]
+        lines.append(f"| {method} | {len(rows[method]['summaries'])} | " + " | ".join(shown) + " |")
+    failures = [(m, seed, err) for m, row in rows.items() for seed, err in row["failed"]]
+    text = "\n".join(lines) + "\n"
+    text += (
+        "\nValues in % except NLL and T; mean ± std over seeds; best per column in bold "
+        "(lower is better for calibration, higher for " + score_name + ").\n"
+    )
+    if failures:
+        text += "\nFailed runs (not in the means):\n\n"
+        text += "".join(f"- {m}, seed {seed}: {err}\n" for m, seed, err in failures)
+    atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(text))
+    table_csv = io.StringIO(newline="")
+    writer = csv.writer(table_csv)
+    writer.writerow(
+        ["method", "seeds", "failed"]
+        + [f"{k}_mean" for k, *_ in COLUMNS]
+        + [f"{k}_std" for k, *_ in COLUMNS]
+    )
+    for method, cells in table.items():
+        writer.writerow(
+            [method, len(rows[method]["summaries"]), len(rows[method]["failed"])]
+            + [cells[k][1] for k, *_ in COLUMNS]
+            + [cells[k][2] for k, *_ in COLUMNS]
+        )
+    atomic_write(out / "results.csv",
+                 lambda tmp: Path(tmp).write_text(table_csv.getvalue(), newline=""))
+    print(text)
+
+

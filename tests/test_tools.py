@@ -1,0 +1,43 @@
+"""Every tool is a door: ``tools/<name>.py`` runs ``cals_seg.commands.<name>``, its ``--help``
+answers without importing torch, and no file edits ``sys.path``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = sorted(p.stem for p in (ROOT / "tools").glob("*.py"))
+
+
+def test_every_tool_has_a_command_and_a_console_script():
+    commands = sorted(p.stem for p in (ROOT / "cals_seg" / "commands").glob("*.py")
+                      if p.stem != "__init__")
+    assert TOOLS == commands
+    scripts = (ROOT / "pyproject.toml").read_text()
+    for name in TOOLS:
+        assert f'cals-{name.replace("_", "-")} = "cals_seg.commands.{name}:run"' in scripts
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_help_answers_without_importing_torch(name):
+    code = (f"import runpy, sys; sys.argv = ['{name}.py', '--help']\n"
+            f"try:\n    runpy.run_path('tools/{name}.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported by --help'\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+
+
+def test_nothing_edits_sys_path():
+    for folder in ("tools", "tests", "cals_seg", "benchmarks", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == Path(__file__):
+                continue
+            text = path.read_text()
+            assert "sys.path.insert" not in text and "sys.path.append" not in text, path
