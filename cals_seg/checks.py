@@ -37,7 +37,7 @@ RESUMABLE_KEYS = (
 LARGE_IMAGE_PIXELS = 2048 * 2048
 
 
-def check_config(cfg: Config, reads_data: bool = True, writes_run: bool = True) -> None:
+def check_config(cfg: Config, reads_data: bool = False, writes_run: bool = False) -> None:
     """Refuse a config whose values cannot give a sensible run (before any data or model work):
     every key by the table of :mod:`cals_seg.rules` (ranges, choices, devices, names, paths),
     then the rules between keys (best metric and mode, the loss parameters, the evaluation
@@ -45,7 +45,7 @@ def check_config(cfg: Config, reads_data: bool = True, writes_run: bool = True) 
 
     Args:
         cfg: the resolved config.
-        reads_data: the command reads the data (its paths must exist).
+        reads_data: the command reads the data (its paths must exist); off: the values only.
         writes_run: the command writes a run folder (``output_dir`` must be writable).
 
     Raises:

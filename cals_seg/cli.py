@@ -156,7 +156,7 @@ def train_command(
 
         try:
             cfg = run_config(args)
-            check_config(cfg)  # every key by rule, before the seed, the data or the model
+            check_config(cfg, reads_data=True, writes_run=True)  # all keys, before any work
             seed_everything(cfg.train.seed)  # the model's initialisation depends on it
             task = build_task(cfg, family)
             test = fit(cfg, task, resume=args.resume)

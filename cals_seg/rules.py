@@ -462,7 +462,7 @@ def check_file(key: str, value: str, allowed: str = "an existing file") -> None:
         raise refuse(key, allowed, value, f"{value} does not exist")
 
 
-def check_paths(cfg: Config, reads_data: bool = True, writes_run: bool = True) -> None:
+def check_paths(cfg: Config, reads_data: bool = False, writes_run: bool = False) -> None:
     """Paths by what they must be: the data folder (where the data is read), the run folder
     (where a run is written), weights and word-vector files (always: the model needs them)."""
     d, m = cfg.data, cfg.model
@@ -491,7 +491,7 @@ def check_paths(cfg: Config, reads_data: bool = True, writes_run: bool = True) -
         check_file("model.glove_path", m.glove_path, "null or an existing GloVe .txt file")
 
 
-def check_all(cfg: Config, reads_data: bool = True, writes_run: bool = True) -> None:
+def check_all(cfg: Config, reads_data: bool = False, writes_run: bool = False) -> None:
     """Every rule of the table, the cross rules and the paths, in that order.
 
     Args:

@@ -80,7 +80,7 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
     for config in args.configs:
         for method in args.methods or [None]:
             cfg = load_config(config, [*args.set, f"output_dir={args.out / 'runs'}"], method)
-            check_config(cfg)  # every key by rule, as the training runs will see it
+            check_config(cfg, reads_data=True, writes_run=True)  # as the runs will see it
             if (cfg.data.name, cfg.data.root) not in prepared:
                 prepared.add((cfg.data.name, cfg.data.root))
                 build_task(cfg)

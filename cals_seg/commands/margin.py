@@ -191,8 +191,8 @@ def sweep_main(args: argparse.Namespace) -> int:
             raise UserError(f"--max-miou-drop must be >= 0, got {args.max_miou_drop}")
         cfg = load_config(config, sets, args.method)
         ce_cfg = load_config(config, sets, "ce")
-        check_config(cfg)
-        check_config(ce_cfg)
+        check_config(cfg, reads_data=True, writes_run=True)
+        check_config(ce_cfg, reads_data=True, writes_run=True)
         if ce_cfg.loss.name != "ce":
             raise UserError(f"the method 'ce' of {config} is not cross-entropy")
         loss_cls = LOSSES.get(cfg.loss.name)
