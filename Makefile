@@ -1,9 +1,11 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
-# Both create .venv from requirements.txt when it is missing or older than requirements.txt.
+# Both create .venv from requirements.txt (and install the package into it) when it is missing or
+# older than requirements.txt / pyproject.toml; `make test` also installs requirements-test.txt.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test compare margin lint bench clean
 
@@ -11,13 +13,17 @@ $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	$(PY) -m pip install --quiet -r requirements-test.txt
+	touch $(TEST_STAMP)
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q tests
 
 # The results table of docs/results.md: eight methods x three seeds on the embedded dataset, two

@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import Config, ConfigError, config_to_dict
 from .errors import DataError
+from .loggers import check_loggers
 from .losses import build_loss
 from .rules import check_all
 from .voc_checks import check_voc_data
@@ -26,7 +27,7 @@ BEST_MODES = ("max", "min")
 # learning-rate schedule for the new length (see ``trainer.restore_training_state``).
 RESUMABLE_KEYS = (
     "name", "output_dir", "data.root", "data.num_workers", "train.epochs", "train.device",
-    "train.threads", "train.progress", "eval.batch_size", "eval.n_bins",
+    "train.threads", "train.progress", "train.loggers", "eval.batch_size", "eval.n_bins",
     "eval.temperature_scaling", "eval.num_maps", "eval.mode", "eval.resize", "eval.pad",
     "eval.window", "eval.stride",
     "data.class_names",  # display names only
@@ -55,6 +56,7 @@ def check_config(cfg: Config, reads_data: bool = False, writes_run: bool = False
     t = cfg.train
     check_eval_protocol(cfg)
     check_class_names(cfg)
+    check_loggers(t.loggers)  # a missing package fails here, with its install command
     if t.best_mode not in BEST_MODES:
         raise ConfigError(f"train.best_mode: expected 'max' or 'min', got {t.best_mode!r}.")
     direction = ("min" if t.best_metric in LOWER_BETTER

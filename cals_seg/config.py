@@ -147,7 +147,8 @@ class TrainConfig:
     ``nll`` ...) and ``best_mode`` ``max`` or ``min``. ``amp``: ``none``, ``bf16`` (CUDA or
     CPU) or ``fp16`` (CUDA only, with a gradient scaler) for the model's forward pass; the
     criterion and the meters compute in float32. ``sync_bn``: SyncBatchNorm under
-    torch.distributed. ``compile``: ``torch.compile`` the model."""
+    torch.distributed. ``compile``: ``torch.compile`` the model. ``loggers``: live logs besides
+    ``history.jsonl``, any of ``csv``, ``tensorboard``, ``wandb`` (:mod:`cals_seg.loggers`)."""
 
     epochs: int = 30
     batch_size: int = 8
@@ -162,6 +163,7 @@ class TrainConfig:
     sync_bn: bool = False
     channels_last: bool = False
     compile: bool = False
+    loggers: list[str] = field(default_factory=list)
 
 
 @dataclass

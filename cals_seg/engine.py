@@ -111,7 +111,10 @@ def train_one_epoch(
         target = target.to(device, non_blocking=True)
         with autocast_context(device, amp):
             logits = model(inputs)
-        loss = criterion(logits, target)
+        # per-pixel maps the criterion asks the training data for (cals_seg.data.extra_inputs)
+        extras = {k: batch[k].to(device, non_blocking=True)
+                  for k in getattr(criterion, "extra_inputs", ())}
+        loss = criterion(logits, target, **extras)
         check = loss.detach().clone()
         all_reduce_sum_([check])  # a NaN on any rank stops every rank at the same step
         if not torch.isfinite(check):

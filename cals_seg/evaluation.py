@@ -103,8 +103,11 @@ def predict(
     progress: bool = False,
     desc: str = "eval",
     protocol: EvalProtocol | None = None,
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """Yield ``(logits (N, K, *S) float32, target (N, *S))`` per batch, model in eval mode.
+    with_inputs: bool = False,
+) -> Iterator[tuple[Tensor, ...]]:
+    """Yield ``(logits (N, K, *S) float32, target (N, *S))`` per batch, model in eval mode
+    (``with_inputs``: ``(logits, target, inputs)``, the inputs as the loader gives them, on
+    ``device``: for a segmentation protocol, the image at the logits' resolution).
 
     ``amp`` is a resolved precision (``none``, ``bf16``, ``fp16``) for the forward pass only.
     With a ``protocol`` (segmentation) the logits come from
@@ -127,7 +130,11 @@ def predict(
                         with autocast_context(device, amp):
                             logits = model(inputs)
                     bar.update(len(target))
-                    yield logits.float(), target.to(device, non_blocking=True)
+                    target = target.to(device, non_blocking=True)
+                    if with_inputs:
+                        yield logits.float(), target, inputs
+                    else:
+                        yield logits.float(), target
 
 
 def _pieces(inputs: Tensor, target: Tensor, protocol: EvalProtocol | None
@@ -150,11 +157,16 @@ def evaluate(
     progress: bool = False,
     desc: str = "eval",
     protocol: EvalProtocol | None = None,
+    image_consumers: Sequence[Any] = (),
 ) -> None:
     """One pass of ``model`` over ``loader``; every batch goes to every consumer (``protocol``:
-    see :func:`predict`)."""
-    for logits, target in predict(model, loader, device, amp, progress, desc, protocol):
+    see :func:`predict`), and to each of ``image_consumers`` as ``update(logits, target,
+    inputs)`` (e.g. :class:`cals_seg.calibrators.Calibrated`)."""
+    for logits, target, inputs in predict(model, loader, device, amp, progress, desc, protocol,
+                                          with_inputs=True):
         _feed(consumers, logits, target)
+        for consumer in image_consumers:
+            consumer.update(logits, target, inputs)
 
 
 def compute(meters: Mapping[str, Any]) -> dict[str, Any]:

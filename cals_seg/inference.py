@@ -268,6 +268,7 @@ def predict_image(
     protocol: EvalProtocol | None = None,
     amp: str = "none",
     return_probs: bool = False,
+    calibrator: nn.Module | None = None,
 ) -> Prediction:
     """Calibrated per-pixel predictions of a model at the images' own resolution.
 
@@ -283,6 +284,9 @@ def predict_image(
         protocol: resize / pad / slide settings (see :class:`EvalProtocol`).
         amp: resolved precision of the forward pass.
         return_probs: also return the ``(N, K, H, W)`` probabilities (memory: K floats a pixel).
+        calibrator: a fitted :class:`cals_seg.calibrators.Calibrator` applied to the logits
+            (with the normalised image when it needs one) instead of the temperature; the
+            label is then the argmax of its output.
 
     Returns:
         A :class:`Prediction` on the model's device.
@@ -290,7 +294,12 @@ def predict_image(
     model.eval()
     device = next(model.parameters()).device
     x = images if isinstance(images, Tensor) else normalise(images, protocol)
-    logits = segment_logits(model, x.to(device), protocol, amp)
+    x = x.to(device)
+    logits = segment_logits(model, x, protocol, amp)
+    if calibrator is not None:
+        with torch.no_grad():
+            logits = calibrator(logits, x if calibrator.needs_image else None)
+        temperature = 1.0
     return calibrated_outputs(logits, temperature, return_probs)
 
 

@@ -54,9 +54,12 @@ def calibration_maps(
 
 
 def plot_regions(result: dict, out: Path, name: str) -> list[Path]:
-    """ECE per boundary band and per object size, risk-coverage, reliability per band."""
+    """ECE per boundary band and per object size, risk-coverage, reliability per band (pre-,
+    post-TS and every post-hoc calibrator of ``result["calibrators"]``)."""
+    result = {**result, **{f"cal_{k}": v for k, v in (result.get("calibrators") or {}).items()}}
     views = [(key, key.replace("_", "-").replace("ts", "TS")) for key in ("pre_ts", "post_ts")
              if result.get(key)]  # fmt: skip
+    views += [(key, key[4:]) for key in result if key.startswith("cal_")]
     pre = result["pre_ts"]
     written = []
     for group, what, xlabel in (
@@ -80,7 +83,7 @@ def plot_regions(result: dict, out: Path, name: str) -> list[Path]:
         bands = zip(plotting.band_labels(pre["band_edges"]), result[key]["reliability_band"],
                     strict=True)  # fmt: skip
         items = [(f"{label}, d in {b}", rel) for b, rel in bands]
-        path = out / f"reliability_bands_{key}.png"
+        path = out / f"reliability_bands_{key.removeprefix('cal_')}.png"
         plotting.plot_reliability_grid(items, path, ncols=len(items))
         written.append(path)
     return written

@@ -179,6 +179,7 @@ RULES: dict[str, Rule | None] = {
     "train.sync_bn": TYPE_ONLY,
     "train.channels_last": TYPE_ONLY,
     "train.compile": TYPE_ONLY,
+    "train.loggers": TYPE_ONLY,  # known names whose package is installed: loggers.check_loggers
     "eval.batch_size": ints(1, example=8),
     "eval.n_bins": ints(1, 10_000, example=15),
     "eval.temperature_scaling": TYPE_ONLY,

@@ -28,6 +28,7 @@ from .tasks import build_task, task_family
 COLUMNS = [
     ("score", None, False, True),
     ("ece", "ECE", True, True),
+    ("ece_band_weighted", "band-weighted ECE", True, True),
     ("aece", "AECE", True, True),
     ("cwce", "CWCE", True, True),
     ("nll", "NLL", True, False),
@@ -35,6 +36,7 @@ COLUMNS = [
     ("ece_boundary", "boundary ECE", True, True),
     ("ece_interior", "interior ECE", True, True),
     ("post_ece", "post-TS ECE", True, True),
+    ("post_ece_band_weighted", "post-TS band-weighted ECE", True, True),
     ("temperature", "T", None, False),
 ]
 
@@ -183,6 +185,94 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
     return missing
 
 
+def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
+    """Post-hoc calibrators of a finished segmentation run: fit the ones not saved in
+    ``<run>/calibrators/`` on its validation split (and save them), evaluate the ones missing
+    from ``test_metrics.json["calibrators"]`` on its test split in one pass of
+    ``checkpoint_best.pt``, and add them (and ``calibrator_fits``) to that file; return the
+    names added."""
+    import torch
+
+    from .calibrators import evaluate_calibrators, load_or_fit_calibrators
+    from .engine import make_loader
+    from .rundir import load_checkpoint, write_json
+
+    path = run_dir / "test_metrics.json"
+    metrics = json.loads(path.read_text())
+    missing = [n for n in names if n not in (metrics.get("calibrators") or {})]
+    if not missing:
+        return []
+    ckpt = run_dir / "checkpoint_best.pt"
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"{run_dir} lacks {ckpt.name}, needed for --calibrators")
+    cfg = load_config(run_dir / "config.yaml")
+    task = build_task(cfg)
+    task.model.load_state_dict(load_checkpoint(ckpt)["model"])
+    device = resolve_device(cfg.train.device)
+    amp = metrics.get("precision") or resolve_amp(cfg.train.amp, device, warn=False)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    model = task.model.to(device)
+    e, workers = cfg.eval, cfg.data.num_workers
+    print(f"{run_dir.name}: calibrators {', '.join(missing)} (fit on val, one test pass)",
+          flush=True)
+    cals, fits = load_or_fit_calibrators(
+        missing, run_dir / "calibrators", task.num_classes, model,
+        make_loader(task.val_set, e.batch_size, False, workers), device, task.ignore_index, amp,
+        task.protocol)
+    out = evaluate_calibrators(model, make_loader(task.test_set, e.batch_size, False, workers),
+                               device, cals, lambda: task.meters(e.n_bins, test=True), amp,
+                               task.protocol)
+    metrics.setdefault("calibrators", {}).update({n: out[n] for n in missing})
+    metrics.setdefault("calibrator_fits", {}).update(fits)
+    write_json(path, metrics)
+    return missing
+
+
+def calibrator_rows(metrics: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
+    """``{calibration: table values}`` of one run: uncalibrated, post-TS (the run's T), then
+    each of ``names`` (:func:`cals_seg.calibrators.table_values`)."""
+    from .calibrators import table_values
+
+    rows = {"uncalibrated": table_values(metrics["pre_ts"])}
+    if metrics.get("post_ts"):
+        rows["post-TS"] = table_values(metrics["post_ts"])
+    for name in names:
+        rows[name] = table_values(metrics["calibrators"][name])
+    return rows
+
+
+def write_calibrator_results(out: Path, rows: dict[str, dict[str, Any]]) -> None:
+    """OUT/calibrators.md and .csv: one row per (method, calibration), mean ± std over seeds of
+    the columns of :data:`cals_seg.calibrators.TABLE_COLUMNS`; ``rows[method]["calibrators"]``
+    holds one :func:`calibrator_rows` per seed."""
+    from .calibrators import TABLE_COLUMNS
+
+    lines = ["| method | calibration | seeds | " + " | ".join(t for _, t, _ in TABLE_COLUMNS)
+             + " |", "|---|---|---:|" + "---:|" * len(TABLE_COLUMNS)]
+    records = []
+    for method, row in rows.items():
+        per_seed = row.get("calibrators") or []
+        for calibration in (per_seed[0] if per_seed else {}):
+            cells, record = [], {"method": method, "calibration": calibration,
+                                 "seeds": len(per_seed)}
+            for key, _, pct in TABLE_COLUMNS:
+                text, mean, std = mean_std([s[calibration][key] for s in per_seed], pct)
+                cells.append(text)
+                record.update({f"{key}_mean": mean, f"{key}_std": std})
+            records.append(record)
+            lines.append(f"| {method} | {calibration} | {len(per_seed)} | " + " | ".join(cells)
+                         + " |")
+    text = ("\n".join(lines) + "\n\nValues in % except NLL; mean ± std over seeds. Calibrators "
+            "fitted on each run's validation split, evaluated on its test split.\n")
+    (out / "calibrators.md").write_text(text)
+    with (out / "calibrators.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]) if records else ["method"])
+        writer.writeheader()
+        writer.writerows(records)
+    print(text)
+
+
 def summarise(metrics: dict[str, Any], score_metric: str) -> dict[str, float]:
     """One run's row entries: ``score_metric`` (the task's headline metric, e.g. ``miou``) as
     ``score``, and the calibration columns of :data:`COLUMNS`."""
@@ -192,6 +282,7 @@ def summarise(metrics: dict[str, Any], score_metric: str) -> dict[str, float]:
     return {
         "score": score,
         "ece": pre["ece"],
+        "ece_band_weighted": pre.get("ece_band_weighted"),
         "aece": pre["aece"],
         "cwce": pre.get("cwce"),
         "nll": pre["nll"],
@@ -199,6 +290,7 @@ def summarise(metrics: dict[str, Any], score_metric: str) -> dict[str, float]:
         "ece_boundary": bands[0],
         "ece_interior": bands[-1],
         "post_ece": post["ece"] if post else None,
+        "post_ece_band_weighted": post.get("ece_band_weighted") if post else None,
         "temperature": metrics["temperature"],
     }
 

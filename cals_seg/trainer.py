@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .calibrators import Calibrated
 from .checks import (
     bounded_input,
     check_best_metric,
@@ -31,6 +33,7 @@ from .checks import (
     check_splits,
 )
 from .config import Config, ConfigError, config_to_dict, save_config
+from .data.extra_inputs import request_extra_inputs
 from .distributed import (
     barrier,
     broadcast_buffers,
@@ -42,6 +45,7 @@ from .distributed import (
 from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from .errors import RunExistsError
 from .evaluation import Scaled, compute, evaluate, predict, scalars
+from .loggers import RunLoggers
 from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp, resolve_device
 from .rules import check_model_input
@@ -167,12 +171,15 @@ def calibrated_test(
     model: nn.Module, task: Task, val_loader: DataLoader, test_loader: DataLoader,
     device: torch.device, amp: str = "none", n_bins: int = 15,
     temperature_scaling: bool = True, progress: bool = False,
+    calibrators: Mapping[str, nn.Module] | None = None,
 ) -> dict[str, Any]:
     """Test metrics before and after temperature scaling fitted on ``val_loader``, from ONE
-    pass over ``test_loader`` (the post-TS meters see the same logits divided by T).
+    pass over ``test_loader`` (the post-TS meters see the same logits divided by T; each of
+    the fitted ``calibrators`` feeds its own set of meters in the same pass).
 
     Returns:
-        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}``, the metrics being the
+        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}`` (and
+        ``"calibrators": {name: {...}}`` when calibrators are given), the metrics being the
         merged outputs of ``task.meters(n_bins, test=True)``.
     """
     protocol = task.protocol  # segmentation: logits at the images' size
@@ -188,13 +195,20 @@ def calibrated_test(
     if temperature_scaling:
         post = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
         consumers.append(Scaled(temperature, post.values()))
+    calibrated = {name: {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
+                  for name in calibrators or {}}  # fmt: skip
+    image_consumers = [Calibrated(cal.to(device).eval(), calibrated[name])
+                       for name, cal in (calibrators or {}).items()]  # fmt: skip
     evaluate(model, test_loader, device, consumers, amp, progress, desc="test",
-             protocol=protocol)
-    return {
+             protocol=protocol, image_consumers=image_consumers)
+    out = {
         "temperature": temperature,
         "pre_ts": compute(pre),
         "post_ts": compute(post) if post else None,
     }
+    if calibrators:
+        out["calibrators"] = {name: compute(m) for name, m in calibrated.items()}
+    return out
 
 
 def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -> list[Path]:
@@ -207,7 +221,8 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
     if plotting.plot_multiplier_curves(history, run.plots / "lambda_curves.png", class_names):
         written.append(run.plots / "lambda_curves.png")
     if plotting.plot_training_curves(
-        history, run.plots / "training_curves.png", keys=("val_ece", "val_miou", "val_acc")
+        history, run.plots / "training_curves.png",
+        keys=("val_ece", "val_ece_band_weighted", "val_miou", "val_acc"),
     ):
         written.append(run.plots / "training_curves.png")
     for key, label in (("pre_ts", "pre-TS"), ("post_ts", "post-TS")):
@@ -281,6 +296,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         train_model = torch.compile(train_model)
     criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params)
     criterion = criterion.to(device)
+    request_extra_inputs(task.train_set, criterion)  # e.g. the band map, made by the loader
     adaptive = isinstance(criterion, AdaptiveLoss)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
@@ -311,6 +327,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         save_config(cfg, run.config)
         print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
               f"epochs {start_epoch + 1}..{t.epochs}", flush=True)
+    loggers = RunLoggers(t.loggers if main else [], run.path, config_to_dict(cfg),
+                         task.class_names, start_epoch)
 
     sign = 1.0 if t.best_mode == "max" else -1.0
     durations: list[float] = []
@@ -355,6 +373,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             state = training_state(model, optimizer, scheduler, criterion, scaler, cfg, k, epoch,
                                    score, best_score, best_epoch)
             run.append_history(record)
+            loggers.log_epoch(record, val, run.history())
             save_checkpoint(state, run.last)
             if improved:
                 link_checkpoint(run.last, run.best)
@@ -382,6 +401,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         write_json(run.test_metrics, test)
         run.write_temperature(test["temperature"])
         plot_run(run, test, task.class_names)
+        loggers.log_test(test)
+    loggers.close()
     return test
 
 

@@ -93,6 +93,8 @@ def _argv(command: str, run: Path, tmp: Path, sets: list[str]) -> tuple[str, lis
                             str(run / "checkpoint_best.pt"), "--out", str(tmp / "eval")]
     if command == "train_seg --resume":
         return "train_seg", [str(run / "config.yaml"), "--resume", str(run)]
+    if command == "export":
+        return "export", [str(run), "--format", "onnx", "--out", str(tmp / "model.onnx")]
     if command == "margin gaps":
         return "margin", ["gaps", str(run), "--out", str(tmp / "gaps.json")]
     if command == "compare (reuse)":
@@ -105,7 +107,8 @@ def _argv(command: str, run: Path, tmp: Path, sets: list[str]) -> tuple[str, lis
     raise AssertionError(command)
 
 
-COMMANDS = ["predict_seg", "eval_seg", "train_seg --resume", "margin gaps", "compare (reuse)"]
+COMMANDS = ["predict_seg", "eval_seg", "train_seg --resume", "margin gaps", "compare (reuse)",
+            "export"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -49,8 +49,22 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     assert not (run0 / "checkpoint_last.pt").exists()  # finished: no resume point needed
     # a second call reuses the finished runs
     capsys.readouterr()
-    compare.main(configs[:2] + ["--out", str(out), "--seeds", "0", "1", "--set", *sets])
+    compare.main(configs[:2] + ["--out", str(out), "--seeds", "0", "1", "--set", *sets,
+                                "--calibrators", "ts", "boundary_ts"])
     assert capsys.readouterr().out.count("reusing") == 4
+    # --calibrators: post-hoc calibrators fitted on each run's validation split, one table
+    cal = (out / "calibrators.md").read_text()
+    for row in ("| ce | uncalibrated | 2 |", "| ce | post-TS | 2 |", "| ce | ts | 2 |",
+                "| cals_alm | boundary_ts | 2 |"):
+        assert row in cal, row
+    assert "band-weighted ECE" in cal and "AURC" in cal
+    assert (out / "runs" / "synthetic_deeplabv3_ce_seed1" / "calibrators" / "ts.pt").is_file()
+    cal_rows = {(r["method"], r["calibration"]): r
+                for r in csv.DictReader((out / "calibrators.csv").open())}
+    ts, post = cal_rows[("ce", "ts")], cal_rows[("ce", "post-TS")]
+    assert float(ts["ece_mean"]) == pytest.approx(float(post["ece_mean"]), abs=1e-9)
+    assert cal_rows[("ce", "boundary_ts")]["miou_mean"] == cal_rows[("ce", "uncalibrated")][
+        "miou_mean"]
     # a finished run is never reused for a different config: reported, not overwritten
     before = (out / "runs" / "synthetic_deeplabv3_cals_alm_seed0" / "test_metrics.json").read_text()
     rc = compare.main([configs[1], "--out", str(out), "--seeds", "0",
@@ -62,6 +76,7 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     assert after == before
     # boundary and interior ECE columns come from the test metrics' bands
     assert "boundary ECE" in text and "interior ECE" in text
+    assert "band-weighted ECE" in text
     assert float(rows[0]["ece_boundary_mean"]) > 0 and float(rows[0]["ece_interior_mean"]) >= 0
     # a run finished before the region metrics existed: they are added once, the rest kept
     path = run0 / "test_metrics.json"

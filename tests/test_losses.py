@@ -14,6 +14,8 @@ from cals_seg.losses._functional import class_penalty
 
 K = 5
 IGN = 255
+SPATIAL = ("svls", "nacl", "crac", "cals_alm_bands")  # (N, K, H, W) only
+LOGIT_PULLS = ("nacl", "crac")  # penalties on the logits themselves: no shift invariance
 
 
 def _data(n=2, k=K, s=(6, 7), scale=8.0, seed=0, void=0.2, dtype=torch.float64):
@@ -225,9 +227,10 @@ def test_contract_every_loss(name):
         loss.lambdas.fill_(0.7)
     base = loss(x, y)
     assert base.dim() == 0 and torch.isfinite(base)
-    # invariance to a per-position constant
-    shift = torch.randn(x.shape[0], 1, *x.shape[2:], dtype=x.dtype) * 5
-    torch.testing.assert_close(loss(x + shift, y), base, rtol=1e-10, atol=1e-10)
+    # invariance to a per-position constant (not NACL / CRaC: they pull the logits themselves)
+    if name not in LOGIT_PULLS:
+        shift = torch.randn(x.shape[0], 1, *x.shape[2:], dtype=x.dtype) * 5
+        torch.testing.assert_close(loss(x + shift, y), base, rtol=1e-10, atol=1e-10)
     # logits and labels at void positions change nothing, and get no gradient
     x2 = x.clone()
     void = (y == IGN).unsqueeze(1).expand_as(x)
@@ -236,13 +239,17 @@ def test_contract_every_loss(name):
     torch.testing.assert_close(loss(a, y), base, rtol=1e-12, atol=1e-12)
     loss(a, y).backward()
     assert (a.grad[void] == 0).all()
-    # (N, K) equals (N, K, 1, 1) and the flattened pixels
+    # (N, K) equals (N, K, 1, 1) and the flattened pixels; the spatial losses refuse (N, K)
     flat_x = x.permute(0, 2, 3, 1).reshape(-1, K)
     flat_y = y.reshape(-1)
-    torch.testing.assert_close(loss(flat_x, flat_y), base, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(
-        loss(flat_x[:, :, None, None], flat_y[:, None, None]), base, rtol=1e-10, atol=1e-12
-    )
+    if name in SPATIAL:
+        with pytest.raises(ValueError, match=r"\(N, K, H, W\)"):
+            loss(flat_x, flat_y)
+    else:
+        torch.testing.assert_close(loss(flat_x, flat_y), base, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(
+            loss(flat_x[:, :, None, None], flat_y[:, None, None]), base, rtol=1e-10, atol=1e-12
+        )
     # every position ignored: 0 with a zero gradient, not NaN
     b = x.clone().requires_grad_(True)
     out = loss(b, torch.full_like(y, IGN))

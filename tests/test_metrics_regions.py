@@ -22,7 +22,12 @@ from cals_seg.metrics import (
     CalibrationMeter,
     ObjectSizeCalibrationMeter,
 )
-from cals_seg.metrics.regions import boundary_pixels, component_areas, squared_boundary_distance
+from cals_seg.metrics.regions import (
+    boundary_bands,
+    boundary_pixels,
+    component_areas,
+    squared_boundary_distance,
+)
 
 from ._dist import run_distributed
 
@@ -250,11 +255,49 @@ def test_boundary_meter_against_loop_reference(bands):
     want = ref_group_metrics(conf[valid], hit[valid], group[valid], len(bands) + 1)
     assert_groups(out, want, "band")
     assert out["band_edges"] == [0.0, *bands, None]
+    # Band-weighted ECE: a float64 loop over the pixels of each band.
+    weighted = sum(n * e for n, e in zip(want["count"], want["ece"], strict=True) if n)
+    assert out["ece_band_weighted"] == pytest.approx(weighted / valid.sum(), abs=1e-9)
+    assert out["ece_band_weighted"] >= cal_ece(logits, target) - 1e-12
     # The bands partition the valid pixels: their bins add up to CalibrationMeter's.
     cal = CalibrationMeter(k, ignore_index=VOID, classwise=False)
     cal.update(logits, target)
     total = np.sum([r["count"] for r in out["reliability_band"]], axis=0)
     assert total.tolist() == cal.compute()["reliability"]["count"]
+
+
+def cal_ece(logits: torch.Tensor, target: torch.Tensor) -> float:
+    meter = CalibrationMeter(logits.shape[1], ignore_index=VOID, classwise=False)
+    meter.update(logits, target)
+    return meter.compute()["ece"]
+
+
+def test_band_weighted_ece_cannot_cancel():
+    """Band 0 over-confident, band 1 under-confident by the same amount: the pooled ECE
+    cancels to 0, the band-weighted ECE is the band ECE; an empty band is skipped."""
+    # One boundary column between class 0 (columns 0-5) and class 1 (columns 6-11).
+    target = torch.zeros(1, 12, 12, dtype=torch.int64)
+    target[..., 6:] = 1
+    meter = BoundaryCalibrationMeter(2, bands=(3.0, 50.0), ignore_index=VOID)
+    band = torch.from_numpy(boundary_bands(target.numpy(), (3.0, 50.0), VOID))
+    assert set(band.unique().tolist()) == {0, 1}  # band 2 (d >= 50) is empty
+    # Confidence 0.8 everywhere; accuracy 0.6 near the boundary (over) and 1.0 inside (under).
+    rng = np.random.default_rng(0)
+    pred = target.clone()
+    near = (band == 0).nonzero().tolist()
+    rng.shuffle(near)
+    for idx in near[: int(0.4 * len(near))]:
+        pred[tuple(idx)] = 1 - pred[tuple(idx)]
+    gap = math.log(0.8 / 0.2)
+    logits = torch.stack([(pred == 0).float() * gap, (pred == 1).float() * gap], dim=1)
+    meter.update(logits, target)
+    out = meter.compute()
+    n0, n1 = out["count_band"][:2]
+    acc0 = out["acc_band"][0]
+    assert out["count_band"][2] == 0 and out["ece_band"][2] is None
+    want = (n0 * abs(0.8 - acc0) + n1 * 0.2) / (n0 + n1)
+    assert out["ece_band_weighted"] == pytest.approx(want, abs=1e-6)
+    assert out["ece_band_weighted"] > cal_ece(logits, target) + 0.05
 
 
 # ----------------------------------------------------------------------------- object sizes
@@ -417,7 +460,9 @@ def test_streaming_equals_one_shot():
         ra, rb = a.compute(), b.compute()
         assert ra.keys() == rb.keys()
         for key in ra:
-            if key.startswith(("ece", "acc", "conf")):
+            if key == "ece_band_weighted":
+                assert rb[key] == pytest.approx(ra[key], rel=1e-12)
+            elif key.startswith(("ece", "acc", "conf")):
                 for x, y in zip(ra[key], rb[key], strict=True):
                     assert (x is None and y is None) or y == pytest.approx(x, rel=1e-12), key
             elif key.startswith("reliability"):
@@ -490,4 +535,5 @@ def test_segmentation_test_meters_include_the_regions():
                             ["background", "a", "b"])  # fmt: skip
     assert {"boundary", "size"} <= set(task.meters(test=True))
     assert task.meters(test=True)["size"].background_index == 0
-    assert not {"boundary", "size"} & set(task.meters(test=False))
+    # Validation keeps the boundary meter (val_ece_band_weighted in the history), not sizes.
+    assert "boundary" in task.meters(test=False) and "size" not in task.meters(test=False)

@@ -120,6 +120,60 @@ def test_temperature_one_is_honoured(run_dir, inputs, tmp_path):
     assert _lines(out)[0]["temperature"] == 1.0
 
 
+def test_calibrator_boundary_ts_gives_the_confidence_maps(run_dir, tmp_path, capsys):
+    """--calibrator boundary_ts: the saved confidence is the softmax maximum of the logits
+    divided by the temperature of each pixel's predicted band (bands by a brute-force loop)."""
+    import shutil
+
+    from cals_seg.calibrators import build_calibrator, save_calibrator
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(run_dir / "config.yaml", run / "config.yaml")
+    cfg = load_config(run / "config.yaml")
+    model = build_model(cfg).eval()
+    model.load_state_dict(torch.load(run_dir / "checkpoint_best.pt")["model"])
+    with torch.no_grad():  # a head that predicts several classes, so that there are boundaries
+        torch.manual_seed(0)
+        model.segmentation_head[0].weight.normal_(0, 3)
+        model.segmentation_head[0].bias.zero_()
+    torch.save({"model": model.state_dict(), "num_classes": 11}, run / "checkpoint_best.pt")
+    pixels = np.zeros((96, 96, 3), dtype=np.uint8)
+    pixels[30:70, 20:60] = 230
+    pixels[:, 80:] = 120
+    Image.fromarray(pixels).save(tmp_path / "a.png")
+    out = tmp_path / "out"
+    args = [str(run), str(tmp_path / "a.png"), "--out", str(out), "--no-progress"]
+    assert load_tool("predict_seg").main([*args, "--calibrator", "dirichlet"]) == 2
+    assert "--calibrators dirichlet" in capsys.readouterr().err
+    cal = build_calibrator("boundary_ts", 11, bands=(2.0, 5.0))
+    cal.temperatures.copy_(torch.tensor([3.0, 0.5, 1.5]))  # far apart: a wrong band shows
+    save_calibrator(cal, run / "calibrators" / "boundary_ts.pt")
+    assert load_tool("predict_seg").main([*args, "--calibrator", "boundary_ts"]) == 0
+
+    x = torch.from_numpy(((pixels / 255 - MEAN) / STD).astype(np.float32)).permute(2, 0, 1)[None]
+    with torch.no_grad():
+        logits = model(x)[0]
+    pred = logits.argmax(dim=0).numpy()
+    h, w = pred.shape
+    boundary = np.zeros((h, w), dtype=bool)
+    for i in range(h):
+        for j in range(w):
+            boundary[i, j] = bool((pred[max(i - 1, 0):i + 2, max(j - 1, 0):j + 2] != pred[i, j]
+                                   ).any())
+    bi, bj = np.nonzero(boundary)
+    ii, jj = np.mgrid[:h, :w]
+    d2 = ((ii[..., None] - bi) ** 2 + (jj[..., None] - bj) ** 2).min(axis=-1)
+    band = np.where(d2 < 4, 0, np.where(d2 < 25, 1, 2))
+    assert set(np.unique(band).tolist()) == {0, 1, 2}
+    t = torch.tensor([3.0, 0.5, 1.5])[torch.from_numpy(band)]
+    conf = torch.softmax(logits / t, dim=0).max(dim=0).values.numpy()
+    assert np.abs(_read16(out / "a_confidence.png") - conf).max() <= STEP
+    plain = torch.softmax(logits, dim=0).max(dim=0).values.numpy()
+    assert np.abs(plain - conf).max() > 10 * STEP  # the check can tell them apart
+    assert _lines(out)[0]["calibrator"] == "boundary_ts"
+
+
 def test_strict_stops_at_the_unreadable_file(run_dir, inputs, tmp_path, capsys):
     out = tmp_path / "out"
     rc = load_tool("predict_seg").main([str(run_dir), str(inputs), "--out", str(out),

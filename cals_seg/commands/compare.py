@@ -3,6 +3,7 @@
     python tools/compare.py configs/synthetic_deeplabv3.yaml --methods ce cals_alm \
         --out runs/compare [--seeds 0 1 2] [--jobs 2 --set train.threads=1]
         [--set train.epochs=20 ...] [--checkpoints best|all|none]
+        [--calibrators ts vector dirichlet lts selective boundary_ts]
     python tools/compare.py configs/synthetic_deeplabv3_ce.yaml configs/my_setup_ce.yaml ...
 
 Each (config, method) is one row of the table. Runs go to ``OUT/runs/<config name>_seed<s>`` and are
@@ -16,9 +17,14 @@ boundary-band and object-size meters existed) is evaluated once more on its test
 configs are trained with ``tools/train_seg.py``, others with ``tools/train_cls.py``. Writes:
 
     OUT/results.md, OUT/results.csv   one row per method: mean (and std over seeds) of mIoU or
-                                      accuracy, ECE, AECE, CWCE, NLL, per-image ECE, boundary and
-                                      interior ECE, post-TS ECE, T; the best value per column in
+                                      accuracy, ECE, band-weighted ECE, AECE, CWCE, NLL, per-image
+                                      ECE, boundary and interior ECE, post-TS ECE and
+                                      band-weighted ECE, T; the best value per column in
                                       bold; failed runs listed
+    OUT/calibrators.md, .csv          with --calibrators NAME...: one row per method and
+                                      calibration (uncalibrated, post-TS, each post-hoc
+                                      calibrator fitted on the run's validation split): ECE,
+                                      band-weighted, boundary and interior ECE, NLL, AURC, mIoU
     OUT/ece_vs_score.png              ECE against mIoU / accuracy (the paper's Figure 1)
     OUT/reliability_grid.png          one reliability diagram per method (first seed)
     OUT/lambda_curves_<method>.png    learned class-wise multipliers of the CALS runs (first seed)
@@ -60,6 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="checkpoints kept once a run has finished (default: best, for tools/eval_seg.py; "
         "DeepLabV3-ResNet18 with its optimizer state is about 160 MB per file)",
     )
+    parser.add_argument(
+        "--calibrators", nargs="+", default=[], metavar="NAME",
+        choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts"],
+        help="post-hoc calibrators fitted on each segmentation run's validation split and "
+        "evaluated on its test split: OUT/calibrators.md and .csv",
+    )
     add_set_argument(parser)
     return parser.parse_args(argv)
 
@@ -93,15 +105,16 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
     return jobs
 
 
-def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, Any]]
-            ) -> tuple[dict[str, Path], str]:
-    """Summaries of the finished runs into ``rows`` (failures listed); returns the first run of
-    each row and the headline metric's name, read from the runs' own files."""
+def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, Any]],
+            calibrators: list[str] = ()) -> tuple[dict[str, Path], str]:
+    """Summaries of the finished runs into ``rows`` (failures listed; with ``calibrators``,
+    each segmentation run's post-hoc calibrators too); returns the first run of each row and
+    the headline metric's name, read from the runs' own files."""
     import json
 
     from ..config import load_config
     from ..errors import UntrustedCheckpointError, UserError
-    from ..study import backfill_test_metrics, summarise
+    from ..study import add_calibrators, backfill_test_metrics, calibrator_rows, summarise
     from ..tasks import score_metric, task_family
 
     first_run: dict[str, Path] = {}
@@ -116,6 +129,8 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
             cfg = load_config(run_dir / "config.yaml")
             if task_family(cfg) == "segmentation":
                 backfill_test_metrics(run_dir)
+                if calibrators:
+                    add_calibrators(run_dir, list(calibrators))
         except UntrustedCheckpointError:  # never go on past a file that could run code
             raise
         except UserError as err:
@@ -125,6 +140,8 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
         metrics = json.loads((run_dir / "test_metrics.json").read_text())
         metric = metrics.get("score_metric") or score_metric(cfg)  # older runs: from the config
         row["summaries"].append(summarise(metrics, metric))
+        if calibrators and metrics.get("calibrators"):
+            row.setdefault("calibrators", []).append(calibrator_rows(metrics, list(calibrators)))
         first_run.setdefault(method, run_dir)
     return first_run, SCORE_NAMES.get(metric, metric or "mIoU")
 
@@ -186,10 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     try:
-        first_run, score_name = collect(jobs, results, rows)
+        first_run, score_name = collect(jobs, results, rows, args.calibrators)
     except UntrustedCheckpointError as err:
         return report(err)
     write_results(args.out, rows, score_name)
+    if args.calibrators:
+        from ..study import write_calibrator_results
+
+        write_calibrator_results(args.out, rows)
     plot_study(args.out, rows, first_run, score_name)
     print(
         f"wrote {args.out / 'results.md'}, results.csv and the figures in {args.out} "

@@ -6,6 +6,8 @@ per-image calibration maps.
     python tools/eval_seg.py runs/<name> [--checkpoint best|last|FILE] [--split test]
         [--out DIR] [--num-maps 4] [--mode slide --window 512 --stride 341]
         [--resize S] [--pad P] [--set key=value ...]
+        [--calibrators ts vector dirichlet lts selective boundary_ts] [--refit-calibrators]
+        [--calibrator-param lts.epochs=20 ...]
     python tools/eval_seg.py CONFIG --checkpoint FILE ...     (older form: another config)
 
 Every metric is taken at each image's own resolution against its unmodified mask; the network
@@ -17,6 +19,15 @@ DIR/ece_bands.png and DIR/ece_sizes.png (ECE per distance band / object-size buc
 post-TS), DIR/risk_coverage.png, DIR/reliability_bands_{pre,post}_ts.png (one diagram per band),
 DIR/lambda_curves.png when the run has multipliers, and DIR/maps/<id>.png (image, ground truth,
 prediction, confidence, errors, confidence on errors).
+
+With --calibrators, each post-hoc calibrator named (docs/calibrators.md) is loaded from
+<run>/calibrators/<name>.pt, or fitted on the validation split and saved there when missing
+(--refit-calibrators refits); all are evaluated on the split in the same single pass as the
+pre/post-TS metrics. metrics.json["calibrators"][NAME] holds the same dictionary as "pre_ts",
+metrics.json["calibrator_fits"][NAME] the fit's summary (held-out images, passes, seconds);
+DIR/calibrators.md is the table (ECE, band-weighted ECE, boundary and interior ECE, NLL, AURC,
+mIoU), DIR/reliability_<name>.png each calibrator's diagram, and the band / size plots and
+per-band diagrams include every calibrator.
 """
 
 from __future__ import annotations
@@ -26,6 +37,10 @@ from pathlib import Path
 
 from ..cli import add_method_argument, add_protocol_arguments, add_set_argument, protocol_overrides
 from ..errors import MissingPathError
+
+# The names of cals_seg.calibrators.CALIBRATORS (listed here so that --help does not import torch;
+# a test checks that they agree).
+CALIBRATOR_NAMES = ["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts"]
 
 
 def _count(value: str) -> int:
@@ -51,10 +66,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="calibration maps for the first N images (default: eval.num_maps)",
     )
+    parser.add_argument("--calibrators", nargs="+", default=[], choices=CALIBRATOR_NAMES,
+                        metavar="NAME", help="post-hoc calibrators to fit (on validation) and "
+                        f"evaluate: {', '.join(CALIBRATOR_NAMES)}")
+    parser.add_argument("--refit-calibrators", action="store_true",
+                        help="refit the calibrators already saved in <run>/calibrators/")
+    parser.add_argument("--calibrator-param", nargs="+", action="extend", default=[],
+                        metavar="NAME.KEY=VALUE", help="a calibrator's parameter, e.g. "
+                        "lts.epochs=20 or boundary_ts.bands=[2,5,10] (YAML values)")
     add_protocol_arguments(parser)
     add_method_argument(parser)
     add_set_argument(parser)
     return parser.parse_args(argv)
+
+
+def calibrator_params(items: list[str]) -> dict[str, dict]:
+    """``{name: {key: value}}`` from ``NAME.KEY=VALUE`` items (values read as YAML).
+
+    Raises:
+        ValueError: a malformed item or an unknown calibrator name.
+    """
+    import yaml
+
+    out: dict[str, dict] = {}
+    for item in items:
+        head, sep, value = item.partition("=")
+        name, dot, key = head.partition(".")
+        if not (sep and dot and name and key):
+            raise ValueError(f"--calibrator-param {item!r}: expected NAME.KEY=VALUE, e.g. "
+                             "lts.epochs=20.")
+        if name not in CALIBRATOR_NAMES:
+            raise ValueError(f"--calibrator-param {item!r}: unknown calibrator {name!r}; valid "
+                             f"names are {sorted(CALIBRATOR_NAMES)}.")
+        out.setdefault(name, {})[key] = yaml.safe_load(value)
+    return out
 
 
 def open_run(args: argparse.Namespace):
@@ -85,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out:
             check_folder("--out", args.out, must_exist=False, writable=True)
+        args.calibrator_params = calibrator_params(args.calibrator_param)
         run = open_run(args)
         check_voc_data(run.task, tuple(dict.fromkeys(("val", args.split))))  # files named
     except USER_ERRORS as err:
@@ -111,13 +157,33 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         split_set = copy.copy(split_set)
         split_set.transform = task.val_set.transform
     e, workers = cfg.eval, cfg.data.num_workers
+    val_loader = make_loader(task.val_set, e.batch_size, False, workers)
+    calibrators, fits = {}, {}
+    names = getattr(args, "calibrators", [])
+    if names:
+        from ..calibrators import load_or_fit_calibrators
+        from ..cli import USER_ERRORS, report
+        from ..distributed import is_distributed
+
+        if is_distributed() and {"lts", "selective"} & set(names):
+            return report(ValueError("--calibrators lts / selective: fit them in one process "
+                                     "(without torchrun); the others fit under torchrun too."))
+        try:
+            calibrators, fits = load_or_fit_calibrators(
+                names, run.checkpoint.resolve().parent / "calibrators", task.num_classes, model,
+                val_loader, run.device, task.ignore_index, amp, task.protocol,
+                args.refit_calibrators, getattr(args, "calibrator_params", None))
+        except USER_ERRORS as err:
+            return report(err)
     result = calibrated_test(
-        model, task, make_loader(task.val_set, e.batch_size, False, workers),
-        make_loader(split_set, e.batch_size, False, workers), run.device, amp, e.n_bins,
-        e.temperature_scaling, cfg.train.progress,
+        model, task, val_loader, make_loader(split_set, e.batch_size, False, workers),
+        run.device, amp, e.n_bins, e.temperature_scaling, cfg.train.progress,
+        calibrators=calibrators,
     )
     result.update(checkpoint=str(run.checkpoint), epoch=run.epoch, split=args.split,
                   precision=amp, family=run.family, score_metric=run.score_metric)
+    if fits:
+        result["calibrator_fits"] = fits
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
@@ -135,6 +201,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
                 title=title,
                 ece=result[key]["ece"],
             )
+    write_calibrator_outputs(result, out, f"{cfg.name}, {args.split} split")
     plot_regions(result, out, f"{cfg.name} {args.split}")
     history = RunDir(run.checkpoint.resolve().parent).history()
     plotting.plot_multiplier_curves(history, out / "lambda_curves.png", task.class_names)
@@ -157,6 +224,27 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     print(line)
     print(f"wrote {out / 'metrics.json'} and {len(maps)} calibration maps in {out / 'maps'}")
     return 0
+
+
+def write_calibrator_outputs(result: dict, out: Path, title: str) -> None:
+    """Each post-hoc calibrator's reliability diagram and the table ``out/calibrators.md``."""
+    from .. import plotting
+    from ..calibrators import calibration_table
+
+    if not result.get("calibrators"):
+        return
+    for name, metrics in result["calibrators"].items():
+        plotting.plot_reliability_diagram(metrics["reliability"], out / f"reliability_{name}.png",
+                                          title=f"{title}, {name}", ece=metrics["ece"])
+    rows = {"uncalibrated": result["pre_ts"]}
+    if result.get("post_ts"):
+        rows["ts (the run's T)"] = result["post_ts"]
+    rows.update(result["calibrators"])
+    table = calibration_table(rows)
+    (out / "calibrators.md").write_text(
+        f"{title}; calibrators fitted on the validation split. Values in % except NLL.\n\n"
+        + table)
+    print(table)
 
 
 def run() -> None:

@@ -3,11 +3,15 @@
     python tools/predict_seg.py runs/<name> photos/ extra.jpg --out predictions/ \\
         [--threshold 0.5] [--temperature T] [--mode slide --window 512 --stride 341] \\
         [--resize S] [--pad P] [--device auto|cpu|cuda] [--strict] [--set key=value ...]
+        [--calibrator NAME]
 
 RUN_DIR_OR_CHECKPOINT is a run directory (its checkpoint_best.pt, else checkpoint_last.pt) or a
 checkpoint inside one; the run's resolved config.yaml rebuilds the model and the normalisation,
 and its temperature.json (fitted on the validation split) calibrates the confidences
-(--temperature 1 switches that off). INPUTS are image files or folders (searched recursively).
+(--temperature 1 switches that off). With --calibrator NAME the confidences come instead from
+the post-hoc calibrator saved in <run>/calibrators/NAME.pt (fitted on the validation split by
+``tools/eval_seg.py RUN --calibrators NAME``; docs/calibrators.md). INPUTS are image files or
+folders (searched recursively).
 
 Per image, named after the input file, in DIR:
 
@@ -39,11 +43,27 @@ from ..errors import UserError
 
 
 def open_run(args: argparse.Namespace):
-    """The run to predict with (eval mode, on its device) and the temperature to use."""
+    """The run to predict with (eval mode, on its device) and the temperature to use; with
+    ``--calibrator NAME``, ``args.calibrator_module`` is the run's saved calibrator."""
     from ..runs import load_run
 
     run = load_run(args.run, overrides=[*args.set, *protocol_overrides(args)],
                    device=args.device, amp=args.amp, family="segmentation")
+    args.calibrator_module = None
+    if args.calibrator is not None:
+        from ..calibrators import load_calibrator
+
+        path = run.path / "calibrators" / f"{args.calibrator}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist: fit it first with tools/eval_seg.py {run.path} "
+                f"--calibrators {args.calibrator}."
+            )
+        args.calibrator_module = load_calibrator(path, run.device)
+        if args.calibrator_module.num_classes != run.config.data.num_classes:
+            raise ValueError(f"{path} has {args.calibrator_module.num_classes} classes, but the "
+                             f"run has {run.config.data.num_classes}; refit it.")
+        return run, 1.0
     temperature = args.temperature
     if temperature is None:
         temperature = run.temperature
@@ -71,6 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "run's train.device)")
     parser.add_argument("--amp", default=None, choices=["auto", "none", "bf16", "fp16"],
                         help="precision of the forward pass (default: the run's train.amp)")
+    parser.add_argument("--calibrator", default=None, metavar="NAME",
+                        choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts"],
+                        help="a post-hoc calibrator saved in <run>/calibrators/ (instead of T)")
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first unreadable input (default: name it, go on)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
@@ -129,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 failed.append(str(path))
                 continue
-            pred = predict_image(model, image, temperature, protocol, amp)
+            pred = predict_image(model, image, temperature, protocol, amp,
+                                 calibrator=args.calibrator_module)
             record = {
                 "input": str(path), "height": image.shape[0], "width": image.shape[1],
-                "temperature": temperature, "threshold": args.threshold,
+                "temperature": temperature, "calibrator": args.calibrator,
+                "threshold": args.threshold,
                 **summary(pred, args.threshold, names),
                 "outputs": write_outputs(out, name, image, pred, k, args.threshold, palette),
             }
@@ -140,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             log.write(json.dumps(record) + "\n")
             log.flush()
     done = len(files) - len(failed)
-    print(f"wrote {done} prediction(s) to {out} (T = {temperature:.3f}, {device.type}, "
+    how = f"calibrator {args.calibrator}" if args.calibrator else f"T = {temperature:.3f}"
+    print(f"wrote {done} prediction(s) to {out} ({how}, {device.type}, "
           f"precision {amp}, {protocol.mode}); summary lines in {out / 'predictions.jsonl'}")
     if failed:
         print(f"error: {len(failed)} input(s) could not be read: {', '.join(failed)}",

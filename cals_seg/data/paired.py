@@ -247,10 +247,12 @@ class PairedSegmentation(Dataset):
                 "They must match: re-export the mask at the image size, or remove the pair."
             )
         out = self.transform(image=image, mask=mask)
+        extras = {k: v for k, v in out.items() if k not in ("image", "mask")}  # e.g. "band"
         return {
             "image": torch.as_tensor(out["image"], dtype=torch.float32),
             "mask": torch.as_tensor(out["mask"]).long(),
             "id": sample_id,
+            **extras,
         }
 
 

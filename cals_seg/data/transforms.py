@@ -8,6 +8,7 @@ label, so no label value is invented.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -36,10 +37,28 @@ class SegmentationTransform:
 
     def __init__(self, transforms: list[A.BasicTransform]) -> None:
         self.compose = A.Compose(transforms)
+        self.extras: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {}
+
+    def add_extra_inputs(self, fns: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]]
+                         ) -> None:
+        """Also output ``fn(mask, inside)`` under each name: ``mask (h, w)`` after augmentation,
+        ``inside (h, w)`` bool, False on the padding the augmentation added
+        (:mod:`cals_seg.data.extra_inputs`)."""
+        if not self.extras:
+            self.compose.add_targets({"_inside": "mask"})  # moves with the mask, padded != 1
+        self.extras.update(fns)
 
     def __call__(self, *, image: np.ndarray, mask: np.ndarray) -> dict[str, Any]:
-        out = self.compose(image=image, mask=mask)
-        return {"image": out["image"].float(), "mask": torch.as_tensor(out["mask"]).long()}
+        if not self.extras:
+            out = self.compose(image=image, mask=mask)
+            return {"image": out["image"].float(), "mask": torch.as_tensor(out["mask"]).long()}
+        out = self.compose(image=image, mask=mask, _inside=np.ones(mask.shape[:2], np.uint8))
+        result = {"image": out["image"].float(), "mask": torch.as_tensor(out["mask"]).long()}
+        aug_mask = result["mask"].numpy()
+        inside = np.asarray(out["_inside"]) == 1
+        for name, fn in self.extras.items():
+            result[name] = torch.as_tensor(fn(aug_mask, inside))
+        return result
 
     def __repr__(self) -> str:
         return f"SegmentationTransform({self.compose!r})"

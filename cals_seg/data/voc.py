@@ -282,8 +282,10 @@ class VOCSegmentation(Dataset):
                 "They must match: re-export the mask at the image size, or remove the id."
             )
         out = self.transform(image=image, mask=mask)
+        extras = {k: v for k, v in out.items() if k not in ("image", "mask")}  # e.g. "band"
         return {
             "image": torch.as_tensor(out["image"], dtype=torch.float32),
             "mask": torch.as_tensor(out["mask"]).long(),
             "id": sample_id,
+            **extras,
         }

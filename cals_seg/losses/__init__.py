@@ -1,11 +1,14 @@
-"""Training criteria: cross-entropy, the calibration baselines, and CALS-ALM / CALS-HR.
+"""Training criteria: cross-entropy, the calibration baselines, CALS-ALM / CALS-HR, and the
+spatial losses SVLS, NACL and CRaC, and the region-adaptive CALS-ALM (``cals_alm_bands``).
 
 Every loss takes logits ``(N, K, *S)`` and targets ``(N, *S)``, excludes ``ignore_index``
-positions from every mean and returns a scalar, so it is a drop-in for ``F.cross_entropy``.
+positions from every mean and returns a scalar, so it is a drop-in for ``F.cross_entropy``
+(the spatial losses need ``(N, K, H, W)`` and refuse other shapes).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import typing
 from typing import Any
@@ -13,12 +16,16 @@ from typing import Any
 from ._adaptive import AdaptiveLoss
 from ._base import SegLoss
 from .cals import CALSALMLoss, CALSHRLoss
+from .cals_bands import BandCALSALMLoss
 from .ce import CrossEntropyLoss
 from .confidence_penalty import ConfidencePenaltyLoss
+from .crac import CRaCLoss
 from .focal import FocalLoss, FocalLossSD
 from .label_smoothing import LabelSmoothingLoss
 from .mbls import MbLSLoss
+from .nacl import NACLLoss
 from .penalties import PENALTIES, Penalty, get_penalty
+from .svls import SVLSLoss
 
 LOSSES: dict[str, type[SegLoss]] = {
     "ce": CrossEntropyLoss,
@@ -29,6 +36,10 @@ LOSSES: dict[str, type[SegLoss]] = {
     "mbls": MbLSLoss,
     "cals_hr": CALSHRLoss,
     "cals_alm": CALSALMLoss,
+    "svls": SVLSLoss,
+    "nacl": NACLLoss,
+    "crac": CRaCLoss,
+    "cals_alm_bands": BandCALSALMLoss,
 }
 
 
@@ -57,6 +68,12 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
 def _check_number(value: Any, hint: Any, key: str) -> None:
     """Numeric parameters must be numbers: ``margin: ten`` is a message, not a TypeError deep
     inside the loss."""
+    if typing.get_origin(hint) in (collections.abc.Sequence, list, tuple):  # bands: [3, 8]
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{key}: expected a list of numbers, got {value!r}.")
+        for item in value:
+            _check_number(item, typing.get_args(hint)[0], key)
+        return
     options = set(typing.get_args(hint)) or {hint}
     if value is None and type(None) in options:
         return
@@ -80,17 +97,21 @@ def _check_number(value: Any, hint: Any, key: str) -> None:
 __all__ = [
     "LOSSES",
     "AdaptiveLoss",
+    "BandCALSALMLoss",
     "PENALTIES",
     "CALSALMLoss",
     "CALSHRLoss",
     "ConfidencePenaltyLoss",
+    "CRaCLoss",
     "CrossEntropyLoss",
     "FocalLoss",
     "FocalLossSD",
     "LabelSmoothingLoss",
     "MbLSLoss",
+    "NACLLoss",
     "Penalty",
     "SegLoss",
+    "SVLSLoss",
     "build_loss",
     "get_penalty",
 ]

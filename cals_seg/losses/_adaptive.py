@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..distributed import all_reduce_sum_
-from ._base import SegLoss, as_float32, autocast_off, check_and_flatten
+from ._base import SegLoss, as_float32, autocast_off
 
 # Keys of a history line that the trainer writes itself; a loss may not log under them.
 RESERVED_LOG_KEYS = frozenset({"epoch", "lr", "precision", "best", "time"})
@@ -154,9 +154,7 @@ class AdaptiveLoss(SegLoss, metaclass=_BuiltChecked):
             ValueError: bad shapes or labels (as the forward pass), or NaN / inf logits.
         """
         with autocast_off(logits.device):
-            logits3, target2, valid = check_and_flatten(
-                as_float32(logits), target, self.num_classes, self.ignore_index
-            )
+            logits3, target2, valid = self._prepare(as_float32(logits), target)
             increments = self._observe(logits3, target2, valid)
             unknown = sorted(set(increments) - set(self._statistic_names))
             if unknown:

@@ -8,6 +8,7 @@ autocast context surrounds the call).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +44,14 @@ class SegLoss(nn.Module):
     Args:
         num_classes: K.
         ignore_index: target value of void positions; excluded from every mean.
+
+    Class attributes:
+        extra_inputs: names of per-pixel maps the loss takes as keyword arguments of
+            ``forward`` besides ``(logits, target)`` (e.g. ``("band",)``); the training data
+            provides them (:mod:`cals_seg.data.extra_inputs`). Empty for most losses.
     """
+
+    extra_inputs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, num_classes: int, ignore_index: int = -100) -> None:
         super().__init__()
@@ -67,10 +75,13 @@ class SegLoss(nn.Module):
         the float32 ones.
         """
         with autocast_off(logits.device):
-            logits3, target2, valid = check_and_flatten(
-                as_float32(logits), target, self.num_classes, self.ignore_index
-            )
-            return self._forward(logits3, target2, valid)
+            return self._forward(*self._prepare(as_float32(logits), target))
+
+    def _prepare(self, logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Checked ``(logits, target, valid)`` as :meth:`_forward` and ``_observe`` take them:
+        flattened to ``(N, K, S)``, ``(N, S)``, ``(N, S)`` by default; a loss that needs the
+        spatial layout (:mod:`cals_seg.losses._spatial`) keeps it."""
+        return check_and_flatten(logits, target, self.num_classes, self.ignore_index)
 
     def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
         """Loss on flattened inputs: logits ``(N, K, S)``, target ``(N, S)``, valid ``(N, S)``."""

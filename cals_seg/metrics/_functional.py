@@ -73,11 +73,13 @@ def _labels(target: Tensor, num_classes: int, ignore_index: int) -> tuple[Tensor
 
 
 def prepare_logits(
-    logits: Tensor, target: Tensor, num_classes: int, ignore_index: int
+    logits: Tensor, target: Tensor, num_classes: int, ignore_index: int, inputs: str = "logits"
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Check ``logits`` / ``target`` and flatten the spatial dimensions.
 
     float16 / bfloat16 logits are upcast to float32; float32 and float64 are used as they are.
+    ``inputs`` says what the scores are (:func:`as_logits`): logits are refused when they look
+    like probabilities, and probabilities are turned into logits ``log p``.
 
     Shape:
         - logits: ``(N, K, *S)``, any number of spatial dims (zero included).
@@ -101,11 +103,96 @@ def prepare_logits(
     n, k = logits.shape[:2]
     spatial = tuple(logits.shape[2:])
     _check_target(target, (n, *spatial), f"`logits` of shape {tuple(logits.shape)}")
+    tol = probability_tolerance(logits.dtype)
     if logits.dtype in _LOW_PRECISION:
         logits = logits.float()
     p = math.prod(spatial)
     labels, valid = _labels(target.reshape(n, p), num_classes, ignore_index)
-    return logits.reshape(n, k, p), labels, valid
+    return as_logits(logits.reshape(n, k, p), inputs, tol), labels, valid
+
+
+# --------------------------------------------------------------------------------------------
+# Logits or probabilities.
+# --------------------------------------------------------------------------------------------
+
+INPUTS = ("logits", "probs")
+# Positions examined by the probability test: evenly spaced over the batch, so the test costs
+# O(K * PROBE_POSITIONS) whatever the image size.
+PROBE_POSITIONS = 4096
+
+
+def check_inputs_arg(value: object) -> None:
+    """Raise ``ValueError`` unless ``inputs`` is ``"logits"`` or ``"probs"``."""
+    if value not in INPUTS:
+        raise ValueError(f"Expected `inputs` to be one of {list(INPUTS)}, but got {value!r}.")
+
+
+def probability_tolerance(dtype: torch.dtype) -> float:
+    """How far from 1 a row of probabilities of ``dtype`` may sum: ``max(1e-3, 4 eps)``
+    (1e-3 for float32 / float64, 3.9e-3 for float16, 3.1e-2 for bfloat16)."""
+    return max(1e-3, 4 * torch.finfo(dtype).eps)
+
+
+def looks_like_probabilities(scores: Tensor, tol: float) -> bool:
+    """Whether every probed position of ``scores`` is a probability vector: all K values
+    ``>= 0`` and ``|sum_k s_k - 1| <= tol``.
+
+    The probe is ``min(N P, PROBE_POSITIONS)`` positions evenly spaced over the flattened
+    ``(N, P)`` grid (every position for small batches). False for an empty batch; NaN fails the
+    test (it is reported later, by the finiteness check).
+
+    Shape:
+        - scores: ``(N, K, P)``.
+    """
+    n, k, p = scores.shape
+    total = n * p
+    if total == 0:
+        return False
+    m = min(total, PROBE_POSITIONS)
+    flat = torch.arange(m, device=scores.device, dtype=torch.int64) * total // m
+    probe = scores[flat // p, :, flat % p].double()  # (m, K)
+    ok = (probe.amin() >= 0) & ((probe.sum(dim=1) - 1).abs().amax() <= tol)
+    return bool(ok)
+
+
+def as_logits(scores: Tensor, inputs: str, tol: float | None = None) -> Tensor:
+    """Scores as logits, refusing probabilities passed as logits.
+
+    Rule: with ``inputs="logits"`` the scores are refused (``ValueError`` naming the fix) when
+    :func:`looks_like_probabilities` holds, i.e. every probed position is non-negative and sums
+    to 1 over the K classes within :func:`probability_tolerance` of the input's dtype; softmaxing
+    them again would flatten every confidence towards ``1 / K`` silently. Logits that are
+    non-negative but do not sum to 1 (or have one negative value) pass. With ``inputs="probs"``
+    the scores must pass that test (else ``ValueError``) and are returned as
+    ``log(max(p, tiny))``, whose softmax is ``p`` again (up to rounding), so every metric is the
+    one of the probabilities.
+
+    Args:
+        scores: ``(N, K, P)`` float32 / float64 (``prepare_logits`` has upcast the rest).
+        inputs: ``"logits"`` or ``"probs"``.
+        tol: the sum tolerance (default: that of ``scores.dtype``; ``prepare_logits`` passes
+            the one of the dtype before the upcast).
+    """
+    if tol is None:
+        tol = probability_tolerance(scores.dtype)
+    if inputs == "logits":
+        if looks_like_probabilities(scores, tol):
+            raise ValueError(
+                "Expected logits, but got probabilities (every probed position is non-negative "
+                "and sums to 1 over the classes): pass the model's outputs before the softmax, "
+                "or build the meter with inputs='probs'."
+            )
+        return scores
+    if inputs == "probs":
+        if scores.numel() and not looks_like_probabilities(scores, tol):
+            raise ValueError(
+                "Expected probabilities (non-negative, summing to 1 over the classes) because "
+                "the meter was built with inputs='probs', but got other values; pass "
+                "softmax(logits, dim=1), or build the meter with inputs='logits' (the default)."
+            )
+        return scores.clamp_min(torch.finfo(scores.dtype).tiny).log_()
+    check_inputs_arg(inputs)
+    return scores
 
 
 def prepare_predictions(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -39,13 +39,18 @@ class ShotGroupMeter(nn.Module):
         class_counts: training samples per class (length ``K``); they define the groups.
         n_bins: calibration bins.
         ignore_index: target value of void positions.
+        inputs: ``"logits"`` (default) or ``"probs"``, as in :class:`CalibrationMeter`.
 
     Shape:
         ``update(logits (N, K, *S), target (N, *S))``.
     """
 
     def __init__(
-        self, class_counts: Sequence[int], n_bins: int = 15, ignore_index: int = -100
+        self,
+        class_counts: Sequence[int],
+        n_bins: int = 15,
+        ignore_index: int = -100,
+        inputs: Literal["logits", "probs"] = "logits",
     ) -> None:
         super().__init__()
         check_ignore_index(ignore_index)
@@ -53,9 +58,10 @@ class ShotGroupMeter(nn.Module):
         self.groups = shot_groups(self.class_counts)
         self.ignore_index = ignore_index
         k = len(self.class_counts)
-        self.meters = nn.ModuleDict(
-            {g: CalibrationMeter(k, n_bins, ignore_index, classwise=False) for g in self.groups}
-        )
+        self.meters = nn.ModuleDict({
+            g: CalibrationMeter(k, n_bins, ignore_index, classwise=False, inputs=inputs)
+            for g in self.groups
+        })
         for name, classes in self.groups.items():
             member = torch.zeros(k, dtype=torch.bool)
             member[classes] = True

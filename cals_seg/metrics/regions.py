@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 import cv2
 import numpy as np
@@ -26,6 +26,7 @@ from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
     bin_index,
     check_ignore_index,
+    check_inputs_arg,
     check_int_arg,
     max_argmax,
     prepare_logits,
@@ -85,6 +86,28 @@ def squared_boundary_distance(boundary: np.ndarray) -> np.ndarray:
             ).astype(np.float64)
             out[i] = np.rint(d * d)
     return out
+
+
+def boundary_bands(
+    label_map: np.ndarray, bands: Sequence[float], ignore_index: int | None = None
+) -> np.ndarray:
+    """Distance band of every pixel from the class boundaries of ``label_map``.
+
+    The boundary rule of :func:`boundary_pixels` and the exact distances of
+    :func:`squared_boundary_distance`; with ``edges = [0, *bands, inf]`` a pixel is in band
+    ``i`` when ``edges[i] <= d < edges[i + 1]``, decided on integers (``d < b`` iff
+    ``d^2 < ceil(b^2)``, ``ceil`` of the exact rational ``b^2``). ``label_map`` may be a ground
+    truth (void pixels: ``ignore_index``) or a predicted map (``ignore_index=None``: no void).
+
+    Shape:
+        - label_map: ``(N, H, W)`` integer; returns ``(N, H, W)`` int64 in ``[0, len(bands)]``.
+    """
+    thresholds = np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
+    void = -1 if ignore_index is None else ignore_index
+    if ignore_index is None and label_map.size and int(label_map.min()) < 0:
+        raise ValueError("Expected a predicted `label_map` of class indices >= 0.")
+    dist2 = squared_boundary_distance(boundary_pixels(label_map, void))
+    return np.searchsorted(thresholds, dist2, side="right").astype(np.int64)
 
 
 def component_areas(
@@ -151,9 +174,13 @@ class _RegionCalibrationMeter(nn.Module):
 
     suffix = "group"  # metric keys are "<stat>_<suffix>"
 
-    def __init__(self, num_classes: int, num_groups: int, n_bins: int, ignore_index: int) -> None:
+    def __init__(
+        self, num_classes: int, num_groups: int, n_bins: int, ignore_index: int, inputs: str
+    ) -> None:
         super().__init__()
         check_int_arg("num_classes", num_classes, 2)
+        check_inputs_arg(inputs)
+        self.inputs = inputs
         check_int_arg("n_bins", n_bins, 1)
         check_ignore_index(ignore_index)
         self.num_classes, self.n_bins, self.ignore_index = num_classes, n_bins, ignore_index
@@ -177,11 +204,14 @@ class _RegionCalibrationMeter(nn.Module):
     @torch.no_grad()
     def update(self, logits: Tensor, target: Tensor) -> None:
         """Add one batch: logits ``(N, K, H, W)``, target ``(N, H, W)``; raises ``ValueError``
-        on bad input. Pass logits, never probabilities (the softmax is applied here)."""
+        on bad input. Pass logits (the softmax is applied here), or probabilities to a meter
+        built with ``inputs="probs"``."""
         if not isinstance(logits, Tensor) or logits.dim() != 4:
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(f"Expected `logits` of shape (N, K, H, W), but got {shape}.")
-        x, y, valid = prepare_logits(logits, target, self.num_classes, self.ignore_index)
+        x, y, valid = prepare_logits(
+            logits, target, self.num_classes, self.ignore_index, self.inputs
+        )
         group = torch.from_numpy(self._groups(target.detach().cpu().numpy().astype(np.int64)))
         count, correct, conf = _grouped_update(x, y, valid, group, self.num_groups, self.n_bins)
         self.bin_count.add_(count)
@@ -244,6 +274,9 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
             ``[0, 3)``, ``[3, 8)``, ``[8, inf)``).
         n_bins: equal-width confidence bins.
         ignore_index: target value of void pixels.
+        inputs: ``"logits"`` (default) or ``"probs"``, with the rule of
+            :class:`~cals_seg.metrics.CalibrationMeter` (logits that look like probabilities
+            raise ``ValueError``).
 
     Shape:
         - logits: ``(N, K, H, W)`` floating; target: ``(N, H, W)`` integer.
@@ -263,6 +296,7 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
         bands: Sequence[float] = (3.0, 8.0),
         n_bins: int = 15,
         ignore_index: int = -100,
+        inputs: Literal["logits", "probs"] = "logits",
     ) -> None:
         bands = tuple(bands)
         ok = all(isinstance(b, int | float) and not isinstance(b, bool) for b in bands)
@@ -272,7 +306,7 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
             raise ValueError(
                 f"Expected `bands` to be increasing positive finite distances, but got {bands!r}."
             )
-        super().__init__(num_classes, len(bands) + 1, n_bins, ignore_index)
+        super().__init__(num_classes, len(bands) + 1, n_bins, ignore_index, inputs)
         self.bands = tuple(float(b) for b in bands)
         # d < b  <=>  D < ceil(b^2) for an integer D = d^2 (exact rational arithmetic).
         self.thresholds = np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
@@ -285,8 +319,24 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
         return [0.0, *self.bands, None]
 
     def _groups(self, target: np.ndarray) -> np.ndarray:
-        dist2 = squared_boundary_distance(boundary_pixels(target, self.ignore_index))
-        return np.searchsorted(self.thresholds, dist2, side="right").astype(np.int64)
+        return boundary_bands(target, self.bands, self.ignore_index)
+
+    @torch.no_grad()
+    def compute(self) -> dict[str, Any]:
+        """The per-band dict of :meth:`_RegionCalibrationMeter.compute` plus
+        ``ece_band_weighted`` (None without a valid pixel): the band ECEs averaged with their
+        pixel counts as weights, ``sum_b n_b ECE_b / sum_b n_b`` over the non-empty bands.
+
+        It equals the ECE of bins split by band as well as by confidence, so it is never below
+        the pooled ECE: an over-confident band and an under-confident one do not cancel."""
+        out = super().compute()
+        counts = out["count_band"]
+        total = sum(counts)
+        out["ece_band_weighted"] = (
+            sum(n * e for n, e in zip(counts, out["ece_band"], strict=True) if n) / total
+            if total else None
+        )
+        return out
 
 
 class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
@@ -310,6 +360,7 @@ class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
         n_bins: equal-width confidence bins.
         ignore_index: target value of void pixels.
         background_index: a class whose pixels are not objects (None: every class is).
+        inputs: ``"logits"`` (default) or ``"probs"``, as in :class:`BoundaryCalibrationMeter`.
 
     Shape:
         - logits: ``(N, K, H, W)`` floating; target: ``(N, H, W)`` integer.
@@ -324,6 +375,7 @@ class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
         n_bins: int = 15,
         ignore_index: int = -100,
         background_index: int | None = None,
+        inputs: Literal["logits", "probs"] = "logits",
     ) -> None:
         areas = tuple(areas)
         ok = all(isinstance(a, int) and not isinstance(a, bool) and a > 0 for a in areas)
@@ -333,7 +385,7 @@ class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
             )
         if background_index is not None:
             check_int_arg("background_index", background_index, 0)
-        super().__init__(num_classes, len(areas) + 1, n_bins, ignore_index)
+        super().__init__(num_classes, len(areas) + 1, n_bins, ignore_index, inputs)
         self.areas, self.background_index = areas, background_index
 
     def extra_repr(self) -> str:

@@ -7,7 +7,7 @@ accuracies, and ``SegmentationMeter`` only stores the matrix.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
     check_ignore_index,
+    check_inputs_arg,
     check_int_arg,
     max_argmax,
     prepare_logits,
@@ -24,7 +25,11 @@ from cals_seg.metrics._functional import (
 
 
 def _confusion_update(
-    logits_or_preds: Tensor, target: Tensor, num_classes: int, ignore_index: int = -100
+    logits_or_preds: Tensor,
+    target: Tensor,
+    num_classes: int,
+    ignore_index: int = -100,
+    inputs: str = "logits",
 ) -> Tensor:
     """Confusion matrix of one batch over its valid positions, with one ``bincount``.
 
@@ -38,7 +43,7 @@ def _confusion_update(
         - returns: ``(K, K)`` int64.
     """
     if isinstance(logits_or_preds, Tensor) and logits_or_preds.is_floating_point():
-        x, y, valid = prepare_logits(logits_or_preds, target, num_classes, ignore_index)
+        x, y, valid = prepare_logits(logits_or_preds, target, num_classes, ignore_index, inputs)
         maxima, pred = max_argmax(x)
         check_finite(x, maxima)
     else:
@@ -92,6 +97,10 @@ class SegmentationMeter(nn.Module):
     Args:
         num_classes: K >= 2.
         ignore_index: target value of void positions (255 in VOC).
+        inputs: what floating input is: ``"logits"`` (default) or ``"probs"``. Logits that look
+            like probabilities raise ``ValueError``, with the rule of :class:`CalibrationMeter`
+            (the arg-max would not change, but the mistake would go on to the calibration
+            meters).
 
     Shape:
         - logits_or_preds: logits ``(N, K, *S)`` (floating; the arg-max is taken) or integer
@@ -105,15 +114,22 @@ class SegmentationMeter(nn.Module):
         0.6666666666666666
     """
 
-    def __init__(self, num_classes: int, ignore_index: int = -100) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        ignore_index: int = -100,
+        inputs: Literal["logits", "probs"] = "logits",
+    ) -> None:
         super().__init__()
         check_int_arg("num_classes", num_classes, 2)
         check_ignore_index(ignore_index)
-        self.num_classes, self.ignore_index = num_classes, ignore_index
+        check_inputs_arg(inputs)
+        self.num_classes, self.ignore_index, self.inputs = num_classes, ignore_index, inputs
         self.register_buffer("confusion", torch.zeros(num_classes, num_classes, dtype=torch.int64))
 
     def extra_repr(self) -> str:
-        return f"num_classes={self.num_classes}, ignore_index={self.ignore_index}"
+        return (f"num_classes={self.num_classes}, ignore_index={self.ignore_index}, "
+                f"inputs={self.inputs}")
 
     def reset(self) -> None:
         """Zero the confusion matrix."""
@@ -123,7 +139,9 @@ class SegmentationMeter(nn.Module):
     def update(self, logits_or_preds: Tensor, target: Tensor) -> None:
         """Add one batch; raises ``ValueError`` on bad input (see the class docstring)."""
         self.confusion.add_(
-            _confusion_update(logits_or_preds, target, self.num_classes, self.ignore_index)
+            _confusion_update(
+                logits_or_preds, target, self.num_classes, self.ignore_index, self.inputs
+            )
         )
 
     def synced_states(self) -> dict[str, Tensor]:

@@ -67,13 +67,15 @@ class SegmentationTask(Task):
     score_metric = "miou"
 
     def meters(self, n_bins: int = 15, test: bool = False) -> dict[str, nn.Module]:
-        """Calibration and segmentation meters; the test pass adds the boundary-band and
-        object-size meters (class 0 is not an object when it is named background)."""
+        """Calibration, segmentation and boundary-band meters (the band meter gives
+        ``ece_band_weighted`` beside the pooled ``ece``, at about the cost of the calibration
+        meter); the test pass adds the object-size meter (class 0 is not an object when it is
+        named background)."""
         out = super().meters(n_bins, test)
-        out["segmentation"] = SegmentationMeter(self.num_classes, self.ignore_index)
+        k, void = self.num_classes, self.ignore_index
+        out["segmentation"] = SegmentationMeter(k, void)
+        out["boundary"] = BoundaryCalibrationMeter(k, n_bins=n_bins, ignore_index=void)
         if test:
-            k, void = self.num_classes, self.ignore_index
-            out["boundary"] = BoundaryCalibrationMeter(k, n_bins=n_bins, ignore_index=void)
             names = self.class_names[:1]
             background = 0 if names and names[0].lower() in ("background", "_background_") else None
             out["size"] = ObjectSizeCalibrationMeter(

@@ -1,0 +1,187 @@
+"""Fit calibrators on validation and evaluate them on test in one pass of the network."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from ..errors import UserError
+from ._base import Calibrator
+
+# Meters that only read the argmax: fed the raw logits when the calibrator cannot change it, so
+# that their numbers (mIoU, accuracies) are bit-identical to the uncalibrated ones.
+ARGMAX_METERS = ("segmentation",)
+
+
+class Calibrated:
+    """Meters fed a calibrator's output: ``update(logits, target, image)`` calls
+    ``calibrator(logits, image)`` once and feeds every meter; when the calibrator cannot change
+    the argmax, the meters named in ``argmax_meters`` get the raw logits instead.
+
+    Args:
+        calibrator: a fitted calibrator (in eval mode).
+        meters: ``{name: meter}`` with ``update(logits, target)``.
+        argmax_meters: names of the meters that only read the argmax.
+    """
+
+    def __init__(self, calibrator: Calibrator, meters: Mapping[str, Any],
+                 argmax_meters: Sequence[str] = ARGMAX_METERS) -> None:
+        self.calibrator = calibrator
+        self.meters = dict(meters)
+        self.raw = set() if calibrator.changes_argmax else set(argmax_meters)
+
+    @torch.no_grad()
+    def update(self, logits: Tensor, target: Tensor, image: Tensor | None = None) -> None:
+        calibrated = self.calibrator(logits, image if self.calibrator.needs_image else None)
+        for name, meter in self.meters.items():
+            meter.update(logits if name in self.raw else calibrated, target)
+
+
+def fit_calibrators(
+    calibrators: Mapping[str, Calibrator],
+    model: nn.Module,
+    val_loader: DataLoader,
+    device: torch.device,
+    ignore_index: int,
+    amp: str = "none",
+    protocol: Any = None,
+) -> dict[str, dict[str, Any]]:
+    """Fit each calibrator on ``model``'s logits over ``val_loader`` (re-running the model for
+    every pass; nothing is cached); returns ``{name: fit_info}``. The test split is never
+    involved."""
+    from cals_seg.evaluation import predict
+
+    def batches():
+        return predict(model, val_loader, device, amp, protocol=protocol, with_inputs=True)
+
+    out = {}
+    for name, calibrator in calibrators.items():
+        calibrator.to(device)
+        out[name] = calibrator.fit(batches, ignore_index=ignore_index)
+        calibrator.eval()
+    return out
+
+
+def evaluate_calibrators(
+    model: nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    calibrators: Mapping[str, Calibrator],
+    meters: Callable[[], Mapping[str, Any]],
+    amp: str = "none",
+    protocol: Any = None,
+    progress: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """Metrics of the raw logits and of every calibrator, from ONE pass over ``loader``.
+
+    Args:
+        model: the network.
+        loader: the split to evaluate (the test split).
+        device: where the model and meters run.
+        calibrators: ``{name: fitted calibrator}``.
+        meters: returns a fresh ``{name: meter}`` set (e.g. ``lambda: task.meters(15,
+            test=True)``: pooled, per-band and per-size metrics); one set per calibrator.
+        amp, protocol, progress: as :func:`cals_seg.evaluation.predict`.
+
+    Returns:
+        ``{"uncalibrated": metrics, name: metrics, ...}``, each the merged ``compute()`` dicts
+        of one meter set.
+    """
+    from cals_seg.evaluation import compute, evaluate
+
+    raw = {k: m.to(device) for k, m in meters().items()}
+    sets = {name: {k: m.to(device) for k, m in meters().items()} for name in calibrators}
+    consumers = [Calibrated(c.to(device).eval(), sets[name]) for name, c in calibrators.items()]
+    evaluate(model, loader, device, list(raw.values()), amp, progress, desc="test",
+             protocol=protocol, image_consumers=consumers)
+    out = {"uncalibrated": compute(raw)}
+    out.update({name: compute(s) for name, s in sets.items()})
+    return out
+
+
+def load_or_fit_calibrators(
+    names: Sequence[str],
+    folder: str | Path,
+    num_classes: int,
+    model: nn.Module,
+    val_loader: DataLoader,
+    device: torch.device,
+    ignore_index: int,
+    amp: str = "none",
+    protocol: Any = None,
+    refit: bool = False,
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+) -> tuple[dict[str, Calibrator], dict[str, dict[str, Any]]]:
+    """The calibrators ``names``: loaded from ``folder/<name>.pt`` when saved there (and not
+    ``refit``), else built (with ``params[name]``), fitted on ``val_loader`` and saved there.
+
+    Returns:
+        ``({name: calibrator}, {name: fit summary})``; a summary holds the method's
+        ``fit_info``, ``"loaded": True`` for a loaded one, else the fit's wall-clock
+        ``fit_seconds`` and, on CUDA, ``fit_peak_memory_mib`` (peak allocated during the fit,
+        the network's forward passes included).
+    """
+    from . import build_calibrator, load_calibrator, save_calibrator
+
+    folder = Path(folder)
+    out, info = {}, {}
+    for name in names:
+        path = folder / f"{name}.pt"
+        if path.is_file() and not refit:
+            cal = load_calibrator(path, device)
+            if cal.num_classes != num_classes:
+                raise UserError(f"{path} has {cal.num_classes} classes, the run {num_classes}; "
+                                 "refit it (--refit-calibrators).")
+            out[name], info[name] = cal, {**cal.fit_info, "loaded": True, "file": str(path)}
+            continue
+        cal = build_calibrator(name, num_classes, **dict((params or {}).get(name, {})))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        fit_calibrators({name: cal}, model, val_loader, device, ignore_index, amp, protocol)
+        summary = {**cal.fit_info, "loaded": False, "fit_seconds": time.perf_counter() - start}
+        if device.type == "cuda":
+            summary["fit_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        cal.fit_info = summary
+        save_calibrator(cal, path)
+        out[name], info[name] = cal, {**summary, "file": str(path)}
+    return out, info
+
+
+# (metric key, column title, shown in percent) of the calibrator tables.
+TABLE_COLUMNS = (
+    ("ece", "ECE", True),
+    ("ece_band_weighted", "band-weighted ECE", True),
+    ("ece_boundary", "boundary ECE", True),
+    ("ece_interior", "interior ECE", True),
+    ("nll", "NLL", False),
+    ("aurc", "AURC", True),
+    ("miou", "mIoU", True),
+)
+
+
+def table_values(metrics: Mapping[str, Any]) -> dict[str, float | None]:
+    """The numbers of :data:`TABLE_COLUMNS` from one metrics dict (boundary ECE: the first
+    distance band's, interior: the last band's)."""
+    bands = metrics.get("ece_band") or [None]
+    values = {key: metrics.get(key) for key, _, _ in TABLE_COLUMNS}
+    values.update(ece_boundary=bands[0], ece_interior=bands[-1])
+    return values
+
+
+def calibration_table(rows: Mapping[str, Mapping[str, Any]]) -> str:
+    """A markdown table, one row per ``{name: metrics dict}`` (values in % except NLL)."""
+    lines = ["| calibration | " + " | ".join(t for _, t, _ in TABLE_COLUMNS) + " |",
+             "|---|" + "---:|" * len(TABLE_COLUMNS)]
+    for name, metrics in rows.items():
+        values = table_values(metrics)
+        cells = ["-" if values[k] is None else f"{values[k] * (100 if pct else 1):.2f}"
+                 for k, _, pct in TABLE_COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,125 @@
+"""``lts``: Local Temperature Scaling (Ding, Liu, Xiong and Shi, ICCV 2021, "Local Temperature
+Scaling for Probability Calibration").
+
+A small convolutional network predicts a temperature per pixel from the logits and the image;
+``forward(l, x)(p) = l(p) / T(p)``. As in the authors' model, every branch is a 5 x 5 convolution
+with dilation 2 and reflection padding: two temperature branches on the logits mixed by a gate
+on the logits, and a temperature branch on the image mixed with them by a second gate on the
+logits::
+
+    t_l = g1 * conv_a(l) + (1 - g1) * conv_b(l),      g1 = sigmoid(conv_g1(l))
+    log T = g2 * t_l + (1 - g2) * conv_img(x),         g2 = sigmoid(conv_g2(l))
+
+The authors' model writes ``T = relu(1 + ...) + 1e-8``; here the branches give ``log T``
+(``T = exp(log T)``, clamped to ``[1e-2, 1e2]``), which is positive everywhere and, with every
+convolution zero-initialised, exactly 1 at initialisation: the untrained calibrator is the
+identity. A positive temperature per pixel never changes the argmax.
+
+Fit: Adam on the mean NLL of the fit images, one step per validation batch, early-stopped on
+the held-out images (one in ``holdout_every``, see :func:`._base.fit_with_holdout`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import UserError
+from ._base import Batches, Calibrator, check_positive_int, fit_with_holdout
+
+LOG_T_MAX = math.log(100.0)
+
+
+def _conv(in_channels: int, kernel_size: int, dilation: int) -> nn.Conv2d:
+    conv = nn.Conv2d(in_channels, 1, kernel_size, padding=dilation * (kernel_size - 1) // 2,
+                     dilation=dilation, padding_mode="reflect")
+    nn.init.zeros_(conv.weight)
+    nn.init.zeros_(conv.bias)
+    return conv
+
+
+def _nll_sum(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, int] | None:
+    n = int((target != ignore_index).sum())
+    if n == 0:
+        return None
+    loss = F.cross_entropy(logits.float(), target.long(), ignore_index=ignore_index,
+                           reduction="sum")
+    return loss, n
+
+
+class LocalTemperatureScaling(Calibrator):
+    """A temperature per pixel from the logits (and the image).
+
+    Args:
+        num_classes: K >= 2.
+        use_image: feed the image branch (then ``forward`` needs the image).
+        image_channels: channels of the image.
+        kernel_size, dilation: of every convolution.
+        epochs, patience, lr, holdout_every: of the fit (:func:`._base.fit_with_holdout`).
+
+    Shape:
+        - logits: ``(N, K, H, W)``; image: ``(N, C, H, W)`` (H, W > 4); output like logits.
+    """
+
+    name = "lts"
+    changes_argmax = False
+    needs_image = True
+
+    def __init__(self, num_classes: int, use_image: bool = True, image_channels: int = 3,
+                 kernel_size: int = 5, dilation: int = 2, epochs: int = 10, patience: int = 3,
+                 lr: float = 1e-3, holdout_every: int = 5) -> None:
+        check_positive_int("image_channels", image_channels)
+        check_positive_int("kernel_size", kernel_size)
+        check_positive_int("dilation", dilation)
+        if kernel_size % 2 == 0:
+            raise UserError(f"Expected an odd `kernel_size`, but got {kernel_size}.")
+        super().__init__(num_classes, use_image=bool(use_image), image_channels=image_channels,
+                         kernel_size=kernel_size, dilation=dilation, epochs=epochs,
+                         patience=patience, lr=lr, holdout_every=holdout_every)
+        self.needs_image = bool(use_image)
+        k, args = num_classes, (kernel_size, dilation)
+        self.t_a, self.t_b, self.gate_ab = _conv(k, *args), _conv(k, *args), _conv(k, *args)
+        self.gate_image = _conv(k, *args)
+        self.t_image = _conv(image_channels, *args) if use_image else None
+
+    def log_temperature(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
+        """``log T`` per pixel, ``(N, 1, H, W)``."""
+        x = logits.float()
+        g1 = torch.sigmoid(self.gate_ab(x))
+        t = g1 * self.t_a(x) + (1 - g1) * self.t_b(x)
+        if self.t_image is not None:
+            g2 = torch.sigmoid(self.gate_image(x))
+            t = g2 * t + (1 - g2) * self.t_image(image.float())
+        return t.clamp(-LOG_T_MAX, LOG_T_MAX)
+
+    def _check(self, logits: Tensor, image: Tensor | None) -> None:
+        self.check_input(logits, image)
+        if logits.dim() != 4:
+            raise ValueError(
+                f"Expected `logits` of shape (N, K, H, W), but got {tuple(logits.shape)}."
+            )
+        if image is not None and self.needs_image and image.shape[1] != self.params[
+                "image_channels"]:
+            raise ValueError(f"Expected an image with {self.params['image_channels']} channels, "
+                             f"but got {image.shape[1]}.")
+
+    def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
+        self._check(logits, image)
+        return logits / self.log_temperature(logits, image).exp().to(logits.dtype)
+
+    def fit(self, batches: Batches, ignore_index: int = -100) -> dict[str, Any]:
+        """Train on the validation NLL, early-stopped on the held-out images."""
+        p = self.params
+
+        def loss(net: nn.Module, logits: Tensor, target: Tensor, image: Tensor | None,
+                 void: int) -> tuple[Tensor, int] | None:
+            self._check(logits, image)
+            return _nll_sum(net(logits, image), target, void)
+
+        self.fit_info = fit_with_holdout(self, loss, batches, ignore_index, p["epochs"],
+                                         p["patience"], p["lr"], p["holdout_every"])
+        return self.fit_info

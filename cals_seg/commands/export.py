@@ -1,0 +1,61 @@
+"""Export a trained segmentation run as ONNX or a torch.export program (.pt2).
+
+    python tools/export.py runs/<name> --format onnx --out model.onnx
+    python tools/export.py runs/<name> --format pt2 --out model.pt2 [--logits]
+
+The program maps a float32 RGB batch (N, 3, H, W) with values in [0, 255] to calibrated
+probabilities (N, K, H, W) at the input's resolution: normalisation, padding to the network's
+stride, the network, and softmax(logits / T) with the run's fitted temperature are inside it.
+N, H and W are dynamic. Next to FILE, FILE.json says what it expects and returns (class names,
+temperature, normalisation). Load a .pt2 with torch.export.load(FILE).module(), an .onnx with
+onnxruntime.InferenceSession(FILE). ONNX needs pip install "cals_seg[export]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+# The library's names (cals_seg.export imports torch; --help must not).
+FORMATS = ("onnx", "pt2")
+CALIBRATORS = ("ts", "none")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", metavar="RUN", help="run directory (or a checkpoint inside one)")
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--out", required=True, metavar="FILE")
+    parser.add_argument("--calibrator", default="ts", choices=CALIBRATORS,
+                        help="ts: the run's fitted temperature (default); none: T = 1")
+    parser.add_argument("--logits", action="store_true", help="output raw logits")
+    parser.add_argument("--checkpoint", default="best", choices=["best", "last"])
+    parser.add_argument("--min-size", type=int, default=None, metavar="PIXELS",
+                        help="smallest H / W the program accepts (default: 2 x output stride)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from ..cli import USER_ERRORS, report
+    from ..export import export_run
+
+    try:
+        info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,
+                          args.checkpoint, args.min_size)
+    except (*USER_ERRORS, ImportError) as err:
+        return report(err)
+    what = "logits" if args.logits else f"probabilities (T = {info['temperature']:.4g})"
+    print(f"{args.out}: {args.format}, (N, 3, H, W) in [0, 255] -> (N, {info['num_classes']}, "
+          f"H, W) {what}; H, W >= {info['input']['min_size']}; metadata in {args.out}.json")
+    return 0
+
+
+def run() -> None:
+    """Console entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,223 @@
+"""Export a trained segmentation run as a standalone program: ONNX, or a ``torch.export`` ``.pt2``.
+
+The exported program maps a float32 RGB batch ``(N, 3, H, W)`` with values in ``[0, 255]`` to
+calibrated probabilities ``(N, K, H, W)`` at the input's resolution (raw logits with
+``logits=True``). Everything between is inside the program:
+
+1. zero-pad the image at the bottom / right to the next multiple of the network's output stride
+   (what the toolkit's evaluation does: a zero pixel normalises to ``-mean / std``, its padding
+   value), written with index arithmetic so that ``H`` and ``W`` stay dynamic;
+2. normalise, ``(x / 255 - mean) / std`` (ImageNet statistics, as in training);
+3. run the network and crop the padding off the logits;
+4. divide by the run's temperature (fitted on the validation split, ``temperature.json``) and
+   take the softmax over the K classes.
+
+``N``, ``H`` and ``W`` are dynamic: one file serves every batch size and image size with sides
+``>= min_size`` (default: twice the output stride, e.g. 32 pixels for stride 16; smaller
+inputs make the network's deepest feature map 1 x 1, which the traced program does not cover).
+The program runs the network once on the whole image: a run evaluated with ``eval.resize``,
+``eval.pad`` or ``eval.mode: slide`` should get its images resized / tiled by the caller.
+
+Loading::
+
+    program = torch.export.load("model.pt2").module()       # .pt2
+    probs = program(images)                                   # (N, K, H, W)
+
+    session = onnxruntime.InferenceSession("model.onnx")      # ONNX
+    probs = session.run(None, {"image": images.numpy()})[0]
+
+The ONNX export needs the ``onnx`` and ``onnxscript`` packages, checking it ``onnxruntime``
+(``pip install "cals_seg[export]"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .errors import UserError
+from .inference import IMAGENET_MEAN, IMAGENET_STD, input_multiple
+
+FORMATS = ("onnx", "pt2")
+# Post-hoc calibrators an exported program can apply: the run's temperature, or none (T = 1).
+CALIBRATORS = ("ts", "none")
+INPUT_NAME, OUTPUT_NAMES = "image", {False: "probs", True: "logits"}
+
+
+def _zero_pad(x: Tensor, dim: int, size: Any, length: Any) -> Tensor:
+    """``x`` zero-padded along ``dim`` from ``length`` to ``size >= length`` entries.
+
+    A gather of the clamped indices times a 0/1 mask instead of ``F.pad``: ``F.pad`` branches
+    on whether the pad is zero, which ties a dynamic size to one case when exported.
+    """
+    index = torch.arange(size, device=x.device)
+    keep = (index < length).to(x.dtype)
+    shape = [1] * x.dim()
+    shape[dim] = size
+    return x.index_select(dim, index.clamp(max=length - 1)) * keep.view(shape)
+
+
+class CalibratedSegmenter(nn.Module):
+    """A segmentation network with its input normalisation and calibration built in.
+
+    ``forward(x) = softmax(crop(model(normalise(pad(x)))) / T)`` over the classes, or the
+    cropped logits with ``logits=True``.
+
+    Args:
+        model: maps normalised ``(N, 3, h, w)`` (sides divisible by ``multiple``) to logits
+            ``(N, K, h, w)``; put in eval mode here.
+        temperature: ``T > 0`` (1.0: uncalibrated softmax).
+        mean, std: per-channel statistics of ``[0, 1]`` RGB pixels.
+        multiple: the side multiple the network needs (its output stride).
+        logits: return the logits instead of the probabilities.
+
+    Shape:
+        ``x (N, 3, H, W)`` float32 in ``[0, 255]`` -> ``(N, K, H, W)`` float32.
+    """
+
+    def __init__(self, model: nn.Module, temperature: float = 1.0,
+                 mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+                 multiple: int = 1, logits: bool = False) -> None:
+        super().__init__()
+        if not (isinstance(temperature, int | float) and temperature > 0):
+            raise ValueError(f"Expected a temperature > 0, but got {temperature!r}.")
+        if not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(f"Expected `multiple` to be a positive integer, but got {multiple!r}.")
+        self.model = model.eval()
+        self.multiple, self.logits, self.temperature = multiple, logits, float(temperature)
+        # (x / 255 - mean) / std = (x - 255 mean) / (255 std)
+        f32 = torch.float32
+        self.register_buffer("shift", 255.0 * torch.tensor(mean, dtype=f32).view(1, 3, 1, 1))
+        self.register_buffer("scale", 255.0 * torch.tensor(std, dtype=f32).view(1, 3, 1, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h, w = x.shape[-2], x.shape[-1]
+        m = self.multiple
+        if m > 1:
+            x = _zero_pad(x, 2, (h + m - 1) // m * m, h)
+            x = _zero_pad(x, 3, (w + m - 1) // m * m, w)
+        out = self.model((x - self.shift) / self.scale)
+        if m > 1:  # crop the padding off
+            out = out.index_select(2, torch.arange(h, device=x.device))
+            out = out.index_select(3, torch.arange(w, device=x.device))
+        if self.logits:
+            return out
+        return torch.softmax(out / self.temperature, dim=1)
+
+
+def _dynamic_shapes(min_size: int) -> dict[str, dict[int, Any]]:
+    dim = torch.export.Dim
+    return {"x": {0: dim("batch", min=1, max=4096), 2: dim("height", min=min_size),
+                  3: dim("width", min=min_size)}}
+
+
+def export_program(module: CalibratedSegmenter, path: str | Path, fmt: str,
+                   min_size: int | None = None) -> Path:
+    """Write ``module`` as ONNX (``fmt="onnx"``) or a ``torch.export`` program (``"pt2"``),
+    with dynamic batch size, height and width (sides ``>= min_size``, default ``2 * multiple``).
+
+    Raises:
+        ValueError: an unknown format.
+        ImportError: ONNX without the ``onnx`` / ``onnxscript`` packages (with the command).
+    """
+    if fmt not in FORMATS:
+        raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module = module.eval().to("cpu", torch.float32)
+    min_size = min_size or max(2 * module.multiple, 16)
+    # Two images whose sides are no multiple of the stride: nothing gets specialised on them.
+    example = (torch.rand(2, 3, min_size + 3, min_size + 5) * 255,)
+    dynamic = _dynamic_shapes(min_size)
+    if fmt == "pt2":
+        with torch.no_grad():
+            program = torch.export.export(module, example, dynamic_shapes=dynamic)
+        torch.export.save(program, path)
+        return path
+    for package in ("onnx", "onnxscript"):
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            raise ImportError(
+                f"--format onnx needs the {package} package; install it with: "
+                f'pip install "cals_seg[export]" (or: pip install onnx onnxscript onnxruntime).'
+            ) from None
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, example, str(path), dynamo=True, dynamic_shapes=dynamic,
+                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAMES[module.logits]],
+                          verbose=False)
+    return path
+
+
+def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: str = "ts",
+               logits: bool = False, checkpoint: str = "best",
+               min_size: int | None = None) -> dict[str, Any]:
+    """Export a trained segmentation run; writes ``out`` and ``<out>.json`` (what the program
+    expects and returns: input name and range, normalisation, class names, temperature).
+
+    Args:
+        run: a run directory (or a checkpoint file inside one).
+        out: the file to write (``.onnx`` / ``.pt2``).
+        fmt: ``onnx`` or ``pt2``.
+        calibrator: ``ts`` (the run's fitted temperature) or ``none``.
+        logits: output raw logits instead of calibrated probabilities.
+        checkpoint: ``best`` or ``last`` (for a run directory; read by
+            :func:`cals_seg.runs.load_run`).
+        min_size: smallest height / width the program accepts (default ``2 * stride``).
+
+    Returns:
+        The metadata written to ``<out>.json``.
+
+    Raises:
+        ValueError / FileNotFoundError: a bad argument or run, naming the fix.
+    """
+    from .runs import load_run
+
+    if calibrator not in CALIBRATORS:
+        raise UserError(f"--calibrator: expected one of {list(CALIBRATORS)}, got {calibrator!r}.")
+    if fmt not in FORMATS:
+        raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
+    loaded = load_run(run, checkpoint, device="cpu", amp="none", family="segmentation")
+    run_dir, cfg, model, fitted = loaded.path, loaded.config, loaded.model, loaded.temperature
+    temperature = 1.0
+    if calibrator == "ts" and not logits:
+        if fitted is None:
+            raise UserError(f"{run_dir} has no temperature.json (the run did not finish, or "
+                             "eval.temperature_scaling is false); export with --calibrator none "
+                             "for uncalibrated probabilities.")
+        temperature = fitted
+    e = cfg.eval
+    if e.mode != "whole" or e.resize is not None or e.pad is not None:
+        warnings.warn(f"{run_dir} is evaluated with eval.mode={e.mode}, resize={e.resize}, "
+                      f"pad={e.pad}; the exported program runs the network once on the whole "
+                      "image as given: resize or tile images before calling it.", stacklevel=2)
+    module = CalibratedSegmenter(model, temperature, multiple=input_multiple(model),
+                                 logits=logits)
+    path = export_program(module, out, fmt, min_size)
+    info = {
+        "format": fmt,
+        "run": str(run_dir),
+        "input": {"name": INPUT_NAME, "shape": ["N", 3, "H", "W"], "dtype": "float32",
+                  "range": [0, 255], "channels": "RGB",
+                  "min_size": min_size or max(2 * module.multiple, 16)},
+        "output": {"name": OUTPUT_NAMES[logits], "shape": ["N", "K", "H", "W"],
+                   "what": "logits" if logits else "softmax(logits / T)"},
+        "calibrator": "none" if logits else calibrator,
+        "temperature": None if logits else temperature,
+        "normalisation": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
+        "num_classes": cfg.data.num_classes,
+        "class_names": list(loaded.class_names),
+    }
+    Path(f"{path}.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+__all__ = ["CALIBRATORS", "FORMATS", "CalibratedSegmenter", "export_program", "export_run"]

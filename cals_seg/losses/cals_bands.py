@@ -1,0 +1,274 @@
+"""Region-adaptive CALS-ALM: multipliers and margins per class and per distance band.
+
+One margin and one multiplier per class cannot treat a boundary pixel and an interior pixel of
+the same class differently; here every band of the ground truth's distance to the nearest class
+boundary (the bands of ``BoundaryCalibrationMeter``, default ``d < 3``, ``3 <= d < 8``,
+``d >= 8`` pixels) has its own CALS-ALM multipliers and, with ``margin: auto``, its own margin,
+steered by that band's validation calibration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .._validation import check_finite
+from ._adaptive import AdaptiveLoss
+from ._auto_margin import NUM_BINS, effective_margin_sums, largest_gap_bound, solve_temperature
+from ._band_penalty import band_penalty
+from ._bands import BandMap, distance_bands
+from ._base import as_float32, autocast_off
+from ._functional import ce_sum, class_sums
+from ._spatial import SpatialLoss
+from .penalties import Penalty, PenaltyFn, get_penalty
+
+
+class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
+    """CALS-ALM with multipliers, penalty parameters and margins per class and distance band.
+
+    Pixel ``i`` of a training mask is in band ``b(i)`` when ``edges[b] <= d(i) < edges[b + 1]``,
+    ``edges = [0, *bands, inf]`` and ``d(i)`` the exact Euclidean distance to the nearest
+    boundary pixel of its mask (a valid pixel with one of its 8 neighbours of another value,
+    void included; the edges of the image, and of a crop, are not boundaries). Training loss::
+
+        z_ik = (max_j l_ij - l_ik) / m_b(i) - 1
+        loss = CE(l, y) + (1 / (|V| K)) sum_{i in V} sum_k P(z_ik; rho_b(i)k, lambda_b(i)k)
+
+    After epoch ``j``, per band ``b`` from its ``n_b`` valid validation pixels (bands of the
+    validation target, computed by :meth:`observe`), exactly the CALS-ALM rules::
+
+        lambda_bk <- clip(mean_{i in b} P'(z_ik; rho_bk, lambda_bk), lambda_min, lambda_max)
+        zbar_bk   =  mean_{i in b} z_ik
+        rho_bk    <- gamma rho_bk  every rho_period epochs if zbar_bk > tau max(0, zbar_prev_bk)
+        m_b       <- clip(m_b / T_b, margin_min, min(margin_max, G_b))      (margin "auto")
+
+    with ``T_b`` the temperature that matches band ``b``'s validation confidence to its accuracy
+    and ``G_b`` its largest logit gap (:mod:`cals_seg.losses._auto_margin`). A band without
+    validation pixels keeps its values. With one band (``bands=()``) this is CALS-ALM.
+
+    The band map of a training batch comes with the data: the training transform computes it
+    on the CPU from the augmented mask (``extra_inputs = ("band",)``, see
+    :mod:`cals_seg.data.extra_inputs`) and the training step passes ``band=``. Called without
+    it, the loss computes it from ``target`` (a copy to the CPU).
+
+    Args:
+        num_classes: K.
+        bands: increasing positive distances in pixels (default ``(3, 8)``: three bands).
+        margin: the initial margin of every band, a number (fixed) or ``"auto"``.
+        penalty, lambda_init, rho_init, gamma, tau, rho_period, lambda_min, lambda_max,
+            rho_min, rho_max, margin_init, margin_min, margin_max, margin_warmup: as
+            :class:`CALSALMLoss`, per band.
+        ignore_index: void label.
+
+    Shape:
+        logits: ``(N, K, H, W)``; target: ``(N, H, W)``; band: ``(N, H, W)`` integer in
+        ``[0, B)`` at valid pixels (any value at void ones). Other shapes are refused.
+
+    Buffers (in ``state_dict``): ``lambdas``, ``rhos``, ``zbar_prev`` ``(B, K)`` float64,
+    ``has_prev (B,)`` bool and ``margins (B,)`` float64: ``O(K B)``. Validation sums:
+    ``(B, K)``, and ``(B, bins)`` with ``"auto"``.
+    """
+
+    loss_name = "cals_alm_bands"
+    extra_inputs = ("band",)
+
+    def __init__(
+        self,
+        num_classes: int,
+        bands: Sequence[float] = (3.0, 8.0),
+        margin: float | Literal["auto"] = "auto",
+        penalty: str | Penalty | PenaltyFn = "phr",
+        lambda_init: float = 1e-6,
+        rho_init: float = 1.0,
+        gamma: float = 1.2,
+        tau: float = 0.9,
+        rho_period: int = 10,
+        lambda_min: float = 1e-6,
+        lambda_max: float = 1e6,
+        rho_min: float = 1.0,
+        rho_max: float = 10.0,
+        ignore_index: int = -100,
+        margin_init: float = 10.0,
+        margin_min: float = 1.0,
+        margin_max: float = 20.0,
+        margin_warmup: int = 0,
+    ) -> None:
+        super().__init__(num_classes, ignore_index)
+        bands = tuple(bands) if isinstance(bands, list | tuple) else bands
+        if not isinstance(bands, tuple) or not all(
+            isinstance(b, int | float) and not isinstance(b, bool) and 0 < b < math.inf
+            for b in bands
+        ) or any(b >= c for b, c in zip(bands, bands[1:], strict=False)):
+            raise ValueError(
+                f"Expected `bands` to be increasing positive finite distances, but got {bands!r}."
+            )
+        self.bands = tuple(float(b) for b in bands)
+        self.auto_margin = margin == "auto"
+        if self.auto_margin:
+            if not 0 < margin_min <= margin_init <= margin_max:
+                raise ValueError("Expected 0 < margin_min <= margin_init <= margin_max, but got "
+                                 f"{margin_min}, {margin_init}, {margin_max}.")
+            if not isinstance(margin_warmup, int) or margin_warmup < 0:
+                raise ValueError(
+                    f"Expected `margin_warmup` to be an integer >= 0, but got {margin_warmup!r}."
+                )
+            margin = margin_init
+        elif isinstance(margin, str) or isinstance(margin, bool):
+            raise ValueError(f"Expected `margin` to be a number or 'auto', but got {margin!r}.")
+        if margin <= 0 or lambda_init < 0 or rho_init <= 0:
+            raise ValueError("Expected `margin` > 0, `lambda_init` >= 0 and `rho_init` > 0, but "
+                             f"got {margin}, {lambda_init}, {rho_init}.")
+        if not isinstance(rho_period, int) or rho_period < 1:
+            raise ValueError(
+                f"Expected `rho_period` to be a positive integer, but got {rho_period!r}."
+            )
+        if not (0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max):
+            raise ValueError("Expected 0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max.")
+        self.penalty = get_penalty(penalty)
+        self.gamma, self.tau, self.rho_period = float(gamma), float(tau), rho_period
+        self.lambda_min, self.lambda_max = float(lambda_min), float(lambda_max)
+        self.rho_min, self.rho_max = float(rho_min), float(rho_max)
+        self.margin_min, self.margin_max = float(margin_min), float(margin_max)
+        self.margin_warmup = margin_warmup
+        nb, k = len(self.bands) + 1, num_classes
+        self.num_bands = nb
+        self.add_state("lambdas", torch.full((nb, k), float(lambda_init), dtype=torch.float64))
+        self.add_state("rhos", torch.full((nb, k), float(rho_init), dtype=torch.float64))
+        self.add_state("zbar_prev", torch.zeros((nb, k), dtype=torch.float64))
+        self.add_state("has_prev", torch.zeros(nb, dtype=torch.bool))
+        self.add_state("margins", torch.full((nb,), float(margin), dtype=torch.float64))
+        self.add_statistic("_sum_grad", (nb, k))
+        self.add_statistic("_sum_z", (nb, k))
+        self.add_statistic("_band_count", nb)
+        keys = ["lambda", "rho", "constraint"]
+        if self.auto_margin:
+            self.add_statistic("_meff_hist", (nb, NUM_BINS))
+            self.add_statistic("_gap_hist", (nb, NUM_BINS))
+            self.add_statistic("_correct", nb)
+            keys += ["margin", "margin_temperature", "margin_ceiling"]
+        self.log_keys = (*(f"{key}_band{b}" for key in keys for b in range(nb)), "band_pixels")
+
+    def extra_input_fns(self) -> dict[str, BandMap]:
+        """``{"band": BandMap}``: the training transform's per-pixel band map."""
+        return {"band": BandMap(self.bands, self.ignore_index)}
+
+    def band_map(self, target: Tensor) -> Tensor:
+        """The bands of ``target (N, H, W)`` (CPU, the meter's rule), on its device; -1 at
+        void pixels."""
+        bands = distance_bands(target.cpu().numpy(), self.bands, self.ignore_index)
+        return torch.from_numpy(bands).to(target.device)
+
+    # ------------------------------------------------------------------ training loss
+    def forward(self, logits: Tensor, target: Tensor, band: Tensor | None = None) -> Tensor:
+        """Scalar loss (class docstring); ``band`` from the training data, or computed from
+        ``target`` when None.
+
+        Raises:
+            ValueError: bad shapes or labels, or a band map of another shape or with values
+                outside ``[0, B)`` at valid pixels.
+        """
+        with autocast_off(logits.device):
+            logits, target, valid = self._prepare(as_float32(logits), target)
+            if band is None:
+                band = self.band_map(target)
+            elif band.shape != target.shape or band.is_floating_point():
+                raise ValueError(
+                    f"Expected `band` to be an integer map of shape {tuple(target.shape)} (the "
+                    f"target's), but got {band.dtype} {tuple(band.shape)}."
+                )
+            band = band.to(target.device)
+            if bool((((band < 0) | (band >= self.num_bands)) & valid).any()):
+                raise ValueError(
+                    f"`band` holds values outside [0, {self.num_bands}) at valid pixels; it must "
+                    f"come from BandMap(bands={self.bands}) of the same (augmented) mask."
+                )
+            band = band.to(torch.int8).masked_fill_(~valid, -1)  # 1 byte per pixel
+            n, k = logits.shape[:2]
+            flat = logits.reshape(n, k, -1)
+            ce = ce_sum(flat, target.reshape(n, -1), self.ignore_index) / valid.sum().clamp(min=1)
+            like = dict(dtype=flat.dtype, device=flat.device)
+            pen = band_penalty(flat, band.reshape(n, -1), self.margins.to(**like),
+                               self.lambdas.to(**like), self.rhos.to(**like), self.penalty)
+            self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
+            return ce + pen
+
+    # ------------------------------------------------------------------ validation
+    def _observe(self, logits: Tensor, target: Tensor, valid: Tensor) -> dict[str, Tensor]:
+        n, k = logits.shape[:2]
+        flat, target2 = logits.reshape(n, k, -1), target.reshape(n, -1)
+        check_finite(flat)
+        band = self.band_map(target).reshape(n, -1)
+        like = dict(dtype=flat.dtype, device=flat.device)
+        margins = self.margins.tolist()  # the margins in force
+        out: dict[str, list[Tensor]] = {}
+        for b in range(self.num_bands):
+            in_band = valid.reshape(n, -1) & (band == b)
+            lam = self.lambdas[b].to(**like).view(1, -1, 1)
+            rho = self.rhos[b].to(**like).view(1, -1, 1)
+            fns = [lambda z, rho=rho, lam=lam: self.penalty.derivative(z, rho, lam),
+                   lambda z: z]
+            grad, z = class_sums(flat, in_band, margins[b], fns)
+            out.setdefault("_sum_grad", []).append(grad)
+            out.setdefault("_sum_z", []).append(z)
+            out.setdefault("_band_count", []).append(in_band.sum().to(torch.float64))
+            if self.auto_margin:
+                hist, gaps, correct = effective_margin_sums(flat, target2, in_band)
+                out.setdefault("_meff_hist", []).append(hist)
+                out.setdefault("_gap_hist", []).append(gaps)
+                out.setdefault("_correct", []).append(correct)
+        return {key: torch.stack(values) for key, values in out.items()}
+
+    def _update(self, epoch: int, stats: dict[str, Tensor], n: int) -> dict[str, Any]:
+        """The CALS-ALM rules band by band (class docstring).
+
+        Returns:
+            per band ``b``: ``lambda_band{b}``, ``rho_band{b}`` (K floats, after the update),
+            ``constraint_band{b}`` (this epoch's zbar, K floats; None for an empty band) and with
+            ``"auto"`` ``margin_band{b}`` (the margin now in force), ``margin_temperature_band{b}``
+            and ``margin_ceiling_band{b}``; ``band_pixels`` (validation pixels per band).
+        """
+        counts = stats["_band_count"]
+        logs: dict[str, Any] = {"band_pixels": counts.tolist()}
+        for b in range(self.num_bands):
+            nb = float(counts[b])
+            zbar = stats["_sum_z"][b] / max(nb, 1.0)
+            if nb > 0:
+                lam = (stats["_sum_grad"][b] / nb).clamp_(self.lambda_min, self.lambda_max)
+                self.lambdas[b].copy_(lam)
+                if (epoch + 1) % self.rho_period == 0 and bool(self.has_prev[b]):
+                    worse = zbar > self.tau * self.zbar_prev[b].clamp(min=0.0)
+                    grown = torch.where(worse, self.rhos[b] * self.gamma, self.rhos[b])
+                    self.rhos[b].copy_(grown.clamp_(self.rho_min, self.rho_max))
+                self.zbar_prev[b].copy_(zbar)
+                self.has_prev[b] = True
+            logs[f"lambda_band{b}"] = self.lambdas[b].tolist()
+            logs[f"rho_band{b}"] = self.rhos[b].tolist()
+            logs[f"constraint_band{b}"] = zbar.tolist() if nb > 0 else None
+            if self.auto_margin:
+                logs.update(self._update_margin(b, epoch, stats, nb))
+        return logs
+
+    def _update_margin(self, b: int, epoch: int, stats: dict[str, Tensor],
+                       nb: float) -> dict[str, float]:
+        t_hat: float | None = None
+        ceiling: float | None = None
+        if nb > 0:
+            t_hat = solve_temperature(stats["_meff_hist"][b], float(stats["_correct"][b]),
+                                      self.num_classes)
+            ceiling = largest_gap_bound(stats["_gap_hist"][b])
+            if epoch + 1 > self.margin_warmup:
+                high = max(min(self.margin_max, ceiling), self.margin_min)
+                new = min(max(float(self.margins[b]) / t_hat, self.margin_min), high)
+                self.margins[b] = new
+        return {f"margin_band{b}": float(self.margins[b]),
+                f"margin_temperature_band{b}": t_hat, f"margin_ceiling_band{b}": ceiling}
+
+    def extra_repr(self) -> str:
+        auto = " (auto)" if self.auto_margin else ""
+        margins = ", ".join(f"{m:g}" for m in self.margins.tolist())
+        return (f"{super().extra_repr()}, bands={self.bands}, margins=[{margins}]{auto}, "
+                f"penalty={self.penalty.name}")

@@ -1,0 +1,133 @@
+"""Export: the .pt2 program and the ONNX model give the toolkit's calibrated probabilities (and
+logits) within 1e-4, for several batch sizes and image sizes from one file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cals_seg.config import load_config
+from cals_seg.engine import seed_everything
+from cals_seg.export import export_run
+from cals_seg.inference import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    EvalProtocol,
+    input_multiple,
+    segment_logits,
+)
+from cals_seg.rundir import load_checkpoint
+from cals_seg.tasks import build_task
+from cals_seg.tasks.segmentation import build_model
+from cals_seg.trainer import fit
+
+from .conftest import load_tool
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"
+# Sides that are and are not multiples of the output stride (16), batch sizes 1 to 3.
+SHAPES = [(1, 3, 37, 45), (3, 3, 64, 64), (2, 3, 50, 33)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export")
+    cfg = load_config(CONFIG, [
+        "name=exported", f"output_dir={tmp / 'runs'}", f"data.root={tmp / 'data'}",
+        "data.synthetic={num_train: 8, num_test: 4, image_size: 32}", "data.crop_size=32",
+        "train.epochs=1", "train.batch_size=4", "eval.batch_size=4", "train.progress=false",
+        "train.threads=1", "eval.num_maps=0",
+        "model.params={encoder_output_stride: 16, decoder_channels: 16}",
+    ])
+    seed_everything(0)
+    fit(cfg, build_task(cfg))
+    run_dir = cfg.run_dir
+    model = build_model(cfg)
+    model.load_state_dict(load_checkpoint(run_dir / "checkpoint_best.pt")["model"])
+    temperature = json.loads((run_dir / "temperature.json").read_text())["temperature"]
+    return run_dir, model.eval(), temperature
+
+
+def _reference(model, images: torch.Tensor, temperature: float | None) -> torch.Tensor:
+    """The toolkit's own path: normalise, segment_logits (pad to the stride, crop), softmax."""
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    protocol = EvalProtocol(multiple=input_multiple(model))
+    logits = segment_logits(model, (images / 255 - mean) / std, protocol)
+    return logits if temperature is None else torch.softmax(logits / temperature, dim=1)
+
+
+def _images(shape, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, generator=g).float()
+
+
+def test_pt2_program_equals_pytorch(run, tmp_path):
+    run_dir, model, temperature = run
+    out = tmp_path / "model.pt2"
+    info = export_run(run_dir, out, "pt2")
+    assert info["temperature"] == temperature and info["num_classes"] == 11
+    assert json.loads(Path(f"{out}.json").read_text())["class_names"][0] == "background"
+    program = torch.export.load(out).module()
+    assert temperature != 1.0
+    for i, shape in enumerate(SHAPES):
+        x = _images(shape, i)
+        with torch.no_grad():
+            got = program(x)
+        want = _reference(model, x, temperature)
+        assert got.shape == (shape[0], 11, *shape[2:])
+        assert (got - want).abs().max() <= 1e-4, (shape, float((got - want).abs().max()))
+        assert torch.allclose(got.sum(dim=1), torch.ones(()), atol=1e-5)
+
+
+def test_onnx_model_equals_pytorch(run, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    run_dir, model, temperature = run
+    out = tmp_path / "model.onnx"
+    export_run(run_dir, out, "onnx")
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["image"]
+    assert [o.name for o in session.get_outputs()] == ["probs"]
+    for i, shape in enumerate(SHAPES):
+        x = _images(shape, 10 + i)
+        got = torch.from_numpy(session.run(None, {"image": x.numpy()})[0])
+        want = _reference(model, x, temperature)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() <= 1e-4, (shape, float((got - want).abs().max()))
+
+
+def test_tool_exports_logits(run, tmp_path, capsys):
+    run_dir, model, _ = run
+    out = tmp_path / "logits.pt2"
+    tool = load_tool("export")
+    assert tool.main([str(run_dir), "--format", "pt2", "--out", str(out), "--logits"]) == 0
+    assert "logits" in capsys.readouterr().out
+    program = torch.export.load(out).module()
+    x = _images((2, 3, 40, 48), 20)
+    with torch.no_grad():
+        got = program(x)
+    assert (got - _reference(model, x, None)).abs().max() <= 1e-4
+
+
+def test_bad_requests_give_one_line_errors(run, tmp_path, capsys, monkeypatch):
+    run_dir, _, _ = run
+    tool = load_tool("export")
+    assert tool.main([str(tmp_path / "nowhere"), "--format", "pt2", "--out", "m.pt2"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # a run without temperature.json: ts is refused with the fix, none works
+    (run_dir / "temperature.json").rename(tmp_path / "t.json")
+    try:
+        with pytest.raises(ValueError, match="--calibrator none"):
+            export_run(run_dir, tmp_path / "x.pt2", "pt2")
+    finally:
+        (tmp_path / "t.json").rename(run_dir / "temperature.json")
+    with pytest.raises(ValueError, match=r"--calibrator: expected one of \['ts', 'none'\]"):
+        export_run(run_dir, tmp_path / "x.pt2", "pt2", calibrator="dirichlet")
+    monkeypatch.setitem(sys.modules, "onnxscript", None)
+    with pytest.raises(ImportError, match=r'pip install "cals_seg\[export\]"'):
+        export_run(run_dir, tmp_path / "x.onnx", "onnx")

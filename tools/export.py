@@ -1,0 +1,13 @@
+"""Export a trained segmentation run as ONNX or a torch.export program (.pt2).
+
+``python tools/export.py --help`` tells how to use it. The command lives in
+``cals_seg/commands/export.py``; installed, it is also ``cals-export``.
+"""
+
+try:
+    from cals_seg.commands.export import run
+except ModuleNotFoundError as err:  # the toolkit is not installed in this Python
+    raise SystemExit(f"error: {err}; install it first: pip install -e . (make does)") from None
+
+if __name__ == "__main__":
+    run()
