@@ -204,7 +204,7 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
         return []
     ckpt = run_dir / "checkpoint_best.pt"
     if not ckpt.is_file():
-        raise FileNotFoundError(f"{run_dir} lacks {ckpt.name}, needed for --calibrators")
+        raise MissingPathError(f"{run_dir} lacks {ckpt.name}, needed for --calibrators")
     cfg = load_config(run_dir / "config.yaml")
     task = build_task(cfg)
     task.model.load_state_dict(load_checkpoint(ckpt)["model"])

@@ -36,7 +36,7 @@ import argparse
 from pathlib import Path
 
 from ..cli import add_method_argument, add_protocol_arguments, add_set_argument, protocol_overrides
-from ..errors import MissingPathError
+from ..errors import MissingPathError, UserError
 
 # The names of cals_seg.calibrators.CALIBRATORS (listed here so that --help does not import torch;
 # a test checks that they agree).
@@ -93,10 +93,10 @@ def calibrator_params(items: list[str]) -> dict[str, dict]:
         head, sep, value = item.partition("=")
         name, dot, key = head.partition(".")
         if not (sep and dot and name and key):
-            raise ValueError(f"--calibrator-param {item!r}: expected NAME.KEY=VALUE, e.g. "
+            raise UserError(f"--calibrator-param {item!r}: expected NAME.KEY=VALUE, e.g. "
                              "lts.epochs=20.")
         if name not in CALIBRATOR_NAMES:
-            raise ValueError(f"--calibrator-param {item!r}: unknown calibrator {name!r}; valid "
+            raise UserError(f"--calibrator-param {item!r}: unknown calibrator {name!r}; valid "
                              f"names are {sorted(CALIBRATOR_NAMES)}.")
         out.setdefault(name, {})[key] = yaml.safe_load(value)
     return out

@@ -39,7 +39,7 @@ import warnings
 from pathlib import Path
 
 from ..cli import add_protocol_arguments, add_set_argument, protocol_overrides
-from ..errors import UserError
+from ..errors import MissingPathError, UserError
 
 
 def open_run(args: argparse.Namespace):
@@ -55,13 +55,13 @@ def open_run(args: argparse.Namespace):
 
         path = run.path / "calibrators" / f"{args.calibrator}.pt"
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"{path} does not exist: fit it first with tools/eval_seg.py {run.path} "
                 f"--calibrators {args.calibrator}."
             )
         args.calibrator_module = load_calibrator(path, run.device)
         if args.calibrator_module.num_classes != run.config.data.num_classes:
-            raise ValueError(f"{path} has {args.calibrator_module.num_classes} classes, but the "
+            raise UserError(f"{path} has {args.calibrator_module.num_classes} classes, but the "
                              f"run has {run.config.data.num_classes}; refit it.")
         return run, 1.0
     temperature = args.temperature
