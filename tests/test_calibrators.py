@@ -408,3 +408,36 @@ def test_command_names_match_the_registry():
     from .conftest import load_tool
 
     assert load_tool("eval_seg").CALIBRATOR_NAMES == list(CALIBRATORS)
+
+
+# ----------------------------------------------------------------------------- DDP
+def _ddp_data():
+    z, target = structured(n=8, h=32, w=32, seed=9, scale=3.0, noise=0.4, blobs=3)
+    return z * torch.tensor([2.0, 1.0, 0.8, 1.5]).view(1, 4, 1, 1), target
+
+
+def _ddp_fit(rank: int, world: int, want: dict) -> None:
+    torch.set_num_threads(1)
+    logits, target = _ddp_data()
+    shard = batches_of(logits[rank::world], target[rank::world])
+    for name, state in want.items():
+        cal = build_calibrator(name, 4)
+        cal.fit(shard, ignore_index=VOID)
+        for key, value in state.items():
+            torch.testing.assert_close(cal.state_dict()[key], value, atol=2e-4, rtol=0,
+                                       msg=f"{name}.{key}")
+
+
+@pytest.mark.filterwarnings("ignore:boundary_ts")
+def test_scaling_fits_agree_on_two_processes():
+    """ts, vector, dirichlet and boundary_ts all-reduce their sums: two processes, each with
+    half of the images, fit the calibrator of one process over all of them."""
+    from ._dist import run_distributed
+
+    logits, target = _ddp_data()
+    want = {}
+    for name in ("ts", "vector", "dirichlet", "boundary_ts"):
+        cal = build_calibrator(name, 4)
+        cal.fit(batches_of(logits, target), ignore_index=VOID)
+        want[name] = {k: v.clone() for k, v in cal.state_dict().items()}
+    run_distributed(_ddp_fit, 2, want)
