@@ -7,6 +7,7 @@ Each error names the config key and how to get what was wanted.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from typing import Any
@@ -67,6 +68,10 @@ def check_config(cfg: Config, reads_data: bool = False, writes_run: bool = False
             f"train.best_metric={t.best_metric!r} is {better}-better, but train.best_mode="
             f"{t.best_mode!r} would keep its worst epoch; set train.best_mode={direction}."
         )
+    for key, value in cfg.loss.params.items():  # NaN and infinities: refused like everywhere
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"loss.params.{key}: expected a finite number, got {value!r}; "
+                              f"remove it (the loss's default) or set a number.")
     try:  # types and ranges of the loss parameters, before any data is read
         build_loss(cfg.loss.name, cfg.data.num_classes, ignore_index=cfg.data.ignore_index,
                    **cfg.loss.params)

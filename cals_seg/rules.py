@@ -157,7 +157,7 @@ RULES: dict[str, Rule | None] = {
     "loss.params": TYPE_ONLY,  # the loss's own checks (build_loss), named loss.params.<key>
     "optim.name": choices("adamw", "sgd"),
     "optim.lr": nums(0, lo_open=True, example=0.001),
-    "optim.weight_decay": nums(0, fix="use 0 for none"),
+    "optim.weight_decay": nums(0, 1, fix="use 0 for none, e.g. 0.0001"),
     "optim.momentum": nums(0, 1, hi_open=True),
     "optim.schedule": choices("cosine", "multistep", "constant"),
     "optim.milestones": Rule(
