@@ -8,12 +8,16 @@ Each error names the config key and how to get what was wanted.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
 from .config import Config, ConfigError, config_to_dict
+from .errors import DataError
 from .loggers import check_loggers
 from .losses import build_loss
+from .rules import check_all
+from .voc_checks import check_voc_data
 
 # The direction of each validation metric a run can select its best epoch by.
 LOWER_BETTER = ("ece", "aece", "mce", "cwce", "nll", "brier", "loss")
@@ -35,32 +39,22 @@ RESUMABLE_KEYS = (
 LARGE_IMAGE_PIXELS = 2048 * 2048
 
 
-def _positive(value: Any, key: str, fix: str, allow_zero: bool = False) -> None:
-    ok = isinstance(value, int | float) and math.isfinite(value)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}: expected a number {bound}, got {value!r}; {fix}.")
+def check_config(cfg: Config, reads_data: bool = False, writes_run: bool = False) -> None:
+    """Refuse a config whose values cannot give a sensible run (before any data or model work):
+    every key by the table of :mod:`cals_seg.rules` (ranges, choices, devices, names, paths),
+    then the rules between keys (best metric and mode, the loss parameters, the evaluation
+    protocol).
 
-
-def check_config(cfg: Config) -> None:
-    """Refuse a config whose values cannot give a sensible run (before any data or model work).
+    Args:
+        cfg: the resolved config.
+        reads_data: the command reads the data (its paths must exist); off: the values only.
+        writes_run: the command writes a run folder (``output_dir`` must be writable).
 
     Raises:
-        ConfigError: naming the key and the fix.
+        ConfigError: naming the key, the value, what is allowed and the fix.
     """
-    t, o, e = cfg.train, cfg.optim, cfg.eval
-    for key, value in (("train.epochs", t.epochs), ("train.batch_size", t.batch_size),
-                       ("eval.batch_size", e.batch_size), ("eval.n_bins", e.n_bins)):
-        if value < 1:
-            raise ConfigError(f"{key}: expected an integer >= 1, got {value}; e.g. --set {key}="
-                              f"{ {'train.epochs': 30, 'eval.n_bins': 15}.get(key, 8) }.")
-    _positive(o.lr, "optim.lr", "e.g. --set optim.lr=0.001")
-    _positive(o.weight_decay, "optim.weight_decay", "use 0 for none", allow_zero=True)
-    if t.grad_clip is not None:
-        _positive(t.grad_clip, "train.grad_clip", "use null for no clipping")
-    if e.num_maps < 0:
-        raise ConfigError(f"eval.num_maps: expected a number >= 0, got {e.num_maps}.")
+    check_all(cfg, reads_data, writes_run)
+    t = cfg.train
     check_eval_protocol(cfg)
     check_class_names(cfg)
     check_loggers(t.loggers)  # a missing package fails here, with its install command
@@ -74,12 +68,31 @@ def check_config(cfg: Config) -> None:
             f"train.best_metric={t.best_metric!r} is {better}-better, but train.best_mode="
             f"{t.best_mode!r} would keep its worst epoch; set train.best_mode={direction}."
         )
+    for key, value in cfg.loss.params.items():  # NaN and infinities: refused like everywhere
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"loss.params.{key}: expected a finite number, got {value!r}; "
+                              f"remove it (the loss's default) or set a number.")
     try:  # types and ranges of the loss parameters, before any data is read
         build_loss(cfg.loss.name, cfg.data.num_classes, ignore_index=cfg.data.ignore_index,
                    **cfg.loss.params)
     except (ValueError, TypeError) as err:
-        message = str(err)
-        raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
+        raise ConfigError(_loss_message(str(err), cfg)) from None
+
+
+def _loss_message(message: str, cfg: Config) -> str:
+    """A loss's own refusal (``Expected `alpha` in [0, 1], but got -1.``) as the one format,
+    naming the key: ``loss.params.alpha: expected ... ; set loss.params.alpha=...``."""
+    if message.startswith("loss."):
+        return message
+    named = re.search(r"`(\w+)`", message)
+    if named and named.group(1) in cfg.loss.params:
+        key = f"loss.params.{named.group(1)}"
+        return (f"{key}: {message[0].lower()}{message[1:].rstrip('.')}; set {key} in that "
+                f"range (the loss {cfg.loss.name!r} refuses {cfg.loss.params[named.group(1)]!r}).")
+    if named and named.group(1) != cfg.loss.name:
+        key = f"loss.params.{named.group(1)}"
+        return f"{key} (default): {message} Set {key} to a value the loss takes."
+    return f"loss.params ({cfg.loss.name}): {message}"
 
 
 def check_class_names(cfg: Config) -> None:
@@ -199,18 +212,19 @@ def check_splits(task: Any, batch_size: int, bounded_input: bool = False,
     each of the ``world_size`` processes trains on its share of the split.
 
     Raises:
-        ValueError: naming the split and the fix.
+        DataError: naming the split and the fix.
     """
     for split in ("train", "val", "test"):
         if len(getattr(task, f"{split}_set")) == 0:
-            raise ValueError(
+            raise DataError(
                 f"The {split} split is empty; check the split files under data.root (for VOC "
                 "layouts, ImageSets/Segmentation/train.txt holds train + validation, val.txt the "
                 "test set) and data.val_fraction."
             )
+    check_voc_data(task)  # split files, mask values, image/mask sizes: each named with its file
     if len(task.train_set) // world_size < batch_size:
         share = "" if world_size == 1 else f" ({len(task.train_set) // world_size} per process)"
-        raise ValueError(
+        raise DataError(
             f"The training split has {len(task.train_set)} samples{share}, fewer than "
             f"train.batch_size={batch_size} per process; lower train.batch_size."
         )
@@ -218,7 +232,7 @@ def check_splits(task: Any, batch_size: int, bounded_input: bool = False,
     if hasattr(val, "load_mask") and not any(
         (val.load_mask(i) != task.ignore_index).any() for i in val.ids
     ):
-        raise ValueError(
+        raise DataError(
             f"Every pixel of the {len(val)} validation images is void ({task.ignore_index}): "
             "nothing to validate or select the best epoch on. Check the masks, or raise "
             "data.val_fraction."

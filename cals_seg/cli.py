@@ -5,21 +5,47 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .errors import USER_ERRORS
+from .errors import USER_ERRORS, MissingPathError, UserError  # noqa: F401 (USER_ERRORS: for the commands)
 
 if TYPE_CHECKING:
     from .config import Config
 
 # This module is imported before argparse runs (``--help`` must answer at once): it imports
 # nothing heavy at the top; torch, the data and the models are imported inside the commands.
+# The tools catch one type, UserError (USER_ERRORS is that type as a tuple): anything else keeps
+# its traceback.
+
+# A --set item: a dotted key, "=", the value (a config path never looks like this).
+_SET_ITEM = re.compile(r"^[A-Za-z_][\w.-]*=")
+
+
+def split_set_items(argv: Sequence[str]) -> list[str]:
+    """``--set a=1 b=2 CONFIG`` -> ``--set=a=1 --set=b=2 CONFIG``: the items of ``--set`` are its
+    ``KEY=VALUE`` words, so a positional after them (CONFIG) stays a positional."""
+    out: list[str] = []
+    taking = False
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + list(argv[i:])
+        if taking and _SET_ITEM.match(word):
+            out.append(f"--set={word}")
+            continue
+        if word == "--set" and i + 1 < len(argv) and _SET_ITEM.match(argv[i + 1]):
+            taking = True
+            continue
+        taking = False
+        out.append(word)
+    return out
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
-    """``--set KEY=VALUE ...``: repeated groups add up, in order (a later value wins)."""
+    """``--set KEY=VALUE ...``: repeated groups add up, in order (a later value wins); only
+    ``KEY=VALUE`` words belong to it, so ``--set train.epochs=1 CONFIG`` keeps CONFIG."""
     parser.add_argument(
         "--set",
         nargs="+",
@@ -29,6 +55,12 @@ def add_set_argument(parser: argparse.ArgumentParser) -> None:
         help="override config values, e.g. --set train.epochs=5 loss.params.margin=6 (may be "
         "repeated; applied in order)",
     )
+    parse = parser.parse_known_args
+
+    def parse_known_args(args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        return parse(split_set_items(sys.argv[1:] if args is None else args), namespace)
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def add_method_argument(parser: argparse.ArgumentParser) -> None:
@@ -98,8 +130,8 @@ def run_config(args: argparse.Namespace) -> Config:
         # the run's own resolved config: --set is the way to change it
         return load_config(run.config, args.set)
     if args.config is None:
-        raise FileNotFoundError("give a CONFIG (a YAML config or setup file), or --resume "
-                                "RUN_DIR to continue a run.")
+        raise MissingPathError("give a CONFIG (a YAML config or setup file), or --resume "
+                               "RUN_DIR to continue a run.")
     return load_config(args.config, args.set, args.method)
 
 
@@ -116,6 +148,7 @@ def train_command(
 
     def main(argv: list[str] | None = None) -> int:
         args = training_parser(doc).parse_args(argv)
+        from .checks import check_config
         from .distributed import is_main_process
         from .engine import seed_everything
         from .tasks import build_task
@@ -123,10 +156,11 @@ def train_command(
 
         try:
             cfg = run_config(args)
+            check_config(cfg, reads_data=True, writes_run=True)  # all keys, before any work
             seed_everything(cfg.train.seed)  # the model's initialisation depends on it
             task = build_task(cfg, family)
             test = fit(cfg, task, resume=args.resume)
-        except USER_ERRORS as err:
+        except UserError as err:
             return report(err)
         if not is_main_process():
             return 0

@@ -17,6 +17,7 @@ method, so one edit changes a setting for every method (:func:`load_config`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -229,8 +230,36 @@ def _yaml_load(text: str) -> Any:
 
 
 
-def _check_type(value: Any, tp: Any, where: str) -> Any:
-    """Return ``value`` converted to ``tp`` (int -> float only) or raise ConfigError."""
+class _WrongType(Exception):
+    """A value whose type does not match its field (turned into a ConfigError by _build)."""
+
+
+def type_text(tp: Any) -> str:
+    """``int | None`` -> ``an integer or null``: a field's type as a message says it."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        text = " or ".join(type_text(a) for a in args if a is not type(None))
+        return text + (" or null" if type(None) in args else "")
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        names = {int: "integers", float: "numbers", str: "strings"}
+        return "a list of " + names.get(item, "values")
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, "a value")
+
+
+def yaml_text(value: Any) -> str:
+    """A value as it is written after ``--set key=`` (``null``, ``true``, ``[0.75, 1.5]``)."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)
+
+
+def _check_type(value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to ``tp`` (int -> float only) or raise _WrongType."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -240,46 +269,54 @@ def _check_type(value: Any, tp: Any, where: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _check_type(value, arg, where)
-            except ConfigError:
+                return _check_type(value, arg)
+            except _WrongType:
                 pass
-        raise ConfigError(f"{where}: expected {tp}, got {value!r}.")
+        raise _WrongType
     if tp is Any:
         return value
     if origin is list:
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {value!r}.")
+            raise _WrongType
         (item,) = typing.get_args(tp)
-        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [_check_type(v, item) for v in value]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}.")
+            raise _WrongType
         return dict(value)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is bool and not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true/false, got {value!r}.")
+        raise _WrongType
     if tp in (int, float, str) and (not isinstance(value, tp) or isinstance(value, bool)):
-        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}.")
+        raise _WrongType
     return value
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}.")
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}.")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(names))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"{where or 'config'}: unknown key(s) {unknown}; valid keys are {names}.")
+        raise ConfigError(
+            f"{where or 'config'}: unknown key(s) {unknown}; valid keys are {list(fields)}.")
     kwargs = {}
     for name, value in data.items():
         key = f"{where}.{name}" if where else name
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value or {}, key)
-        else:
-            kwargs[name] = _check_type(value, tp, key)
+            continue
+        try:
+            kwargs[name] = _check_type(value, tp)
+        except _WrongType:
+            f = fields[name]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+                else f.default
+            raise ConfigError(f"{key}: expected {type_text(tp)}, got {value!r}; e.g. --set "
+                              f"{key}={yaml_text(default)} (the default).") from None
     return cls(**kwargs)
 
 
@@ -291,6 +328,8 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"--set {dotted}=...: expected a dotted key such as train.epochs.")
     node = data
     for k in keys[:-1]:
         node = node.setdefault(k, {})
@@ -401,7 +440,16 @@ def load_config(
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.epochs=5.")
         key, raw = item.split("=", 1)
-        _set(data, key.strip(), _yaml_load(raw))
+        try:
+            value = _yaml_load(raw)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ConfigError(
+                f"{key.strip()}: expected a YAML value, got {raw!r} ({problem}); e.g. --set "
+                f"{key.strip()}=5, --set '{key.strip()}=[1, 2]' or --set '{key.strip()}={{a: 1}}' "
+                "(quote the item for the shell)."
+            ) from None
+        _set(data, key.strip(), value)
     try:
         return config_from_dict(data)
     except ConfigError as err:
@@ -414,5 +462,8 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    """Write the resolved config as YAML, atomically (see :func:`cals_seg.rundir.atomic_write`)."""
+    from .rundir import atomic_write  # rundir imports torch: only when a config is written
+
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .errors import UserError
 from .inference import IMAGENET_MEAN, IMAGENET_STD, input_multiple
 
 FORMATS = ("onnx", "pt2")
@@ -127,7 +128,7 @@ def export_program(module: CalibratedSegmenter, path: str | Path, fmt: str,
         ImportError: ONNX without the ``onnx`` / ``onnxscript`` packages (with the command).
     """
     if fmt not in FORMATS:
-        raise ValueError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
+        raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     module = module.eval().to("cpu", torch.float32)
@@ -181,15 +182,15 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     from .runs import load_run
 
     if calibrator not in CALIBRATORS:
-        raise ValueError(f"--calibrator: expected one of {list(CALIBRATORS)}, got {calibrator!r}.")
+        raise UserError(f"--calibrator: expected one of {list(CALIBRATORS)}, got {calibrator!r}.")
     if fmt not in FORMATS:
-        raise ValueError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
+        raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
     loaded = load_run(run, checkpoint, device="cpu", amp="none", family="segmentation")
     run_dir, cfg, model, fitted = loaded.path, loaded.config, loaded.model, loaded.temperature
     temperature = 1.0
     if calibrator == "ts" and not logits:
         if fitted is None:
-            raise ValueError(f"{run_dir} has no temperature.json (the run did not finish, or "
+            raise UserError(f"{run_dir} has no temperature.json (the run did not finish, or "
                              "eval.temperature_scaling is false); export with --calibrator none "
                              "for uncalibrated probabilities.")
         temperature = fitted

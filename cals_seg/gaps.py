@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .errors import UserError
 from .rundir import read_jsonl
 
 PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)
@@ -39,7 +40,7 @@ class GapHistogram:
 
     def __init__(self, width: float = 0.01, hi: float = 200.0) -> None:
         if not (width > 0 and hi > width):
-            raise ValueError(f"Expected 0 < bin width < histogram max, got {width} and {hi}.")
+            raise UserError(f"Expected 0 < bin width < histogram max, got {width} and {hi}.")
         self.width = float(width)
         self.nbins = math.ceil(hi / width)
         self.hi = self.nbins * self.width
@@ -122,7 +123,7 @@ def gap_statistics(
             above_cap[j] += int((confidence > cap).sum())
     pixels = largest_hist.n
     if pixels == 0:
-        raise ValueError("the split has no valid pixel (every label is ignore_index)")
+        raise UserError("the split has no valid pixel (every label is ignore_index)")
     return {
         "num_classes": num_classes,
         "pixels": pixels,
@@ -148,7 +149,7 @@ def best_epoch_line(history: list[dict[str, Any]]) -> dict[str, Any]:
     """The line of the best epoch: the last one marked ``"best": true``."""
     best = [h for h in history if h.get("best")]
     if not best:
-        raise ValueError("the run's history.jsonl has no line marked best")
+        raise UserError("the run's history.jsonl has no line marked best")
     return best[-1]
 
 

@@ -14,6 +14,8 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from .errors import UserError
+
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")
 # Measured on a 2-core AMD EPYC with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
@@ -57,11 +59,11 @@ def resolve_amp(amp: str, device: torch.device, warn: bool = True) -> str:
         ValueError: an unknown value, or ``fp16`` off CUDA (the message names the fix).
     """
     if amp not in AMP_CHOICES:
-        raise ValueError(f"train.amp: expected one of {list(AMP_CHOICES)}; got {amp!r}.")
+        raise UserError(f"train.amp: expected one of {list(AMP_CHOICES)}; got {amp!r}.")
     if amp == "auto":
         return "bf16" if has_native_bf16(device) else "none"
     if amp == "fp16" and device.type != "cuda":
-        raise ValueError(
+        raise UserError(
             f"train.amp=fp16 needs a CUDA device (this run is on {device.type}); use "
             "train.amp=auto (bf16 where the CPU has it natively), bf16 or none."
         )

@@ -14,6 +14,7 @@ import torch
 from PIL import Image, ImageOps
 
 from .data.voc import voc_palette
+from .errors import UserError
 from .inference import Prediction
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -21,7 +22,7 @@ SCALE_16 = 65535  # 16-bit PNG value of probability 1 (and of entropy ln K)
 HIGHLIGHT = (255, 0, 255)  # low-confidence pixels in the overlay
 
 
-class UnreadableImageError(ValueError):
+class UnreadableImageError(UserError):
     """An input that is not a decodable image."""
 
 

@@ -15,6 +15,10 @@ written in an order that leaves a consistent run whatever instant the process di
 history line first, then ``checkpoint_last.pt``, then ``checkpoint_best.pt``. A resume keeps the
 history lines of the epochs the checkpoint holds and repairs a best checkpoint the crash left
 behind (see :meth:`RunDir.trim_history` and :meth:`RunDir.repair_best`).
+
+A checkpoint holds tensors, numbers, strings, lists, tuples and dicts only, and is read with
+``torch.load(weights_only=True)``: loading a checkpoint someone shared cannot run code
+(:func:`load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, MissingPathError, UntrustedCheckpointError
 
 CHECKPOINT_FILES = ("checkpoint_last.pt", "checkpoint_best.pt")
 RUN_FILES = ("config.yaml", "history.jsonl", *CHECKPOINT_FILES, "test_metrics.json")
@@ -100,35 +104,93 @@ def link_checkpoint(src: str | Path, dst: str | Path) -> None:
     _fsync_dir(dst.parent)
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint`.
+# What a checkpoint of an earlier version holds beyond plain types: NumPy's RNG state as a
+# uint32 array. Rebuilding such an array runs no code of the file (its values are raw bytes), so
+# these checkpoints are loaded safely with exactly these names allowed, and nothing else.
+_MULTIARRAY = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+_LEGACY_NAMES = frozenset({"numpy.ndarray", "numpy.dtype", "numpy.core.multiarray._reconstruct",
+                           "numpy._core.multiarray._reconstruct"})
+_LEGACY_NUMPY = [
+    np.ndarray, np.dtype, type(np.dtype(np.uint32)),  # uint32 only: no other dtype is built
+    (_MULTIARRAY._reconstruct, "numpy.core.multiarray._reconstruct"),
+    (_MULTIARRAY._reconstruct, "numpy._core.multiarray._reconstruct"),
+]
 
-    It is a trusted file of this toolkit (it holds RNG states), so it is not loaded with
-    ``weights_only``.
+
+def _refused_globals(path: Path) -> list[str]:
+    """The Python objects (module.name) a file's pickle would build beyond the safe types."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # not a zip checkpoint: the load itself reports it
+        return []
+
+
+def _read(path: Path, map_location: Any) -> Any:
+    """``torch.load(weights_only=True)``, allowing an earlier version's NumPy RNG state.
+
+    Raises:
+        UntrustedCheckpointError: the pickle would build other objects (and run their code).
+    """
+    refused = _refused_globals(path)
+    if not refused:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    if set(refused) <= _LEGACY_NAMES:
+        with torch.serialization.safe_globals(_LEGACY_NUMPY):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    raise UntrustedCheckpointError(
+        f"{path} holds Python objects that a checkpoint of this toolkit never holds "
+        f"({', '.join(sorted(refused)[:3])}{', ...' if len(refused) > 3 else ''}); loading it "
+        "could run code from the file, so it is refused. If you trust the file (you wrote it "
+        f"yourself), convert it once: python tools/convert_checkpoint.py {path} --trust."
+    )
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint`, safely.
+
+    Only tensors, numbers, strings, lists, tuples and dicts are read
+    (``torch.load(weights_only=True)``): a checkpoint cannot run code when loaded, whoever
+    wrote it. Checkpoints of earlier versions, whose NumPy RNG state is an array, load too (that
+    array, and nothing else, is allowed) and come back in the current form (:func:`plain_rng`).
 
     Raises:
         CheckpointError: the file is missing, truncated or not a checkpoint of this toolkit.
+        UntrustedCheckpointError: its pickle would build other Python objects (convert a file
+            you trust with ``tools/convert_checkpoint.py FILE --trust``).
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"Checkpoint {path} does not exist.")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=False)
+        state = _read(path, map_location)
+    except UntrustedCheckpointError:
+        raise
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError ...
+        first = (str(err).strip().splitlines() or [""])[0][:120]
         raise CheckpointError(
-            f"Checkpoint {path} cannot be read ({type(err).__name__}: {str(err)[:120]}); it is "
+            f"Checkpoint {path} cannot be read ({type(err).__name__}: {first}); it is "
             "truncated or not a checkpoint. Use the run's other checkpoint, or retrain."
         ) from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not a cals_seg checkpoint (no 'model' entry).")
+    if isinstance(state.get("rng"), dict):
+        state["rng"] = plain_rng(state["rng"])
     return state
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch (and CUDA) RNG states, for an exact resume."""
+    """Python, NumPy, torch (and CUDA) RNG states, for an exact resume, in plain types (tuples
+    of ints, dicts, tensors) that ``torch.load(weights_only=True)`` reads."""
+    numpy_state = np.random.get_state(legacy=False)  # noqa: NPY002
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),  # noqa: NPY002
+        "numpy": {
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -136,13 +198,81 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def plain_rng(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with an earlier version's NumPy entry (the tuple of
+    ``np.random.get_state()``, an array inside) in the form :func:`rng_state` writes."""
+    numpy_state = state.get("numpy")
+    if isinstance(numpy_state, tuple | list) and len(numpy_state) == 5:
+        name, key, pos, has_gauss, gauss = numpy_state
+        state = {**state, "numpy": {
+            "bit_generator": str(name), "key": torch.as_tensor(np.asarray(key, np.int64)),
+            "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    return state
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Inverse of :func:`rng_state`."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])  # noqa: NPY002
+    n = plain_rng(state)["numpy"]
+    np.random.set_state((n["bit_generator"], n["key"].cpu().numpy().astype(np.uint32),  # noqa: NPY002
+                         n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def _plain(obj: Any, where: str) -> Any:
+    """``obj`` in the types ``torch.load(weights_only=True)`` reads (NumPy arrays and scalars
+    become tensors and Python numbers); anything else is refused, naming its place."""
+    if isinstance(obj, np.generic):  # before float: np.float64 is a float
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, torch.Tensor | str | bytes | bool | int | float | type(None)):
+        return obj
+    if isinstance(obj, dict):
+        plain = type(obj)() if type(obj).__module__ == "collections" else {}
+        plain.update((k, _plain(v, f"{where}[{k!r}]")) for k, v in obj.items())
+        if getattr(obj, "_metadata", None) is not None:  # a state dict's module versions
+            plain._metadata = _plain(obj._metadata, f"{where}._metadata")
+        return plain
+    if isinstance(obj, list | tuple):
+        return type(obj)(_plain(v, f"{where}[{i}]") for i, v in enumerate(obj))
+    raise CheckpointError(
+        f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which a checkpoint of "
+        "this toolkit never holds; the file cannot be converted."
+    )
+
+
+def convert_checkpoint(path: str | Path, out: str | Path | None = None) -> Path:
+    """Rewrite a checkpoint one trusts (an earlier version's, or one written by other code) in
+    the plain types :func:`load_checkpoint` reads.
+
+    The file is unpickled with ``weights_only=False``, which runs whatever code its pickle
+    holds: call this only on a file you trust. ``out`` (default: ``path`` itself) is written
+    atomically and read back safely.
+
+    Raises:
+        CheckpointError: unreadable, not a checkpoint, or holding objects that have no plain
+            form.
+    """
+    path = Path(path)
+    out = Path(out) if out is not None else path
+    if not path.is_file():
+        raise CheckpointError(f"Checkpoint {path} does not exist.")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)  # trusted by the caller
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0][:120]
+        raise CheckpointError(f"Checkpoint {path} cannot be read ({type(err).__name__}: "
+                              f"{first}).") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path} is not a cals_seg checkpoint (no 'model' entry).")
+    if isinstance(state.get("rng"), dict):
+        state["rng"] = plain_rng(state["rng"])
+    save_checkpoint(_plain(state, "checkpoint"), out)
+    load_checkpoint(out)
+    return out
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -187,7 +317,7 @@ class RunDir:
                 "holds no run" if not found else
                 f"has no checkpoint_last.pt (it holds {', '.join(found)}: a finished run keeps "
                 "only checkpoint_best.pt)")
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"--resume {self.path}: the folder {what}, so there is nothing to continue; start a "
             "new run without --resume (or name the run directory, runs/<name>)."
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, load_config
+from .errors import MissingPathError, UserError
 from .rundir import CHECKPOINT_FILES, CheckpointError, RunDir, load_checkpoint
 
 CHECKPOINTS = {"best": "checkpoint_best.pt", "last": "checkpoint_last.pt"}
@@ -78,7 +79,7 @@ def resolve_run(path: str | Path, checkpoint: str = "best",
     """
     path = Path(path)
     if checkpoint not in CHECKPOINTS:
-        raise ValueError(f"checkpoint: expected one of {list(CHECKPOINTS)}, got {checkpoint!r}.")
+        raise UserError(f"checkpoint: expected one of {list(CHECKPOINTS)}, got {checkpoint!r}.")
     if path.is_dir():
         order = [CHECKPOINTS[checkpoint], *(f for f in reversed(CHECKPOINT_FILES)
                                              if f != CHECKPOINTS[checkpoint])]
@@ -87,7 +88,7 @@ def resolve_run(path: str | Path, checkpoint: str = "best",
             found = found[:1] if found and found[0].name == CHECKPOINTS["last"] else []
         if not found:
             wanted = CHECKPOINTS[checkpoint] if checkpoint == "last" else " or ".join(order)
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"{path} holds no checkpoint ({wanted}); give a run folder written by "
                 "tools/train_seg.py or tools/train_cls.py, or a checkpoint file."
             )
@@ -95,9 +96,9 @@ def resolve_run(path: str | Path, checkpoint: str = "best",
     elif path.is_file():
         run, file = path.parent, path
     else:
-        raise FileNotFoundError(f"{path} does not exist; give a run folder or a checkpoint.")
+        raise MissingPathError(f"{path} does not exist; give a run folder or a checkpoint.")
     if need_config and not (run / "config.yaml").is_file():
-        raise FileNotFoundError(
+        raise MissingPathError(
             f"{run} has no config.yaml: the run's resolved config is needed to rebuild the model "
             "and its normalisation (the training tools write it next to the checkpoints)."
         )
@@ -158,15 +159,19 @@ def load_run(
     """
     import torch
 
+    from .checks import check_config
     from .precision import resolve_amp, resolve_device
     from .tasks import TASK_TYPES, build_task, task_family
 
     folder, file = resolve_run(path, checkpoint, need_config=config is None)
     config_file = Path(config) if config is not None else folder / "config.yaml"
-    cfg = load_config(config_file, list(overrides), method)
+    given = [f"train.{key}={value}" for key, value in (("device", device), ("amp", amp))
+             if value is not None]  # checked by the rules of the keys they replace
+    cfg = load_config(config_file, [*overrides, *given], method)
+    check_config(cfg, reads_data=with_data, writes_run=False)  # every key, before any work
     found = task_family(cfg)
     if family is not None and found != family:
-        raise ValueError(f"{folder} is a {found} run ({cfg.data.name!r}); this command needs a "
+        raise UserError(f"{folder} is a {found} run ({cfg.data.name!r}); this command needs a "
                          f"{family} run.")
     task = None
     if with_data:
@@ -178,11 +183,11 @@ def load_run(
         model = build_model(cfg, encoder_weights=None)  # every weight comes from the checkpoint
         protocol, names = eval_protocol(cfg, model), class_names(cfg)
     else:
-        raise ValueError(f"{folder} is a {found} run: loading it needs its data (with_data).")
+        raise UserError(f"{folder} is a {found} run: loading it needs its data (with_data).")
     state = load_checkpoint(file)
     load_weights(model, state, file, config_file, cfg.data.num_classes)
-    dev = resolve_device(device or cfg.train.device)
-    precision = resolve_amp(amp or cfg.train.amp, dev, warn=False)
+    dev = resolve_device(cfg.train.device)
+    precision = resolve_amp(cfg.train.amp, dev, warn=False)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     return LoadedRun(

@@ -9,6 +9,7 @@ row per method with mean and standard deviation over seeds.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import shutil
 import statistics
@@ -18,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, config_to_dict, load_config
+from .errors import MissingPathError
 from .precision import resolve_amp, resolve_device
-from .rundir import RunDir
+from .rundir import RunDir, atomic_write
 from .tasks import build_task, task_family
 
 # (key in test_metrics, column title, lower is better, shown in percent)
@@ -161,7 +163,7 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
         return []
     ckpt = run_dir / "checkpoint_best.pt"
     if not ckpt.is_file():
-        raise FileNotFoundError(f"{run_dir} lacks the test metrics {missing} and {ckpt.name}")
+        raise MissingPathError(f"{run_dir} lacks the test metrics {missing} and {ckpt.name}")
     print(f"adding {', '.join(missing)} to {path} (one test pass of {ckpt.name})", flush=True)
     task.model.load_state_dict(load_checkpoint(ckpt)["model"])
     device = resolve_device(cfg.train.device)
@@ -202,7 +204,7 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
         return []
     ckpt = run_dir / "checkpoint_best.pt"
     if not ckpt.is_file():
-        raise FileNotFoundError(f"{run_dir} lacks {ckpt.name}, needed for --calibrators")
+        raise MissingPathError(f"{run_dir} lacks {ckpt.name}, needed for --calibrators")
     cfg = load_config(run_dir / "config.yaml")
     task = build_task(cfg)
     task.model.load_state_dict(load_checkpoint(ckpt)["model"])
@@ -337,20 +339,22 @@ def write_results(out: Path, rows: dict[str, dict[str, Any]], score_name: str) -
     if failures:
         text += "\nFailed runs (not in the means):\n\n"
         text += "".join(f"- {m}, seed {seed}: {err}\n" for m, seed, err in failures)
-    (out / "results.md").write_text(text)
-    with (out / "results.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
+    atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(text))
+    table_csv = io.StringIO(newline="")
+    writer = csv.writer(table_csv)
+    writer.writerow(
+        ["method", "seeds", "failed"]
+        + [f"{k}_mean" for k, *_ in COLUMNS]
+        + [f"{k}_std" for k, *_ in COLUMNS]
+    )
+    for method, cells in table.items():
         writer.writerow(
-            ["method", "seeds", "failed"]
-            + [f"{k}_mean" for k, *_ in COLUMNS]
-            + [f"{k}_std" for k, *_ in COLUMNS]
+            [method, len(rows[method]["summaries"]), len(rows[method]["failed"])]
+            + [cells[k][1] for k, *_ in COLUMNS]
+            + [cells[k][2] for k, *_ in COLUMNS]
         )
-        for method, cells in table.items():
-            writer.writerow(
-                [method, len(rows[method]["summaries"]), len(rows[method]["failed"])]
-                + [cells[k][1] for k, *_ in COLUMNS]
-                + [cells[k][2] for k, *_ in COLUMNS]
-            )
+    atomic_write(out / "results.csv",
+                 lambda tmp: Path(tmp).write_text(table_csv.getvalue(), newline=""))
     print(text)
 
 

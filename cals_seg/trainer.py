@@ -32,7 +32,7 @@ from .checks import (
     check_resume,
     check_splits,
 )
-from .config import Config, config_to_dict, save_config
+from .config import Config, ConfigError, config_to_dict, save_config
 from .data.extra_inputs import request_extra_inputs
 from .distributed import (
     barrier,
@@ -43,10 +43,12 @@ from .distributed import (
     is_main_process,
 )
 from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
+from .errors import RunExistsError
 from .evaluation import Scaled, compute, evaluate, predict, scalars
 from .loggers import RunLoggers
 from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp, resolve_device
+from .rules import check_model_input
 from .rundir import (
     RunDir,
     link_checkpoint,
@@ -69,7 +71,9 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(
             model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay
         )
-    raise ValueError(f"optim.name: unknown optimizer {o.name!r}; valid names are ['adamw', 'sgd'].")
+    raise ConfigError(
+        f"optim.name: unknown optimizer {o.name!r}; valid names are ['adamw', 'sgd']."
+    )
 
 
 def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer):
@@ -81,7 +85,7 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer):
         return torch.optim.lr_scheduler.MultiStepLR(optimizer, o.milestones, gamma=o.gamma)
     if o.schedule == "constant":
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    raise ValueError(
+    raise ConfigError(
         f"optim.schedule: unknown schedule {o.schedule!r}; valid names are "
         "['cosine', 'multistep', 'constant']."
     )
@@ -236,7 +240,7 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
 # ----------------------------------------------------------------------------- the run
 def _check_before_training(run: RunDir, resume: bool) -> None:
     if not resume and run.holds_run():
-        raise FileExistsError(
+        raise RunExistsError(
             f"{run.path} already holds a run ({', '.join(run.holds_run())}). Continue it with "
             f"--resume {run.path}, or choose another name (--set name=...)."
         )
@@ -299,6 +303,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    check_model_input(cfg, task)
     check_splits(task, t.batch_size, bounded_input(cfg), get_world_size())
     check_best_metric(task, t.best_metric, cfg.eval.n_bins)
     workers = cfg.data.num_workers
@@ -348,7 +353,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             if adaptive:
                 check_identical(criterion.state_fingerprint(), "the criterion's state")
         if t.best_metric not in val or val[t.best_metric] is None:
-            raise ValueError(
+            raise ConfigError(
                 f"train.best_metric={t.best_metric!r} has no value on the validation split; "
                 f"choose one of {sorted(scalars(val))} (or check that the split has valid labels)."
             )

@@ -23,7 +23,9 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
             if not s.startswith(("name=", "output_dir=", "loss.params="))]
     bad = tmp_path / "broken.yaml"
     text = (ROOT / "configs" / "synthetic_deeplabv3.yaml").read_text()
-    bad.write_text(re.sub(r"margin: [0-9.]+", "margin: -1.0",
+    # a failure no rule can see before training: the run diverges (the rules refuse a bad
+    # value before any run starts, see test_compare_refuses_a_bad_config_before_any_run)
+    bad.write_text(re.sub(r"lr: [0-9.e-]+", "lr: 1.0e+6",
                           text.replace("name: synthetic_deeplabv3", "name: broken")
                           .replace("method: cals_alm", "method: mbls")))
     configs = [str(ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"),
@@ -35,7 +37,7 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     assert rc == 1  # one method failed on every seed
     text = (out / "results.md").read_text()
     assert "| ce | 2 |" in text and "| cals_alm | 2 |" in text and " ± " in text
-    assert "Failed runs" in text and "mbls, seed 0" in text and "margin" in text
+    assert "Failed runs" in text and "mbls, seed 0" in text and "optim.lr" in text
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [r["method"] for r in rows] == ["ce", "cals_alm", "mbls"]
     assert float(rows[0]["ece_mean"]) > 0 and rows[2]["failed"] == "2"
@@ -95,3 +97,15 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
             for a, b in zip(new[view][key], full[view][key], strict=True):
                 assert (a is None and b is None) or a == pytest.approx(b, rel=1e-6, abs=1e-9)
     assert backfill_test_metrics(run0) == []  # nothing missing any more
+
+
+def test_compare_refuses_a_bad_config_before_any_run(tmp_path, capsys):
+    bad = tmp_path / "broken.yaml"
+    text = (ROOT / "configs" / "synthetic_deeplabv3.yaml").read_text()
+    bad.write_text(re.sub(r"margin: [0-9.]+", "margin: -1.0", text).replace(
+        "method: cals_alm", "method: mbls"))
+    out = tmp_path / "cmp"
+    rc = _compare().main([str(bad), "--out", str(out), "--set", f"data.root={tmp_path / 'd'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("error: loss.params.margin: ") and "\n" not in err, err
+    assert not (out / "runs").exists()

@@ -164,13 +164,15 @@ def test_protocol_arguments_are_checked(kwargs, match):
 
 # --------------------------------------------------------------------------- config keys
 @pytest.mark.parametrize("override, match", [
-    ("eval.mode=tiles", r"eval.mode: expected one of \['whole', 'slide'\], got 'tiles'; e.g. "
+    ("eval.mode=tiles", r"eval.mode: expected 'whole' or 'slide', got 'tiles'; e.g. "
                         r"--set eval.mode=slide"),
-    ("eval.window=0", r"eval.window: expected an integer >= 1, got 0; e.g. --set eval.window="),
-    ("eval.stride=600", r"eval.stride: expected an integer in \[1, eval.window\] = \[1, 512\], "
-                        r"got 600; .*--set eval.stride=341"),
+    ("eval.window=0", r"eval.window: expected an integer in \[1, 16384\], got 0; e.g. --set "
+                      r"eval.window="),
+    ("eval.stride=600", r"eval.stride: expected an integer in \[1, eval.window\] = \[1, 512\] "
+                        r".*got 600; .*--set eval.stride=341"),
     ("eval.stride=0", r"eval.stride: .*got 0"),
-    ("eval.resize=0", r"eval.resize: expected an integer >= 1, got 0; or null"),
+    ("eval.resize=0", r"eval.resize: expected an integer in \[1, 16384\] or null, got 0; or "
+                      r"null"),
 ])
 def test_bad_protocol_keys_name_the_key_and_the_fix(override, match):
     cfg = load_config(SETUP, [override], "ce")

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..errors import MissingPathError, UserError
 from ._base import Batches, Calibrator
 from ._evaluate import (
     TABLE_COLUMNS,
@@ -66,13 +67,13 @@ def build_calibrator(name: str, num_classes: int, **params: Any) -> Calibrator:
         ValueError: unknown name or parameter (the valid ones are listed), or a bad value.
     """
     if name not in CALIBRATORS:
-        raise ValueError(f"Unknown calibrator {name!r}; valid names are {sorted(CALIBRATORS)}.")
+        raise UserError(f"Unknown calibrator {name!r}; valid names are {sorted(CALIBRATORS)}.")
     cls = CALIBRATORS[name]
     valid = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self",
                                                                                 "num_classes")]
     unknown = sorted(set(params) - set(valid))
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"Unknown parameter(s) {unknown} for calibrator {name!r}; valid ones are {valid}."
         )
     return cls(num_classes, **params)
@@ -98,13 +99,13 @@ def load_calibrator(path: str | Path, map_location: str | torch.device = "cpu") 
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such calibrator file.")
+        raise MissingPathError(f"{path}: no such calibrator file.")
     try:
         saved = torch.load(path, map_location=map_location, weights_only=True)
         cal = build_calibrator(saved["name"], saved["num_classes"], **saved["params"])
         cal.load_state_dict(saved["state"])
     except (KeyError, TypeError, RuntimeError, ValueError) as err:
-        raise ValueError(f"{path} is not a saved calibrator ({err}); refit it.") from None
+        raise UserError(f"{path} is not a saved calibrator ({err}); refit it.") from None
     cal.fit_info = saved.get("fit_info", {})
     return cal.to(map_location).eval()
 

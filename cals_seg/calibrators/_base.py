@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from cals_seg.distributed import all_reduce_sum_
+from cals_seg.errors import UserError
 from cals_seg.temperature import _valid_rows
 
 Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor | None]
@@ -189,13 +190,13 @@ def holdout_mask(n: int, first_index: int, every: int) -> Tensor:
 
 def check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-        raise ValueError(f"Expected `{name}` to be an integer >= {minimum}, but got {value!r}.")
+        raise UserError(f"Expected `{name}` to be an integer >= {minimum}, but got {value!r}.")
 
 
 def check_positive_float(name: str, value: Any) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not (ok and value > 0 and math.isfinite(value)):
-        raise ValueError(f"Expected `{name}` to be a positive finite number, but got {value!r}.")
+        raise UserError(f"Expected `{name}` to be a positive finite number, but got {value!r}.")
 
 
 LossFn = Callable[[nn.Module, Tensor, Tensor, "Tensor | None", int], "tuple[Tensor, int] | None"]

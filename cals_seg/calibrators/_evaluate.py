@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from ..errors import UserError
 from ._base import Calibrator
 
 # Meters that only read the argmax: fed the raw logits when the calibrator cannot change it, so
@@ -135,7 +136,7 @@ def load_or_fit_calibrators(
         if path.is_file() and not refit:
             cal = load_calibrator(path, device)
             if cal.num_classes != num_classes:
-                raise ValueError(f"{path} has {cal.num_classes} classes, the run {num_classes}; "
+                raise UserError(f"{path} has {cal.num_classes} classes, the run {num_classes}; "
                                  "refit it (--refit-calibrators).")
             out[name], info[name] = cal, {**cal.fit_info, "loaded": True, "file": str(path)}
             continue

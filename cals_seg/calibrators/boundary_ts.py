@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.distributed import all_reduce_sum_
+from cals_seg.errors import UserError
 from cals_seg.metrics.regions import boundary_bands
 from cals_seg.temperature import _grid_nll, _parabola_vertex, fit_temperature
 
@@ -80,7 +81,7 @@ class BoundaryTemperatureScaling(Calibrator):
                 f"Expected `bands` to be increasing positive finite distances, but got {bands!r}."
             )
         if not (0 < t_min < t_max < math.inf):
-            raise ValueError(f"Expected 0 < t_min < t_max, but got t_min={t_min}, t_max={t_max}.")
+            raise UserError(f"Expected 0 < t_min < t_max, but got t_min={t_min}, t_max={t_max}.")
         check_positive_int("num_grid", num_grid, 3)
         check_positive_int("passes", passes)
         super().__init__(num_classes, bands=[float(b) for b in bands], t_min=float(t_min),

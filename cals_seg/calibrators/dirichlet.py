@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import UserError
 from ._base import Batches, Calibrator, check_positive_int, lbfgs_fit
 
 
@@ -53,7 +54,7 @@ class DirichletCalibration(Calibrator):
                  max_iter: int = 100) -> None:
         for key, value in (("lam", lam), ("mu", mu)):
             if not (isinstance(value, int | float) and value >= 0):
-                raise ValueError(f"Expected `{key}` to be a number >= 0, but got {value!r}.")
+                raise UserError(f"Expected `{key}` to be a number >= 0, but got {value!r}.")
         check_positive_int("max_iter", max_iter)
         super().__init__(num_classes, lam=float(lam), mu=float(mu), max_iter=max_iter)
         self.weight = nn.Parameter(torch.eye(num_classes), requires_grad=False)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import UserError
 from ._base import Batches, Calibrator, check_positive_int, fit_with_holdout
 
 LOG_T_MAX = math.log(100.0)
@@ -75,7 +76,7 @@ class LocalTemperatureScaling(Calibrator):
         check_positive_int("kernel_size", kernel_size)
         check_positive_int("dilation", dilation)
         if kernel_size % 2 == 0:
-            raise ValueError(f"Expected an odd `kernel_size`, but got {kernel_size}.")
+            raise UserError(f"Expected an odd `kernel_size`, but got {kernel_size}.")
         super().__init__(num_classes, use_image=bool(use_image), image_channels=image_channels,
                          kernel_size=kernel_size, dilation=dilation, epochs=epochs,
                          patience=patience, lr=lr, holdout_every=holdout_every)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cals_seg.errors import UserError
 from cals_seg.temperature import _grid_nll
 
 from ._base import (
@@ -104,12 +105,12 @@ class SelectiveScaling(Calibrator):
                  steps_per_batch: int = 64, epochs: int = 10, patience: int = 3,
                  lr: float = 1e-3, holdout_every: int = 5, seed: int = 0) -> None:
         if not 0 < threshold < 1:
-            raise ValueError(f"Expected `threshold` in (0, 1), but got {threshold!r}.")
+            raise UserError(f"Expected `threshold` in (0, 1), but got {threshold!r}.")
         if temperature is not None:
             check_positive_float("temperature", temperature)
         check_positive_float("t_max", t_max)
         if t_max <= 1:
-            raise ValueError(f"Expected `t_max` > 1, but got {t_max!r}.")
+            raise UserError(f"Expected `t_max` > 1, but got {t_max!r}.")
         check_positive_float("mispredicted_weight", mispredicted_weight)
         check_positive_int("pixels_per_step", pixels_per_step, 2)
         check_positive_int("steps_per_batch", steps_per_batch)

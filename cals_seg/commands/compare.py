@@ -84,13 +84,15 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
     Raises:
         UserError: a config that does not load.
     """
+    from ..checks import check_config
     from ..config import load_config, resolve_config_path
     from ..tasks import build_task
 
     jobs, prepared = [], set()
     for config in args.configs:
         for method in args.methods or [None]:
-            cfg = load_config(config, args.set, method)
+            cfg = load_config(config, [*args.set, f"output_dir={args.out / 'runs'}"], method)
+            check_config(cfg, reads_data=True, writes_run=True)  # as the runs will see it
             if (cfg.data.name, cfg.data.root) not in prepared:
                 prepared.add((cfg.data.name, cfg.data.root))
                 build_task(cfg)
@@ -110,7 +112,8 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
     the headline metric's name, read from the runs' own files."""
     import json
 
-    from ..config import ConfigError, load_config
+    from ..config import load_config
+    from ..errors import UntrustedCheckpointError, UserError
     from ..study import add_calibrators, backfill_test_metrics, calibrator_rows, summarise
     from ..tasks import score_metric, task_family
 
@@ -128,7 +131,9 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
                 backfill_test_metrics(run_dir)
                 if calibrators:
                     add_calibrators(run_dir, list(calibrators))
-        except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
+        except UntrustedCheckpointError:  # never go on past a file that could run code
+            raise
+        except UserError as err:
             print(f"FAILED {method} seed {seed}: {err}", file=sys.stderr)
             row["failed"].append((seed, f"adding the new test metrics: {err}"))
             continue
@@ -177,15 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from ..cli import USER_ERRORS, report
+    from ..errors import UntrustedCheckpointError
+    from ..rules import check_folder
     from ..study import run_one, write_results
 
     start = time.perf_counter()
-    args.out.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict[str, Any]] = {}
     try:
+        check_folder("--out", str(args.out), must_exist=False, writable=True)
         jobs = plan(args, rows)
     except USER_ERRORS as err:
         return report(err)
+    args.out.mkdir(parents=True, exist_ok=True)
     # Runs are independent processes: with --jobs N they share the CPU cores (give each run
     # fewer threads with --set train.threads=...).
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -194,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                 lambda j: run_one(j[1], j[2], j[3], args.out, args.set, args.checkpoints), jobs
             )
         )
-    first_run, score_name = collect(jobs, results, rows, args.calibrators)
+    try:
+        first_run, score_name = collect(jobs, results, rows, args.calibrators)
+    except UntrustedCheckpointError as err:
+        return report(err)
     write_results(args.out, rows, score_name)
     if args.calibrators:
         from ..study import write_calibrator_results

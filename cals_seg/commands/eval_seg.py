@@ -36,6 +36,7 @@ import argparse
 from pathlib import Path
 
 from ..cli import add_method_argument, add_protocol_arguments, add_set_argument, protocol_overrides
+from ..errors import MissingPathError, UserError
 
 # The names of cals_seg.calibrators.CALIBRATORS (listed here so that --help does not import torch;
 # a test checks that they agree).
@@ -92,10 +93,10 @@ def calibrator_params(items: list[str]) -> dict[str, dict]:
         head, sep, value = item.partition("=")
         name, dot, key = head.partition(".")
         if not (sep and dot and name and key):
-            raise ValueError(f"--calibrator-param {item!r}: expected NAME.KEY=VALUE, e.g. "
+            raise UserError(f"--calibrator-param {item!r}: expected NAME.KEY=VALUE, e.g. "
                              "lts.epochs=20.")
         if name not in CALIBRATOR_NAMES:
-            raise ValueError(f"--calibrator-param {item!r}: unknown calibrator {name!r}; valid "
+            raise UserError(f"--calibrator-param {item!r}: unknown calibrator {name!r}; valid "
                              f"names are {sorted(CALIBRATOR_NAMES)}.")
         out.setdefault(name, {})[key] = yaml.safe_load(value)
     return out
@@ -110,7 +111,7 @@ def open_run(args: argparse.Namespace):
     given = Path(args.run)
     if given.is_file() and given.suffix in (".yaml", ".yml"):  # CONFIG --checkpoint FILE
         if args.checkpoint in ("best", "last"):
-            raise FileNotFoundError(f"{given} is a config: name the checkpoint with --checkpoint "
+            raise MissingPathError(f"{given} is a config: name the checkpoint with --checkpoint "
                                     "FILE, or give the run folder instead.")
         return load_run(args.checkpoint, overrides=sets, family="segmentation", with_data=True,
                         config=given, method=args.method)
@@ -123,10 +124,15 @@ def open_run(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from ..cli import USER_ERRORS, report
+    from ..rules import check_folder
+    from ..voc_checks import check_voc_data
 
     try:
+        if args.out:
+            check_folder("--out", args.out, must_exist=False, writable=True)
         args.calibrator_params = calibrator_params(args.calibrator_param)
         run = open_run(args)
+        check_voc_data(run.task, tuple(dict.fromkeys(("val", args.split))))  # files named
     except USER_ERRORS as err:
         return report(err)
     return evaluate_run(run, args)

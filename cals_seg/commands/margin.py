@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli import add_set_argument
+from ..errors import UserError
 
 PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)  # as cals_seg.gaps
 
@@ -74,7 +75,7 @@ def gaps_main(args: argparse.Namespace) -> int:
 
     try:
         if any(m <= 0 for m in args.margins):
-            raise ValueError(f"margins must be > 0, got {args.margins}")
+            raise UserError(f"margins must be > 0, got {args.margins}")
         run = load_run(args.run, overrides=args.set, with_data=True)
         cfg, task = run.config, run.task
         split_set = {"val": task.val_set, "test": task.test_set}[args.split]
@@ -171,6 +172,7 @@ def sweep_main(args: argparse.Namespace) -> int:
     import inspect
     from concurrent.futures import ThreadPoolExecutor
 
+    from ..checks import check_config
     from ..cli import USER_ERRORS, report
     from ..config import load_config
     from ..gaps import run_summary
@@ -184,16 +186,18 @@ def sweep_main(args: argparse.Namespace) -> int:
     margins = list(dict.fromkeys(args.margins))
     try:
         if any(m <= 0 for m in margins):
-            raise ValueError(f"margins must be > 0, got {margins}")
+            raise UserError(f"margins must be > 0, got {margins}")
         if args.max_miou_drop < 0:
-            raise ValueError(f"--max-miou-drop must be >= 0, got {args.max_miou_drop}")
+            raise UserError(f"--max-miou-drop must be >= 0, got {args.max_miou_drop}")
         cfg = load_config(config, sets, args.method)
         ce_cfg = load_config(config, sets, "ce")
+        check_config(cfg, reads_data=True, writes_run=True)
+        check_config(ce_cfg, reads_data=True, writes_run=True)
         if ce_cfg.loss.name != "ce":
-            raise ValueError(f"the method 'ce' of {config} is not cross-entropy")
+            raise UserError(f"the method 'ce' of {config} is not cross-entropy")
         loss_cls = LOSSES.get(cfg.loss.name)
         if loss_cls is None or "margin" not in inspect.signature(loss_cls).parameters:
-            raise ValueError(f"--method {args.method}: loss {cfg.loss.name!r} has no margin")
+            raise UserError(f"--method {args.method}: loss {cfg.loss.name!r} has no margin")
         build_task(cfg)  # generate an embedded dataset once, before runs start in parallel
     except USER_ERRORS as err:
         return report(err)

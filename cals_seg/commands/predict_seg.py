@@ -39,6 +39,7 @@ import warnings
 from pathlib import Path
 
 from ..cli import add_protocol_arguments, add_set_argument, protocol_overrides
+from ..errors import MissingPathError, UserError
 
 
 def open_run(args: argparse.Namespace):
@@ -54,13 +55,13 @@ def open_run(args: argparse.Namespace):
 
         path = run.path / "calibrators" / f"{args.calibrator}.pt"
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"{path} does not exist: fit it first with tools/eval_seg.py {run.path} "
                 f"--calibrators {args.calibrator}."
             )
         args.calibrator_module = load_calibrator(path, run.device)
         if args.calibrator_module.num_classes != run.config.data.num_classes:
-            raise ValueError(f"{path} has {args.calibrator_module.num_classes} classes, but the "
+            raise UserError(f"{path} has {args.calibrator_module.num_classes} classes, but the "
                              f"run has {run.config.data.num_classes}; refit it.")
         return run, 1.0
     temperature = args.temperature
@@ -72,7 +73,7 @@ def open_run(args: argparse.Namespace):
                           "(T = 1).", stacklevel=1)
             temperature = 1.0
     if not temperature > 0:
-        raise ValueError(f"--temperature: expected a number > 0, got {temperature}.")
+        raise UserError(f"--temperature: expected a number > 0, got {temperature}.")
     return run, float(temperature)
 
 
@@ -120,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         summary,
         write_outputs,
     )
+    from ..rules import check_folder
 
     try:
+        check_folder("--out", args.out, must_exist=False, writable=True)
         run, temperature = open_run(args)
     except USER_ERRORS as err:
         return report(err)
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         run.precision
     files = collect_inputs(args.inputs)
     if not files:
-        return report(ValueError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}"))
+        return report(UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names, k = run.class_names, cfg.data.num_classes

@@ -28,6 +28,7 @@ from cals_seg.data.paired import (
     index_mask,
     shown,
 )
+from cals_seg.errors import DataError
 
 # The 150 classes in annotation order (value 1 .. 150): the first name of each entry of the
 # benchmark's objectInfo150 table.
@@ -78,7 +79,7 @@ def resolve_ade20k_root(root: str | os.PathLike) -> Path:
     for candidate in (root, root / "ADEChallengeData2016"):
         if (candidate / "images").is_dir() and (candidate / "annotations").is_dir():
             return candidate
-    raise ValueError(
+    raise DataError(
         f"data.root '{root}' is not an ADE20K root: neither it nor '{root}/ADEChallengeData2016' "
         "holds images/ and annotations/ (unzip ADEChallengeData2016.zip and point data.root "
         "at it)."
@@ -130,7 +131,7 @@ class ADE20KSegmentation(PairedSegmentation):
         raw = index_mask(path)
         bad = np.unique(raw[(raw < 0) | (raw > self.num_classes)])
         if bad.size:
-            raise ValueError(
+            raise DataError(
                 f"Mask '{path}' contains annotation values {bad.tolist()} outside 0 .. "
                 f"{self.num_classes} (0 = void, v = class v - 1); restore it from "
                 "ADEChallengeData2016.zip."

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from cals_seg.data.paired import PairedSegmentation, SplitFiles, hold_out, index_mask, shown
+from cals_seg.errors import DataError
 
 CITYSCAPES_CLASSES: tuple[str, ...] = (
     "road", "sidewalk", "building", "wall", "fence", "pole", "traffic light", "traffic sign",
@@ -64,7 +65,7 @@ def label_to_train_ids(label_ids: np.ndarray, void: int = 255) -> np.ndarray:
     ids = np.where(ids == 255, -1, ids)
     bad = np.unique(ids[(ids < -1) | (ids > 33)])
     if bad.size:
-        raise ValueError(f"values {bad.tolist()} are not Cityscapes label ids (-1 .. 33)")
+        raise DataError(f"values {bad.tolist()} are not Cityscapes label ids (-1 .. 33)")
     table = np.full(35, void, dtype=np.int64)  # index: label id + 1
     for label, train in LABEL_TO_TRAIN.items():
         table[label + 1] = train
@@ -95,7 +96,7 @@ def cityscapes_files(root: str | os.PathLike, split: str) -> SplitFiles:
     """
     root = Path(root)
     if not (root / "leftImg8bit").is_dir() or not (root / "gtFine").is_dir():
-        raise ValueError(
+        raise DataError(
             f"data.root '{root}' is not a Cityscapes root: it needs leftImg8bit/ and gtFine/ "
             "(unzip leftImg8bit_trainvaltest.zip and gtFine_trainvaltest.zip into it)."
         )
@@ -148,5 +149,5 @@ class CityscapesSegmentation(PairedSegmentation):
         try:
             return label_to_train_ids(raw, void=self.ignore_index)
         except ValueError as err:
-            raise ValueError(f"Mask '{path}': {err}; restore it from gtFine_trainvaltest.zip.") \
+            raise DataError(f"Mask '{path}': {err}; restore it from gtFine_trainvaltest.zip.") \
                 from None

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from cals_seg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from cals_seg.errors import DataError, MissingPathError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 Sample = tuple[str, int]
@@ -116,7 +117,7 @@ def read_rgb(path: str | os.PathLike) -> np.ndarray:
         with Image.open(path) as img:
             return np.asarray(img.convert("RGB"))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise ValueError(f"Cannot read image {path}: {err}") from err
+        raise DataError(f"Cannot read image {path}: {err}") from err
 
 
 class ImageClassification(Dataset):
@@ -142,7 +143,7 @@ class ImageClassification(Dataset):
     ) -> None:
         for path, label in samples:
             if not 0 <= label < num_classes:
-                raise ValueError(f"Label {label} of {path} is outside [0, {num_classes}).")
+                raise DataError(f"Label {label} of {path} is outside [0, {num_classes}).")
         self.samples = list(samples)
         self.transform = transform
         self.num_classes = num_classes
@@ -190,10 +191,10 @@ def class_subfolders(folder: Path, names: Sequence[str] | None, what: str = "cla
     missing = [c for c in names if c not in found]
     extra = [c for c in found if c not in names]
     if missing:
-        raise ValueError(f"{what.capitalize()} folder {missing[0]!r} is missing from {folder} "
+        raise DataError(f"{what.capitalize()} folder {missing[0]!r} is missing from {folder} "
                          f"({missing}).")
     if extra:
-        raise ValueError(f"{folder} has {what} folder(s) {extra} that the training split lacks.")
+        raise DataError(f"{folder} has {what} folder(s) {extra} that the training split lacks.")
     return names
 
 
@@ -218,13 +219,13 @@ def image_folder(
     """
     folder = Path(root) / split
     if not folder.is_dir():
-        raise FileNotFoundError(f"Image folder {folder} does not exist.")
+        raise MissingPathError(f"Image folder {folder} does not exist.")
     classes = class_subfolders(folder, classes)
     samples = [
         (path, label) for label, c in enumerate(classes) for path in _list_images(folder / c)
     ]
     if not samples:
-        raise ValueError(f"{folder} holds no image (extensions {IMAGE_EXTENSIONS}).")
+        raise DataError(f"{folder} holds no image (extensions {IMAGE_EXTENSIONS}).")
     return samples, list(classes)
 
 
@@ -242,7 +243,7 @@ def read_split_file(
     """
     path, root = Path(path), Path(root)
     if not path.is_file():
-        raise FileNotFoundError(f"Split file {path} does not exist.")
+        raise MissingPathError(f"Split file {path} does not exist.")
     samples = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         line = line.strip()
@@ -250,19 +251,19 @@ def read_split_file(
             continue
         parts = line.rsplit(maxsplit=1)
         if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
-            raise ValueError(f"{path}, line {number}: expected '<path> <label>', got {line!r}.")
+            raise DataError(f"{path}, line {number}: expected '<path> <label>', got {line!r}.")
         rel, label = parts[0], int(parts[1])
         if not 0 <= label < num_classes:
-            raise ValueError(
+            raise DataError(
                 f"{path}, line {number}: label {label} is outside [0, {num_classes}) "
                 f"(data.num_classes={num_classes})."
             )
         image = root / rel
         if not image.is_file():
-            raise ValueError(f"{path}, line {number}: image {image} does not exist.")
+            raise DataError(f"{path}, line {number}: image {image} does not exist.")
         samples.append((str(image), label))
     if not samples:
-        raise ValueError(f"Split file {path} lists no image.")
+        raise DataError(f"Split file {path} lists no image.")
     return samples
 
 
@@ -279,34 +280,34 @@ def tiny_imagenet(root: str | os.PathLike) -> dict[str, Any]:
     root = Path(root)
     wnids_file = root / "wnids.txt"
     if not wnids_file.is_file():
-        raise FileNotFoundError(f"{wnids_file} does not exist; is {root} a Tiny-ImageNet tree?")
+        raise MissingPathError(f"{wnids_file} does not exist; is {root} a Tiny-ImageNet tree?")
     wnids = [w.strip() for w in wnids_file.read_text().split() if w.strip()]
     index = {w: i for i, w in enumerate(wnids)}
     train = []
     for label, wnid in enumerate(wnids):
         folder = root / "train" / wnid / "images"
         if not folder.is_dir():
-            raise FileNotFoundError(f"Class folder {folder} (wnid {wnid!r}) does not exist.")
+            raise MissingPathError(f"Class folder {folder} (wnid {wnid!r}) does not exist.")
         images = _list_images(folder)
         if not images:
-            raise ValueError(f"{folder} holds no image.")
+            raise DataError(f"{folder} holds no image.")
         train += [(p, label) for p in images]
     annotations = root / "val" / "val_annotations.txt"
     if not annotations.is_file():
-        raise FileNotFoundError(f"{annotations} does not exist.")
+        raise MissingPathError(f"{annotations} does not exist.")
     val = []
     for number, line in enumerate(annotations.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         parts = line.split("\t") if "\t" in line else line.split()
         if len(parts) < 2:
-            raise ValueError(f"{annotations}, line {number}: expected '<file> <wnid> ...'.")
+            raise DataError(f"{annotations}, line {number}: expected '<file> <wnid> ...'.")
         name, wnid = parts[0].strip(), parts[1].strip()
         if wnid not in index:
-            raise ValueError(f"{annotations}, line {number}: unknown wnid {wnid!r}.")
+            raise DataError(f"{annotations}, line {number}: unknown wnid {wnid!r}.")
         image = root / "val" / "images" / name
         if not image.is_file():
-            raise ValueError(f"{annotations}, line {number}: image {image} does not exist.")
+            raise DataError(f"{annotations}, line {number}: image {image} does not exist.")
         val.append((str(image), index[wnid]))
     return {"train": train, "val": val, "classes": wnids}
 
@@ -328,7 +329,7 @@ def per_class_holdout(
     for label in np.unique(labels):
         members = np.flatnonzero(labels == label)
         if len(members) <= per_class:
-            raise ValueError(
+            raise DataError(
                 f"Class {label} has {len(members)} samples; cannot hold out {per_class} per class."
             )
         held[rng.choice(members, size=per_class, replace=False)] = True
@@ -401,7 +402,7 @@ def split_file_splits(
     absolute). Class names are ``class <k>`` (split files carry only integer labels)."""
     missing = [s for s in ("train", "val", "test") if s not in files]
     if missing:
-        raise ValueError(f"data.split_files: missing {missing}; give train, val and test lists.")
+        raise DataError(f"data.split_files: missing {missing}; give train, val and test lists.")
     root = Path(root)
     out: dict[str, Any] = {
         s: read_split_file(root / files[s], root, num_classes) for s in ("train", "val", "test")

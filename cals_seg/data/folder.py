@@ -36,6 +36,7 @@ from cals_seg.data.paired import (
     read_rgb,
     shown,
 )
+from cals_seg.errors import DataError
 
 SPLIT_NAMES: dict[str, tuple[str, ...]] = {
     "train": ("train", "training"),
@@ -67,7 +68,7 @@ class ColourTable:
         unknown: str = "error",
     ) -> None:
         if unknown not in UNKNOWN_COLOURS:
-            raise ValueError(
+            raise DataError(
                 f"data.unknown_colours: expected one of {list(UNKNOWN_COLOURS)}, got {unknown!r}."
             )
         codes = [self._code(c, f"data.palette[{k}]") for k, c in enumerate(palette)]
@@ -76,7 +77,7 @@ class ColourTable:
         twice = duplicates(str(c) for c in everything)
         if twice:
             colours = [self._rgb(int(c)) for c in twice]
-            raise ValueError(f"data.palette / data.void_colours: the colour(s) {colours} are "
+            raise DataError(f"data.palette / data.void_colours: the colour(s) {colours} are "
                              "listed twice; each colour must name one class (or void).")
         labels = list(range(len(codes))) + [ignore_index] * len(voids)
         order = np.argsort(everything)
@@ -92,7 +93,7 @@ class ColourTable:
               and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255
                       for v in colour))
         if not ok:
-            raise ValueError(f"{key}: expected a colour [r, g, b] of integers in [0, 255], got "
+            raise DataError(f"{key}: expected a colour [r, g, b] of integers in [0, 255], got "
                              f"{colour!r}.")
         r, g, b = colour
         return (r << 16) | (g << 8) | b
@@ -119,7 +120,7 @@ class ColourTable:
         if self.unknown == "error" and not known.all():
             values, counts = np.unique(code[~known], return_counts=True)
             found = [f"{self._rgb(int(v))} ({n} px)" for v, n in zip(values, counts, strict=True)]
-            raise ValueError(
+            raise DataError(
                 f"Mask '{where}' holds {len(values)} colour(s) that are not in data.palette "
                 f"(nor data.void_colours): {shown(found)}. Add them to data.palette or "
                 "data.void_colours, or set data.unknown_colours: void to treat them as void."
@@ -161,7 +162,7 @@ def read_stem_list(path: Path) -> tuple[list[str], list[str]]:
         ValueError: the file does not exist.
     """
     if not path.is_file():
-        raise ValueError(f"data.split_files: the split file '{path}' does not exist.")
+        raise DataError(f"data.split_files: the split file '{path}' does not exist.")
     lines = path.read_text(encoding="utf-8").splitlines()
     while lines and not lines[-1].strip():
         lines.pop()
@@ -262,11 +263,11 @@ def folder_split(
     """
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f"data.root '{root}' is not a folder.")
+        raise DataError(f"data.root '{root}' is not a folder.")
     if split_files:
         unknown = sorted(set(split_files) - set(SPLIT_NAMES))
         if unknown:
-            raise ValueError(f"data.split_files: unknown key(s) {unknown}; valid keys are "
+            raise DataError(f"data.split_files: unknown key(s) {unknown}; valid keys are "
                              f"{list(SPLIT_NAMES)}.")
         found = _listed(root, image_dir, mask_dir, split_files)
         how = "data.split_files"
@@ -274,7 +275,7 @@ def folder_split(
         found = _sub_folders(root, image_dir, mask_dir)
         how = "sub-folders"
         if found is None:
-            raise ValueError(
+            raise DataError(
                 f"data.root '{root}': no folder dataset found. Expected "
                 f"{image_dir}/train/ + {mask_dir}/train/ (and val/, test/), or "
                 f"train/{image_dir}/ + train/{mask_dir}/, or {image_dir}/ + {mask_dir}/ with "
@@ -283,7 +284,7 @@ def folder_split(
     for split in ("train", "test"):
         if split not in found:
             names = "/".join(SPLIT_NAMES[split])
-            raise ValueError(
+            raise DataError(
                 f"data.root '{root}': the folder dataset ({how}) has no {split} split; add a "
                 f"{names} folder (or data.split_files.{split})."
             )
@@ -305,7 +306,7 @@ class FolderSegmentation(PairedSegmentation):
     def __init__(self, *args, colours: ColourTable | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if colours is not None and colours.num_colours != self.num_classes:
-            raise ValueError(
+            raise DataError(
                 f"data.palette has {colours.num_colours} colours but data.num_classes is "
                 f"{self.num_classes}; give one colour per class."
             )

@@ -29,6 +29,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from cals_seg.data.transforms import eval_transform
+from cals_seg.errors import DataError
 
 IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 MASK_SUFFIXES: tuple[str, ...] = (".png", ".bmp", ".tif", ".tiff")  # lossless formats only
@@ -97,7 +98,7 @@ def read_pixels(path: Path, what: str) -> tuple[str, np.ndarray]:
             mode = image.mode
             return mode, np.array(image)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise ValueError(
+        raise DataError(
             f"Cannot read {what} '{path}' ({type(err).__name__}: {err}): the file is unreadable "
             "or truncated; restore it from the original archive or remove it."
         ) from err
@@ -110,7 +111,7 @@ def read_rgb(path: Path, what: str = "image") -> np.ndarray:
             image.load()
             return np.array(image.convert("RGB"), dtype=np.uint8)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise ValueError(
+        raise DataError(
             f"Cannot read {what} '{path}' ({type(err).__name__}: {err}): the file is unreadable "
             "or truncated; restore it from the original archive or remove it."
         ) from err
@@ -131,7 +132,7 @@ def index_mask(path: Path) -> np.ndarray:
         rgb = pixels[..., :3]
         if mode in ("RGB", "RGBA") and (rgb == rgb[..., :1]).all():
             return rgb[..., 0].astype(np.int64)
-        raise ValueError(
+        raise DataError(
             f"Mask '{path}' is a colour ({mode}) image, not class indices. Save the masks as "
             "grey or palette PNGs whose values are the classes, or give the colour of each class "
             "in data.palette (and data.void_colours) to decode the colours exactly."
@@ -225,7 +226,7 @@ class PairedSegmentation(Dataset):
         bad = values[((values < 0) | (values >= self.num_classes))
                      & (values != self.ignore_index)]
         if bad.size:
-            raise ValueError(
+            raise DataError(
                 f"Mask '{path}' contains values {bad.tolist()} outside [0, {self.num_classes}) "
                 f"that are not the void label {self.ignore_index}. Fix the mask, or set "
                 "data.num_classes / data.ignore_index to match the dataset."
@@ -240,7 +241,7 @@ class PairedSegmentation(Dataset):
         image = self.load_image(sample_id)
         mask = self.load_mask(sample_id)
         if image.shape[:2] != mask.shape:
-            raise ValueError(
+            raise DataError(
                 f"Image '{self.image_path(sample_id)}' is {image.shape[1]}x{image.shape[0]} but "
                 f"mask '{self.mask_path(sample_id)}' is {mask.shape[1]}x{mask.shape[0]} (WxH). "
                 "They must match: re-export the mask at the image size, or remove the pair."

@@ -41,6 +41,7 @@ import numpy as np
 from PIL import Image
 
 from cals_seg.data.voc import IMAGE_DIR, MASK_DIR, SPLIT_DIR, voc_palette
+from cals_seg.errors import DataError
 
 GENERATOR_VERSION = 2  # bump whenever the same arguments would give different files
 META_FILE = "synthetic.json"
@@ -235,7 +236,7 @@ def generate_synthetic_voc(
     for name, value, low in (("num_train", num_train, 1), ("num_test", num_test, 1),
                              ("image_size", image_size, 32)):
         if not isinstance(value, int) or value < low:
-            raise ValueError(f"Expected `{name}` to be an integer >= {low}, but got {value}.")
+            raise DataError(f"Expected `{name}` to be an integer >= {low}, but got {value}.")
     root = Path(root)
     voc = root / "VOCdevkit" / "VOC2012"
     meta = {"generator_version": GENERATOR_VERSION, "num_train": num_train, "num_test": num_test,
@@ -247,7 +248,7 @@ def generate_synthetic_voc(
             return root
         if not overwrite:
             changed = sorted(k for k in meta if existing.get(k) != meta[k])
-            raise ValueError(
+            raise DataError(
                 f"'{voc}' holds a synthetic dataset generated with other parameters (differing: "
                 f"{', '.join(f'{k}={existing.get(k)!r} on disk vs {meta[k]!r}' for k in changed)}"
                 "). Pass overwrite=True, or run `python tools/make_synthetic.py --root "
@@ -255,7 +256,7 @@ def generate_synthetic_voc(
             )
         shutil.rmtree(voc)
     elif voc.exists():
-        raise ValueError(
+        raise DataError(
             f"'{voc}' exists and is not a synthetic dataset written by this generator; refusing to "
             "write into it. Choose another root."
         )

@@ -45,6 +45,8 @@ import cv2
 import numpy as np
 from PIL import Image
 
+from cals_seg.errors import DataError
+
 GENERATOR_VERSION = 1
 IMAGE_META = "synthetic_cls.json"
 TEXT_META = "synthetic_text.json"
@@ -89,7 +91,7 @@ def _check_meta(root: Path, meta_name: str, meta: dict[str, Any], overwrite: boo
         if json.loads(meta_path.read_text()) == meta:
             return True
         if not overwrite:
-            raise ValueError(
+            raise DataError(
                 f"'{root}' holds a synthetic dataset generated with other parameters. Pass "
                 "overwrite=True to replace it, or choose another root."
             )
@@ -97,7 +99,7 @@ def _check_meta(root: Path, meta_name: str, meta: dict[str, Any], overwrite: boo
             shutil.rmtree(folder, ignore_errors=True)
         meta_path.unlink()
     elif any(f.exists() for f in folders):
-        raise ValueError(
+        raise DataError(
             f"'{root}' holds data not written by this generator; refusing to write into it. "
             "Choose another root."
         )
@@ -106,7 +108,7 @@ def _check_meta(root: Path, meta_name: str, meta: dict[str, Any], overwrite: boo
 
 def _check_int(name: str, value: Any, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"Expected `{name}` to be an integer >= {low}, but got {value!r}.")
+        raise DataError(f"Expected `{name}` to be an integer >= {low}, but got {value!r}.")
 
 
 # ----------------------------------------------------------------------------- images
@@ -193,7 +195,7 @@ def generate_synthetic_images(
                              ("image_size", image_size, 16)):
         _check_int(name, value, low)
     if min_train > max_train:
-        raise ValueError(f"Expected min_train <= max_train, but got {min_train} > {max_train}.")
+        raise DataError(f"Expected min_train <= max_train, but got {min_train} > {max_train}.")
     root = Path(root)
     names = [name for name, _, _ in IMAGE_CLASSES]
     counts = {

@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from cals_seg.data.classification import class_subfolders
+from cals_seg.errors import DataError, MissingPathError
 
 PAD, UNK = "<pad>", "<unk>"
 STRIP_STEPS = ("headers", "quotes", "signature")
@@ -61,7 +62,7 @@ def clean_post(text: str, strip: Iterable[str] = STRIP_STEPS) -> str:
     strip = tuple(strip)
     unknown = sorted(set(strip) - set(STRIP_STEPS))
     if unknown:
-        raise ValueError(f"Unknown text_strip step(s) {unknown}; valid steps are {STRIP_STEPS}.")
+        raise DataError(f"Unknown text_strip step(s) {unknown}; valid steps are {STRIP_STEPS}.")
     lines = text.replace("\r\n", "\n").split("\n")
     if "headers" in strip:
         blank = next((i for i, line in enumerate(lines) if not line.strip()), len(lines))
@@ -113,7 +114,7 @@ def read_newsgroups(
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"Newsgroups folder {folder} does not exist.")
+        raise MissingPathError(f"Newsgroups folder {folder} does not exist.")
     groups = class_subfolders(folder, groups, what="group")
     texts, labels = [], []
     for label, group in enumerate(groups):
@@ -125,7 +126,7 @@ def read_newsgroups(
             texts.append(clean_post(_read_text(Path(entry.path)), strip))
             labels.append(label)
     if not texts:
-        raise ValueError(f"{folder} holds no document (expected <group>/<doc> files).")
+        raise DataError(f"{folder} holds no document (expected <group>/<doc> files).")
     return texts, labels, groups
 
 
@@ -150,7 +151,7 @@ def twenty_news_paper_split(
     texts, labels, groups = read_newsgroups(root / "20news-bydate-train", None, strip)
     test = read_newsgroups(root / "20news-bydate-test", groups, strip)[:2]
     if not 0 < val_count < len(texts):
-        raise ValueError(
+        raise DataError(
             f"data.val_count={val_count}: expected between 1 and {len(texts) - 1} "
             f"(the training split has {len(texts)} documents)."
         )
@@ -247,7 +248,7 @@ class TextClassification(Dataset):
             raise ValueError(f"Expected `max_len` >= 1, but got {max_len}.")
         bad = [y for y in labels if not 0 <= y < num_classes]
         if bad:
-            raise ValueError(f"Label {bad[0]} is outside [0, {num_classes}).")
+            raise DataError(f"Label {bad[0]} is outside [0, {num_classes}).")
         self.vocab = vocab
         self.ids = torch.stack([vocab.encode(tokenize(t), max_len) for t in texts])
         self.labels = list(labels)
@@ -291,7 +292,7 @@ def load_glove(
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GloVe file {path} does not exist (model.glove_path).")
+        raise MissingPathError(f"GloVe file {path} does not exist (model.glove_path).")
     v = len(vocab)
     weights = torch.zeros(v, embed_dim, dtype=torch.float32)
     found = torch.zeros(v, dtype=torch.bool)
@@ -302,7 +303,7 @@ def load_glove(
                 continue
             values = line.count(" ")
             if values != embed_dim:
-                raise ValueError(
+                raise DataError(
                     f"{path}, line {number}: the vector has {values} values but "
                     f"model.embed_dim is {embed_dim}."
                 )
@@ -313,7 +314,7 @@ def load_glove(
             try:
                 weights[index] = torch.tensor([float(x) for x in rest.split(" ")])
             except ValueError as err:
-                raise ValueError(f"{path}, line {number}: {err}") from err
+                raise DataError(f"{path}, line {number}: {err}") from err
             found[index] = True
     std = float(weights[found].std()) if int(found.sum()) > 1 else 0.1
     generator = torch.Generator().manual_seed(seed)

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from cals_seg.data.paired import hold_out
 from cals_seg.data.transforms import eval_transform
+from cals_seg.errors import DataError
 
 VOC_CLASSES: tuple[str, ...] = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair",
@@ -77,7 +78,7 @@ def resolve_voc_root(root: str | os.PathLike) -> Path:
         if (candidate / IMAGE_DIR).is_dir() or (candidate / "ImageSets").is_dir():
             return candidate
     tried = ", ".join(str(c) for c in candidates)
-    raise ValueError(
+    raise DataError(
         f"No VOC layout found under '{root}' (looked for JPEGImages/ or ImageSets/ in: {tried}). "
         "Pass the folder containing VOCdevkit, VOCdevkit itself or VOC2012, or generate the "
         "embedded dataset with `python tools/make_synthetic.py --root data/synthetic`."
@@ -101,7 +102,7 @@ def read_split(root: str | os.PathLike, name: str) -> list[str]:
     path = split_dir / f"{name}.txt"
     if not path.is_file():
         available = sorted(p.stem for p in split_dir.glob("*.txt")) if split_dir.is_dir() else []
-        raise ValueError(
+        raise DataError(
             f"Split file '{path}' not found. Available splits: {available or 'none'}. "
             "Use one of them, or restore the file from the VOC archive."
         )
@@ -149,7 +150,7 @@ def _read_pixels(path: Path, what: str, sample_id: str, rgb: bool) -> tuple[str,
             image.load()
             return image.mode, np.array(image.convert("RGB") if rgb else image, dtype=np.uint8)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise ValueError(
+        raise DataError(
             f"Cannot read {what} '{path}' ({type(err).__name__}: {err}). The file is unreadable or "
             f"truncated: restore it from the original archive, or remove '{sample_id}' from the "
             "split file."
@@ -224,7 +225,7 @@ class VOCSegmentation(Dataset):
         ]
         if missing:
             shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-            raise ValueError(
+            raise DataError(
                 f"{len(missing)} image/mask file(s) listed by the split are missing under "
                 f"'{self.root}': {shown}. Restore the files, or remove those ids from the split "
                 "file."
@@ -252,7 +253,7 @@ class VOCSegmentation(Dataset):
         path = self.mask_path(sample_id)
         mode, mask = _read_pixels(path, "mask", sample_id, rgb=False)  # P: indices, not colours
         if mode not in ("P", "L"):
-            raise ValueError(
+            raise DataError(
                 f"Mask '{path}' has mode {mode}; expected a palette ('P') or grayscale "
                 "('L') PNG whose pixel values are class indices. Convert the colours to indices "
                 "(e.g. with the VOC palette) and save as a palette PNG."
@@ -260,7 +261,7 @@ class VOCSegmentation(Dataset):
         values = np.unique(mask)
         bad = values[(values >= self.num_classes) & (values != self.ignore_index)]
         if bad.size:
-            raise ValueError(
+            raise DataError(
                 f"Mask '{path}' contains values {bad.tolist()} outside [0, {self.num_classes}) "
                 f"that are not the void label {self.ignore_index}. Fix the mask, or set "
                 "`num_classes` / `ignore_index` to match the dataset."
@@ -275,7 +276,7 @@ class VOCSegmentation(Dataset):
         image = self.load_image(sample_id)
         mask = self.load_mask(sample_id)
         if image.shape[:2] != mask.shape:
-            raise ValueError(
+            raise DataError(
                 f"Image '{self.image_path(sample_id)}' is {image.shape[1]}x{image.shape[0]} but "
                 f"mask '{self.mask_path(sample_id)}' is {mask.shape[1]}x{mask.shape[0]} (WxH). "
                 "They must match: re-export the mask at the image size, or remove the id."

@@ -8,6 +8,7 @@ from typing import Any
 import timm
 from torch import nn
 
+from cals_seg.errors import MissingPathError, UserError
 from cals_seg.models.segmentation import WeightsUnavailableError
 
 __all__ = ["WeightsUnavailableError", "build_classification_model"]
@@ -39,7 +40,7 @@ def build_classification_model(
             says how to proceed.
     """
     if not timm.is_model(name):
-        raise ValueError(
+        raise UserError(
             f"model.encoder_name: {name!r} is not a timm model; see timm.list_models(), e.g. "
             "'resnet50', 'resnet18', 'swinv2_tiny_window8_256'."
         )
@@ -47,7 +48,7 @@ def build_classification_model(
     if weights is not None and weights != "imagenet":
         path = Path(weights)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"model.encoder_weights: {path} does not exist; give a local weights file, "
                 "'imagenet', or null."
             )
@@ -57,7 +58,8 @@ def build_classification_model(
     try:
         return timm.create_model(name, **kwargs)
     except (TypeError, KeyError) as err:
-        raise ValueError(f"model: cannot build timm model {name!r}: {err}") from err
+        raise UserError(f"model: cannot build timm model {name!r}"
+                        + (f" with model.params {params}" if params else "") + f": {err}") from err
     except Exception as err:  # network errors surface as many exception types
         if not kwargs.get("pretrained"):
             raise

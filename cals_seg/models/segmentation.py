@@ -9,7 +9,7 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 
-from ..errors import WeightsUnavailableError
+from ..errors import MissingPathError, UserError, WeightsUnavailableError
 
 
 def build_segmentation_model(
@@ -45,11 +45,17 @@ def build_segmentation_model(
             activation=None,
             **params,
         )
-    except (KeyError, ValueError, TypeError) as err:
-        raise ValueError(
-            f"model: cannot build {arch!r} with encoder {encoder_name!r}: {err}"
+    except (KeyError, ValueError, TypeError, AssertionError) as err:
+        raise UserError(
+            f"model: cannot build {arch!r} with encoder {encoder_name!r}"
+            + (f" and model.params {params}" if params else "") + f": {err}"
         ) from err
     except Exception as err:  # network errors surface as many exception types
+        if hub_weights is None and params:  # smp/torch refusing a value of model.params
+            raise UserError(
+                f"model.params: cannot build {arch!r} with {params} ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[0][:120]}); check the values, or remove them."
+            ) from None
         if hub_weights is None:
             raise
         raise WeightsUnavailableError(
@@ -61,7 +67,7 @@ def build_segmentation_model(
     if local:
         path = Path(encoder_weights)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingPathError(
                 f"model.encoder_weights: {path} does not exist; give an encoder state dict file, "
                 "'imagenet', or null."
             )
@@ -69,7 +75,7 @@ def build_segmentation_model(
         state = state.get("state_dict", state) if isinstance(state, dict) else state
         missing, unexpected = model.encoder.load_state_dict(state, strict=False)
         if len(missing) == len(model.encoder.state_dict()):
-            raise ValueError(
+            raise UserError(
                 f"model.encoder_weights: {path} matches none of the parameters of encoder "
                 f"{encoder_name!r} (unexpected keys such as {list(unexpected)[:3]})."
             )

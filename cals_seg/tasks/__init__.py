@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..inference import EvalProtocol
 from ..metrics import (
     BoundaryCalibrationMeter,
@@ -120,7 +120,7 @@ def dataset_names(family: str | None = None) -> list[str]:
 def task_family(cfg: Config) -> str:
     """``segmentation`` or ``classification`` (images and text) for ``cfg.data.name``."""
     if cfg.data.name not in DATASETS:
-        raise ValueError(
+        raise ConfigError(
             f"data.name: unknown dataset {cfg.data.name!r}; valid names are {dataset_names()}."
         )
     return DATASETS[cfg.data.name][0]
@@ -148,10 +148,10 @@ def build_task(cfg: Config, family: str | None = None) -> Task:
     found = task_family(cfg)
     if family is not None and found != family:
         tool = "tools/train_seg.py" if found == "segmentation" else "tools/train_cls.py"
-        raise ValueError(
+        raise ConfigError(
             f"data.name={cfg.data.name!r} is a {found} dataset; train it with {tool}."
         )
-    check_config(cfg)  # data.class_names included
+    check_config(cfg, reads_data=True, writes_run=False)  # data.class_names included
     task = DATASETS[cfg.data.name][1](cfg)
     if cfg.data.class_names is not None:  # display names of any dataset
         task.class_names = list(cfg.data.class_names)
@@ -167,18 +167,18 @@ def generate_embedded(cfg: Config, generate: Callable[..., Any], classes: int, w
     """
     d = cfg.data
     if d.num_classes != classes:
-        raise ValueError(
+        raise ConfigError(
             f"data.num_classes: {what} has {classes} classes, but the config says "
             f"{d.num_classes}."
         )
     accepted = [p for p in inspect.signature(generate).parameters if p != "root"]
     unknown = sorted(set(d.synthetic) - set(accepted))
     if unknown:
-        raise ValueError(f"data.synthetic: unknown key(s) {unknown}; valid keys are {accepted}.")
+        raise ConfigError(f"data.synthetic: unknown key(s) {unknown}; valid keys are {accepted}.")
     try:
         generate(d.root, **d.synthetic)
-    except TypeError as err:
-        raise ValueError(f"data.synthetic: {err}") from None
+    except (TypeError, ValueError) as err:  # the generator's own checks of its keywords
+        raise ConfigError(f"data.synthetic: {err}") from None
 
 
 def class_names_or_default(names: Any, num_classes: int) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data.classification import (
     IMAGENET_LT_FILES,
     ImageClassification,
@@ -30,12 +30,12 @@ def check_classification_config(cfg: Config, classes: Sequence[str]) -> None:
     """No class label may be void, and the data must have ``data.num_classes`` classes."""
     d = cfg.data
     if d.ignore_index >= 0:
-        raise ValueError(
+        raise ConfigError(
             f"data.ignore_index={d.ignore_index} could be a class label; classification and text "
             "configs use data.ignore_index: -100 (no sample is ignored)."
         )
     if len(classes) != d.num_classes:
-        raise ValueError(
+        raise ConfigError(
             f"data.num_classes={d.num_classes}, but {d.root} has {len(classes)} classes "
             f"({list(classes)[:5]}...)."
         )
@@ -46,7 +46,7 @@ def image_task(cfg: Config, splits: dict[str, Any]) -> ClassificationTask:
     with albumentations transforms, and the timm model."""
     d, m = cfg.data, cfg.model
     if m.arch != "timm":
-        raise ValueError(f"model.arch: image classification uses 'timm', got {m.arch!r}.")
+        raise ConfigError(f"model.arch: image classification uses 'timm', got {m.arch!r}.")
     classes = splits["classes"]
     check_classification_config(cfg, classes)
     train_tf = classification_train_transform(

@@ -26,7 +26,7 @@ from ..data.folder import ColourTable, FolderSegmentation, folder_split
 from ..data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
 from ..data.transforms import eval_transform, train_transform
 from ..data.voc import VOC_CLASSES, VOCSegmentation, paper_split
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from ..inference import EvalProtocol, input_multiple
 from ..models import build_segmentation_model
 from . import (
@@ -65,7 +65,7 @@ def refuse_listing_problems(sets: Mapping[str, Dataset]) -> None:
     problems = list(dict.fromkeys(p for split in SPLITS
                                   for p in getattr(sets[split], "problems", [])))
     if problems:
-        raise ValueError(
+        raise DataError(
             f"the dataset has {len(problems)} problem(s): " + "; ".join(problems)
             + ". Fix the files (tools/check_data.py CONFIG lists every problem of the data)."
         )

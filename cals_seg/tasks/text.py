@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data.synthetic_cls import TEXT_GROUPS, generate_synthetic_corpus
 from ..data.text import (
     TextClassification,
@@ -25,7 +25,7 @@ def text_task(cfg: Config) -> ClassificationTask:
     """
     d, m = cfg.data, cfg.model
     if m.arch != "gpcn":
-        raise ValueError(f"model.arch: text classification uses 'gpcn', got {m.arch!r}.")
+        raise ConfigError(f"model.arch: text classification uses 'gpcn', got {m.arch!r}.")
     splits = twenty_news_paper_split(d.root, d.val_count, d.split_seed, d.text_strip)
     classes = splits["classes"]
     check_classification_config(cfg, classes)
@@ -47,11 +47,12 @@ def text_task(cfg: Config) -> ClassificationTask:
             freeze=found if freeze_glove else None, **params,
         )
     except TypeError as err:
-        raise ValueError(f"model.params: {err}") from err
+        raise ConfigError(f"model.params: {err}") from err
     if d.max_len < model.receptive_field():
-        raise ValueError(
+        raise ConfigError(
             f"data.max_len={d.max_len} is shorter than the GPCN's receptive field "
-            f"({model.receptive_field()})."
+            f"({model.receptive_field()} tokens, from model.params kernel_sizes and pool_size); "
+            "raise data.max_len or lower those."
         )
     return ClassificationTask(
         sets["train"], sets["val"], sets["test"], model, k, d.ignore_index, list(classes)

@@ -1,0 +1,154 @@
+"""The rule table of config keys, its one message format, the user-error type, ``--set`` before
+CONFIG, and atomic writes of config.yaml and plots."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+from cals_seg import plotting, rundir
+from cals_seg.checks import check_config
+from cals_seg.cli import split_set_items, training_parser
+from cals_seg.config import ConfigError, load_config, save_config
+from cals_seg.engine import NonFiniteLossError
+from cals_seg.errors import DataError, MissingPathError, RunExistsError, UserError
+from cals_seg.rules import RULES, check_rules, config_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
+FORMAT = re.compile(r"^[\w.]+: expected .+, got .+; .+\.$")  # key, allowed, value, fix
+
+
+def _refusal(*sets: str, reads_data: bool = False, writes_run: bool = False) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_config(load_config(SETUP, list(sets), "ce"), reads_data, writes_run)
+    return str(info.value)
+
+
+def test_every_key_has_one_entry_and_each_range_is_enforced_in_one_format():
+    assert set(RULES) == set(config_keys())
+    defaults = config_keys()
+    checked = 0
+    for key, rule in RULES.items():
+        if rule is None:
+            continue
+        assert rule.ok(defaults[key]) or defaults[key] is None, key  # the defaults obey
+        for bad in (-(10**15), 10**15, float("nan"), "", "?"):
+            try:
+                if rule.ok(bad):
+                    continue
+            except (TypeError, AttributeError):
+                pass
+            cfg = load_config(SETUP, [], "ce")
+            section, _, leaf = key.rpartition(".")
+            setattr(getattr(cfg, section) if section else cfg, leaf, bad)
+            with pytest.raises(ConfigError) as info:
+                check_rules(cfg)
+            message = str(info.value)
+            assert message.startswith(f"{key}: expected {rule.allowed}, got ") and \
+                FORMAT.match(message), message
+            checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("sets,pattern", [
+    (["train.device=tpu"], r"^train.device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["train.device=cuda:99"], r"^train.device: expected .*cuda"),
+    (["eval.stride=600"], r"^eval.stride: expected an integer in \[1, eval.window\] = \[1, 512\]"),
+    (["data.ignore_index=3"], r"^data.ignore_index: expected an integer in \[data.num_classes, "
+                              r"255\] = \[11, 255\]"),
+    (["model.arch=segformerx"], r"^model.arch: expected an smp architecture"),
+    (["model.params={decoder_channels: 16, typo_key: 1}"], r"^model.params.typo_key: expected a "
+                                                          r"keyword of DeepLabV3"),
+    (["model.params={in_channels: 1}"], r"^model.params.in_channels: expected a keyword"),
+    (["model.params={encoder_output_stride: 7}"], r"^model.params.encoder_output_stride: "
+                                                 r"expected 8 or 16, got 7"),
+    (["loss.name=dice"], r"^loss.name: expected one of \["),
+    (["name=../x"], r"^name: expected a folder name"),
+    (["optim.milestones=[20, 10]"], r"^optim.milestones: expected a list of increasing epochs"),
+    (["data.text_strip=[headers, footers]"], r"^data.text_strip: expected a list of steps"),
+])
+def test_rules_that_depend_on_the_consumer(sets, pattern):
+    if "cuda" in sets[0] and torch.cuda.is_available() and torch.cuda.device_count() > 99:
+        pytest.skip("this machine has 100 GPUs")
+    message = _refusal(*sets)
+    assert re.search(pattern, message) and FORMAT.match(message), message
+
+
+def test_paths_by_what_they_must_be(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert "is a file: name a folder" in _refusal(f"data.root={a_file}", reads_data=True)
+    message = _refusal(f"output_dir={a_file / 'below'}", writes_run=True)
+    assert message.startswith("output_dir: expected a folder path") and "is a file" in message
+    assert _refusal(f"model.encoder_weights={tmp_path}").startswith(
+        "model.encoder_weights: expected 'imagenet', null or an existing weights file")
+    missing = tmp_path / "none.pth"
+    assert f"{missing} does not exist" in _refusal(f"model.encoder_weights={missing}")
+    # the data paths are checked only where the data is read, the run folder where it is written
+    check_config(load_config(SETUP, [f"data.root={tmp_path / 'new'}"], "ce"), reads_data=True)
+    check_config(load_config(SETUP, ["data.name=voc", f"data.root={tmp_path / 'nowhere'}",
+                                     "data.num_classes=21"], "ce"), reads_data=False)
+    assert "does not exist" in _refusal("data.name=voc", f"data.root={tmp_path / 'nowhere'}",
+                                        "data.num_classes=21", reads_data=True)
+
+
+def test_set_values_that_are_not_yaml_name_the_key():
+    with pytest.raises(ConfigError, match=r"^loss.params: expected a YAML value, got '\{a: 1'"):
+        load_config(SETUP, ["loss.params={a: 1"], "ce")
+    with pytest.raises(ConfigError, match=r"yaml: train.epochs: expected an integer, got 'ten'; "
+                                          r"e.g. --set train.epochs=30 \(the default\)"):
+        load_config(SETUP, ["train.epochs=ten"], "ce")
+
+
+def test_one_user_error_type_keeps_the_builtin_types():
+    for kind, builtin in ((ConfigError, ValueError), (DataError, ValueError),
+                          (MissingPathError, FileNotFoundError),
+                          (RunExistsError, FileExistsError),
+                          (NonFiniteLossError, RuntimeError),
+                          (rundir.CheckpointError, ValueError)):
+        assert issubclass(kind, UserError) and issubclass(kind, builtin)
+    from cals_seg.cli import USER_ERRORS
+
+    assert USER_ERRORS == (UserError,)  # a bug (any other exception) keeps its traceback
+
+
+def test_set_items_end_where_the_config_begins():
+    parser = training_parser(None)
+    args = parser.parse_args(["--set", "train.epochs=1", "loss.params={a: 1}", "my.yaml"])
+    assert args.config == "my.yaml" and args.set == ["train.epochs=1", "loss.params={a: 1}"]
+    args = parser.parse_args(["my.yaml", "--set", "a=1", "--resume", "r", "--set", "b=2"])
+    assert args.config == "my.yaml" and args.set == ["a=1", "b=2"] and args.resume == "r"
+    assert split_set_items(["--set", "a=1", "--", "--set", "b=2"]) == ["--set=a=1", "--",
+                                                                        "--set", "b=2"]
+
+
+def test_config_yaml_and_plots_are_written_atomically(tmp_path, monkeypatch):
+    """A write that dies before its rename leaves the old file whole (never half a file)."""
+    cfg = load_config(SETUP, [], "ce")
+    path = tmp_path / "config.yaml"
+    save_config(cfg, path)
+    before = path.read_text()
+    plot = tmp_path / "plot.png"
+    fig = Figure()
+    fig.add_subplot().plot([0, 1])
+    plotting._save(fig, plot)
+    png = plot.read_bytes()
+
+    def dies(src, dst):
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr(rundir.os, "replace", dies)
+    changed = load_config(SETUP, ["train.epochs=3"], "ce")
+    with pytest.raises(OSError, match="killed"):
+        save_config(changed, path)
+    assert path.read_text() == before
+    fig = Figure()
+    fig.add_subplot().plot([1, 0])
+    with pytest.raises(OSError, match="killed"):
+        plotting._save(fig, plot)
+    assert plot.read_bytes() == png
