@@ -283,23 +283,12 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
         torch.set_num_threads(t.threads)
     main = is_main_process()
 
-    model = task.model.to(device)
-    if t.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if is_distributed() and t.sync_bn:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    train_model: nn.Module = model
-    if is_distributed():
-        ids = [device.index] if device.type == "cuda" else None
-        train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    if t.compile:
-        train_model = torch.compile(train_model)
+    model, train_model = _place_model(task.model, cfg, device)
     criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params)
     criterion = criterion.to(device)
     request_extra_inputs(task.train_set, criterion)  # e.g. the band map, made by the loader
     # The training loss compiled too (observe() and the update stay eager: once per epoch).
     train_criterion = torch.compile(criterion) if t.compile else criterion
-    adaptive = isinstance(criterion, AdaptiveLoss)
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
@@ -314,17 +303,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     start_epoch, best_score, best_epoch = 0, None, None
     run.path.mkdir(parents=True, exist_ok=True)
     if resume is not None:
-        state = load_checkpoint(run.last, map_location=device)
-        changed = check_resume(cfg, state["config"], run.last)
-        start_epoch, best_score, best_epoch = restore_training_state(
-            state, model, optimizer, scheduler, criterion, scaler, k, run.last
-        )
-        if "train.epochs" in changed:
-            scheduler = replay_schedule(cfg, optimizer, start_epoch)
-        if main:
-            run.trim_history(start_epoch)
-            run.repair_best(state)
-        del state
+        start_epoch, best_score, best_epoch, scheduler = _resume(
+            cfg, run, device, model, optimizer, scheduler, criterion, scaler, k)
     if main:
         save_config(cfg, run.config)
         print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
@@ -344,20 +324,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             debug_checks=t.debug_checks,
         )
         scheduler.step()
-        broadcast_buffers(model)  # every rank validates (and rank 0 saves) rank 0's BN stats
-        val = validate(model, task, val_loader, device, criterion, cfg.eval.n_bins, amp,
-                       t.progress)
-        multipliers = criterion.update_multipliers(epoch) if adaptive else {}
-        if is_distributed():  # cheap guards: DDP keeps parameters and multipliers identical
-            check_identical(_fingerprint(model), "the model parameters")
-            if adaptive:
-                check_identical(criterion.state_fingerprint(), "the criterion's state")
-        if t.best_metric not in val or val[t.best_metric] is None:
-            raise ConfigError(
-                f"train.best_metric={t.best_metric!r} has no value on the validation split; "
-                f"choose one of {sorted(scalars(val))} (or check that the split has valid labels)."
-            )
-        score = float(val[t.best_metric])
+        val, multipliers, score = _validate_and_update(
+            epoch, model, task, val_loader, device, criterion, cfg, amp)
         improved = best_score is None or sign * score > sign * best_score
         if improved:
             best_score, best_epoch = score, epoch
@@ -386,26 +354,95 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
                   flush=True)
 
     barrier()  # rank 0 has written checkpoint_best.pt
+    test = _test_best(run, model, task, val_loader, test_loader, device, amp, cfg)
+    if main:
+        loggers.log_test(test)
+    loggers.close()
+    return test
+
+
+def _place_model(model: nn.Module, cfg: Config, device: torch.device
+                 ) -> tuple[nn.Module, nn.Module]:
+    """``(model, train_model)``: the model on ``device`` (channels-last and SyncBatchNorm as the
+    config asks) and what the training step calls (wrapped in DDP under torchrun, compiled with
+    ``train.compile``); both share the same parameters."""
+    t = cfg.train
+    model = model.to(device)
+    if t.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if is_distributed() and t.sync_bn:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    train_model: nn.Module = model
+    if is_distributed():
+        ids = [device.index] if device.type == "cuda" else None
+        train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if t.compile:
+        train_model = torch.compile(train_model)
+    return model, train_model
+
+
+def _resume(cfg: Config, run: RunDir, device: torch.device, model: nn.Module, optimizer,
+            scheduler, criterion: nn.Module, scaler, num_classes: int):
+    """Restore ``run``'s last checkpoint into the training objects (a changed ``train.epochs``
+    replays the schedule); returns ``(next epoch, best score, best epoch, scheduler)``."""
+    state = load_checkpoint(run.last, map_location=device)
+    changed = check_resume(cfg, state["config"], run.last)
+    start_epoch, best_score, best_epoch = restore_training_state(
+        state, model, optimizer, scheduler, criterion, scaler, num_classes, run.last
+    )
+    if "train.epochs" in changed:
+        scheduler = replay_schedule(cfg, optimizer, start_epoch)
+    if is_main_process():
+        run.trim_history(start_epoch)
+        run.repair_best(state)
+    return start_epoch, best_score, best_epoch, scheduler
+
+
+def _validate_and_update(epoch: int, model: nn.Module, task: Task, loader: DataLoader,
+                         device: torch.device, criterion: nn.Module, cfg: Config, amp: str
+                         ) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """The validation pass of ``epoch`` (meters and ``criterion.observe``), the multiplier
+    update, the torchrun guards, and the score of ``train.best_metric``."""
+    t = cfg.train
+    broadcast_buffers(model)  # every rank validates (and rank 0 saves) rank 0's BN stats
+    val = validate(model, task, loader, device, criterion, cfg.eval.n_bins, amp, t.progress)
+    adaptive = isinstance(criterion, AdaptiveLoss)
+    multipliers = criterion.update_multipliers(epoch) if adaptive else {}
+    if is_distributed():  # cheap guards: DDP keeps parameters and multipliers identical
+        check_identical(_fingerprint(model), "the model parameters")
+        if adaptive:
+            check_identical(criterion.state_fingerprint(), "the criterion's state")
+    if t.best_metric not in val or val[t.best_metric] is None:
+        raise ConfigError(
+            f"train.best_metric={t.best_metric!r} has no value on the validation split; "
+            f"choose one of {sorted(scalars(val))} (or check that the split has valid labels)."
+        )
+    return val, multipliers, float(val[t.best_metric])
+
+
+def _test_best(run: RunDir, model: nn.Module, task: Task, val_loader: DataLoader,
+               test_loader: DataLoader, device: torch.device, amp: str, cfg: Config
+               ) -> dict[str, Any]:
+    """Test the best checkpoint before and after temperature scaling; rank 0 writes
+    ``test_metrics.json``, ``temperature.json`` and the plots."""
     best = load_checkpoint(run.best, map_location=device)
     model.load_state_dict(best["model"])
     test = calibrated_test(model, task, val_loader, test_loader, device, amp, cfg.eval.n_bins,
-                           cfg.eval.temperature_scaling, t.progress)
+                           cfg.eval.temperature_scaling, cfg.train.progress)
     test.update(
         checkpoint=run.best.name,
         epoch=best["epoch"],
-        best_metric=t.best_metric,
+        best_metric=cfg.train.best_metric,
         best_score=best["best_score"],
         precision=amp,
         class_names=task.class_names,
         family=task.family,
         score_metric=task.score_metric,
     )
-    if main:
+    if is_main_process():
         write_json(run.test_metrics, test)
         run.write_temperature(test["temperature"])
         plot_run(run, test, task.class_names)
-        loggers.log_test(test)
-    loggers.close()
     return test
 
 
