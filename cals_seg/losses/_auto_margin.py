@@ -8,16 +8,28 @@ auto")::
 
     m_eff(i) = log(K - 1) - log sum_{k != top} exp(l_ik - l_i,top)   # cap(m_eff(i)) = conf(i)
     T_hat    = the T > 0 with  mean_i cap(m_eff(i) / T) = accuracy   # validation, valid pixels
-    m        <- clip(m / T_hat, margin_min, margin_max)               # after margin_warmup epochs
+    G        = the largest validation gap (a margin above it binds on no pixel)
+    target   = clip(m / T_hat, margin_min, min(margin_max, G))
+    m        <- clip(target, m / margin_rate, m * margin_rate)        # a bounded step
+    # only after margin_warmup epochs and when the accuracy is clearly above chance:
+    #   skill >= margin_skill  and  accuracy - chance > 3 sqrt(chance (1 - chance) / n);
+    # otherwise m is kept
+
+with ``chance`` the majority-class rate of the valid validation positions (at least ``1/K``) and
+``skill = (accuracy - chance) / (1 - chance)`` (0 at chance, 1 when every position is right).
 
 ``m_eff`` is the margin that would give pixel ``i``'s confidence if all its gaps were equal, so
 ``cap(m_eff / T)`` is its confidence with every gap scaled by ``1/T`` (exact when the
 non-top logits are equal, an approximation otherwise). ``T_hat > 1`` means the validation
 pixels are over-confident on average: the margin shrinks. ``T_hat < 1`` means under-confident:
 it grows, up to ``margin_max`` where the penalty is inert, so a network that is not
-over-confident is left alone. The statistics are a histogram of ``m_eff`` (bins of
-:data:`BIN_WIDTH`, the last one open) and a count of correct pixels: O(bins) float64 sums, so the
-rule is exact under torch.distributed (sums all-reduced before the solve) and deterministic.
+over-confident is left alone. A network at chance level says nothing about the calibration it
+will end with (it is often over-confident and wrong everywhere, ``T_hat`` at the top of its
+range), so it does not move the margin; the rate limit bounds what one noisy validation pass can
+do. The statistics are a histogram of ``m_eff`` (bins of :data:`BIN_WIDTH`, the last one open),
+one of the largest gap, the number of correct pixels and the number of pixels per class: O(bins)
+and O(K) float64 sums, so the rule is exact under torch.distributed (sums all-reduced before the
+solve) and deterministic.
 """
 
 from __future__ import annotations
@@ -32,6 +44,9 @@ from ._functional import blocks
 BIN_WIDTH = 0.05  # nats of m_eff per histogram bin
 NUM_BINS = 800  # covers m_eff in [0, 40); larger values fall in the last bin
 T_RANGE = (1.0 / 16.0, 16.0)  # the solve is clipped to this range of temperatures
+MARGIN_RATE = 1.25  # default margin_rate: the margin moves by at most this factor per epoch
+MARGIN_SKILL = 0.1  # default margin_skill: the skill above chance needed to move the margin
+CHANCE_Z = 3.0  # the accuracy must also exceed chance by this many binomial standard deviations
 
 
 def _bin(values: Tensor) -> Tensor:
@@ -112,3 +127,82 @@ def solve_temperature(hist: Tensor, correct: float, num_classes: int) -> float:
         else:
             hi = mid
     return math.exp(0.5 * (lo + hi))
+
+
+def class_counts(target: Tensor, valid: Tensor, num_classes: int) -> Tensor:
+    """Number of valid positions per ground-truth class.
+
+    Args:
+        target: ``(N, S)`` int64 (void positions may hold any value).
+        valid: ``(N, S)`` bool.
+        num_classes: K.
+
+    Returns:
+        ``(K,)`` float64 counts.
+    """
+    return torch.bincount(target[valid], minlength=num_classes).to(torch.float64)
+
+
+def skill_above_chance(correct: float, counts: Tensor) -> tuple[float, float, float]:
+    """How far the validation accuracy is above chance.
+
+    ``chance = max_k n_k / n`` (the accuracy of always predicting the majority class, at least
+    ``1/K``), ``skill = (accuracy - chance) / (1 - chance)`` and the binomial noise threshold
+    ``CHANCE_Z * sqrt(chance (1 - chance) / n)`` (in accuracy units).
+
+    Args:
+        correct: number of correct top-1 predictions over the valid positions.
+        counts: ``(K,)`` valid positions per class (:func:`class_counts`, summed).
+
+    Returns:
+        ``(skill, accuracy - chance, noise)``; ``skill = 0`` when one class holds every
+        position (nothing to learn above chance).
+
+    Raises:
+        ValueError: no position counted.
+    """
+    n = float(counts.sum())
+    if n <= 0:
+        raise ValueError("skill_above_chance: no validation position was counted")
+    chance = float(counts.max()) / n
+    excess = correct / n - chance
+    noise = CHANCE_Z * math.sqrt(chance * (1.0 - chance) / n)
+    skill = excess / (1.0 - chance) if chance < 1.0 else 0.0
+    return skill, excess, noise
+
+
+def beyond_chance(correct: float, counts: Tensor, min_skill: float) -> tuple[bool, float]:
+    """Whether the validation accuracy is clearly above chance: ``skill >= min_skill`` and
+    ``accuracy - chance > noise`` (:func:`skill_above_chance`). Returns ``(open, skill)``."""
+    skill, excess, noise = skill_above_chance(correct, counts)
+    return (skill >= min_skill and excess > noise), skill
+
+
+def next_margin(
+    margin: float,
+    t_hat: float,
+    ceiling: float,
+    margin_min: float,
+    margin_max: float,
+    rate: float,
+) -> float:
+    """One step of the rule: ``target = clip(m / T_hat, margin_min, min(margin_max, G))``, then
+    ``clip(target, m / rate, m * rate)`` (and ``[margin_min, margin_max]``).
+
+    With ``m`` in ``[margin_min, margin_max]`` the result lies between ``m`` and ``target``, so
+    it is in bounds and ``1 / rate <= result / m <= rate``.
+
+    Args:
+        margin: the margin in force ``m`` (> 0).
+        t_hat: the temperature estimate (> 0, :func:`solve_temperature`).
+        ceiling: ``G``, the largest validation gap (:func:`largest_gap_bound`).
+        margin_min, margin_max: the margin's range.
+        rate: the largest factor of one step (> 1; ``inf`` for none).
+
+    Returns:
+        The margin for the next epoch.
+    """
+    high = max(min(margin_max, ceiling), margin_min)
+    target = min(max(margin / t_hat, margin_min), high)
+    stepped = min(max(target, margin / rate), margin * rate)
+    return min(max(stepped, margin_min), margin_max)

@@ -23,7 +23,17 @@ from torch import Tensor
 
 from .._validation import check_finite
 from ..distributed import all_reduce_sum_
-from ._auto_margin import NUM_BINS, effective_margin_sums, largest_gap_bound, solve_temperature
+from ._auto_margin import (
+    MARGIN_RATE,
+    MARGIN_SKILL,
+    NUM_BINS,
+    beyond_chance,
+    class_counts,
+    effective_margin_sums,
+    largest_gap_bound,
+    next_margin,
+    solve_temperature,
+)
 from ._base import SegLoss, as_float32, autocast_off, check_and_flatten
 from ._functional import ce_sum, class_penalty, class_sums
 from .penalties import Penalty, PenaltyFn, get_penalty
@@ -43,6 +53,8 @@ class _ClassAdaptiveLoss(SegLoss):
         margin_min: float = 1.0,
         margin_max: float = 20.0,
         margin_warmup: int = 0,
+        margin_rate: float = MARGIN_RATE,
+        margin_skill: float = MARGIN_SKILL,
     ) -> None:
         super().__init__(num_classes, ignore_index)
         self.auto_margin = margin == "auto"
@@ -56,9 +68,20 @@ class _ClassAdaptiveLoss(SegLoss):
                 raise ValueError(
                     f"Expected `margin_warmup` to be an integer >= 0, but got {margin_warmup!r}."
                 )
+            if not margin_rate > 1:
+                raise ValueError(
+                    f"Expected `margin_rate` > 1 (the largest factor of one epoch's margin change; "
+                    f"inf for none), but got {margin_rate!r}."
+                )
+            if not 0 <= margin_skill < 1:
+                raise ValueError(
+                    "Expected 0 <= `margin_skill` < 1 (the validation skill above chance needed "
+                    f"to move the margin), but got {margin_skill!r}."
+                )
             margin = margin_init
             self.margin_min, self.margin_max = float(margin_min), float(margin_max)
             self.margin_warmup = margin_warmup
+            self.margin_rate, self.margin_skill = float(margin_rate), float(margin_skill)
         elif isinstance(margin, str):
             raise ValueError(f"Expected `margin` to be a number or 'auto', but got {margin!r}.")
         if margin <= 0:
@@ -79,6 +102,9 @@ class _ClassAdaptiveLoss(SegLoss):
                 "_gap_hist", torch.zeros(NUM_BINS, dtype=torch.float64), persistent=False
             )
             self.register_buffer("_correct", torch.zeros((), dtype=torch.float64), persistent=False)
+            self.register_buffer(
+                "_class_count", torch.zeros(k, dtype=torch.float64), persistent=False
+            )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -86,7 +112,11 @@ class _ClassAdaptiveLoss(SegLoss):
             self.margin = float(self.margin_value)
 
     def _all_sums(self) -> list[Tensor]:
-        extra = [self._meff_hist, self._gap_hist, self._correct] if self.auto_margin else []
+        extra = (
+            [self._meff_hist, self._gap_hist, self._correct, self._class_count]
+            if self.auto_margin
+            else []
+        )
         return [*self._sums(), *extra]
 
     def _per_class(self, values: Tensor, like: Tensor) -> Tensor:
@@ -114,21 +144,38 @@ class _ClassAdaptiveLoss(SegLoss):
         return sums, n
 
     def _update_margin(
-        self, epoch: int, hist: Tensor, gap_hist: Tensor, correct: Tensor
+        self, epoch: int, hist: Tensor, gap_hist: Tensor, correct: Tensor, counts: Tensor
     ) -> dict[str, float]:
         """The ``margin: auto`` rule after epoch ``epoch`` (0-based) from this validation pass's
-        statistics: ``m <- clip(m / T_hat, margin_min, min(margin_max, G))`` with ``G`` the
-        largest validation gap (a margin above it is inert); nothing during the first
-        ``margin_warmup`` epochs. Returns the history entries ``margin`` (the margin now in
-        force), ``margin_temperature`` (``T_hat``) and ``margin_ceiling`` (``G``)."""
+        statistics: ``target = clip(m / T_hat, margin_min, min(margin_max, G))`` with ``G`` the
+        largest validation gap (a margin above it is inert), then ``m <- clip(target, m /
+        margin_rate, m * margin_rate)``; nothing during the first ``margin_warmup`` epochs or
+        while the validation accuracy is not clearly above chance
+        (:func:`~cals_seg.losses._auto_margin.beyond_chance`). A change calls
+        :meth:`_margin_changed`. Returns the history entries ``margin`` (the margin now in
+        force), ``margin_temperature`` (``T_hat``), ``margin_ceiling`` (``G``) and
+        ``margin_skill`` (the validation skill above chance)."""
         t_hat = solve_temperature(hist, float(correct), self.num_classes)
         ceiling = largest_gap_bound(gap_hist)
-        if epoch + 1 > self.margin_warmup:
-            high = max(min(self.margin_max, ceiling), self.margin_min)
-            new = min(max(self.margin / t_hat, self.margin_min), high)
+        learned, skill = beyond_chance(float(correct), counts, self.margin_skill)
+        if epoch + 1 > self.margin_warmup and learned:
+            old = self.margin
+            new = next_margin(
+                old, t_hat, ceiling, self.margin_min, self.margin_max, self.margin_rate
+            )
             self.margin_value.fill_(new)
             self.margin = float(self.margin_value)
-        return {"margin": self.margin, "margin_temperature": t_hat, "margin_ceiling": ceiling}
+            if self.margin != old:
+                self._margin_changed(old, self.margin)
+        return {
+            "margin": self.margin,
+            "margin_temperature": t_hat,
+            "margin_ceiling": ceiling,
+            "margin_skill": skill,
+        }
+
+    def _margin_changed(self, old: float, new: float) -> None:
+        """Convert what depends on the margin after ``m: old -> new`` (nothing by default)."""
 
     @torch.no_grad()
     def observe(self, logits: Tensor, target: Tensor) -> None:
@@ -158,6 +205,7 @@ class _ClassAdaptiveLoss(SegLoss):
                 self._meff_hist += hist
                 self._gap_hist += gap_hist
                 self._correct += correct
+                self._class_count += class_counts(target2, valid, self.num_classes)
             self._count += valid.sum()
 
     def _observed_functions(self, like: Tensor) -> list:
@@ -191,9 +239,14 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         num_classes: K.
         margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text), or ``"auto"``:
             start at ``margin_init`` and after each validation pass (from epoch
-            ``margin_warmup``) set ``m <- clip(m / T_hat, margin_min, margin_max)``, where
-            ``T_hat`` is the temperature that would match the validation confidence to the
-            accuracy (:mod:`cals_seg.losses._auto_margin`).
+            ``margin_warmup``, once the validation accuracy is clearly above chance) move ``m``
+            towards ``clip(m / T_hat, margin_min, min(margin_max, G))`` by at most a factor
+            ``margin_rate``, where ``T_hat`` is the temperature that would match the validation
+            confidence to the accuracy and ``G`` the largest validation gap
+            (:mod:`cals_seg.losses._auto_margin`). When the margin moves from ``m`` to ``m'``,
+            what is measured in units of ``m`` is converted: ``lambda_k <- clip(lambda_k m' /
+            m, lambda_min, lambda_max)`` (the same force ``lambda_k / m`` on the gaps) and
+            ``zbar_prev_k <- (m / m') (zbar_prev_k + 1) - 1`` (exact); ``rho`` is kept.
         penalty: ``"phr"`` (default), ``"p2"``, ``"p3"``, a :class:`Penalty`, or an elementwise
             callable ``P(z, rho, lam)`` (derivative by autograd).
         lambda_init, rho_init: initial multipliers and penalty parameters (1e-6 and 1).
@@ -203,6 +256,11 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         ignore_index: void label.
         margin_init, margin_min, margin_max, margin_warmup: the ``"auto"`` margin's start,
             range and number of epochs without update (10, 1, 20 and 0).
+        margin_rate: the largest factor by which one epoch moves the ``"auto"`` margin (1.25;
+            ``inf`` for none).
+        margin_skill: the validation skill above chance, ``(accuracy - chance) / (1 -
+            chance)`` with ``chance`` the majority-class rate, below which the ``"auto"``
+            margin is kept (0.1).
 
     Shape:
         logits: ``(N, K, *S)`` (half precision is computed in float32); target: ``(N, *S)``.
@@ -231,10 +289,12 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         margin_min: float = 1.0,
         margin_max: float = 20.0,
         margin_warmup: int = 0,
+        margin_rate: float = MARGIN_RATE,
+        margin_skill: float = MARGIN_SKILL,
     ) -> None:
         super().__init__(
             num_classes, margin, lambda_init, ignore_index,
-            margin_init, margin_min, margin_max, margin_warmup,
+            margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill,
         )  # fmt: skip
         if rho_init <= 0:
             raise ValueError(f"Expected `rho_init` > 0, but got {rho_init}.")
@@ -297,6 +357,15 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         margin = self._update_margin(epoch, *auto) if self.auto_margin else {}
         return {**self.multipliers(), "constraint": zbar.tolist(), **margin}
 
+    def _margin_changed(self, old: float, new: float) -> None:
+        """``z = d / m - 1`` is measured in units of the margin. Keep the penalty's linear force
+        on the gaps, ``lambda_k z = (lambda_k / m) (d - m)``: ``lambda_k <- lambda_k new / old``
+        (clipped to ``[lambda_min, lambda_max]``); restate the previous mean constraint at the
+        new margin, exactly since ``z`` is affine in ``1 / m``: ``zbar_prev <- (old / new)
+        (zbar_prev + 1) - 1``. ``rho`` stays in ``[rho_min, rho_max]``."""
+        self.lambdas.mul_(new / old).clamp_(self.lambda_min, self.lambda_max)
+        self.zbar_prev.add_(1.0).mul_(old / new).sub_(1.0)
+
     def multipliers(self) -> dict[str, list[float]]:
         """Current per-class ``lambda`` and ``rho`` as lists (for logging)."""
         return {"lambda": self.lambdas.tolist(), "rho": self.rhos.tolist()}
@@ -339,8 +408,10 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         lambda_min, lambda_max: safeguarding interval.
         score: ``"weighted"`` (default) or ``"unweighted"``, see above.
         ignore_index: void label.
-        margin_init, margin_min, margin_max, margin_warmup: the ``"auto"`` margin (as
-            :class:`CALSALMLoss`).
+        margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill: the
+            ``"auto"`` margin (as :class:`CALSALMLoss`). The weights multiply the hinge in
+            logit units, ``relu(d - m)``, and change by at most ``mu`` per epoch, so a margin
+            change converts nothing.
 
     Shape:
         logits: ``(N, K, *S)``; target: ``(N, *S)``.
@@ -368,10 +439,12 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         margin_min: float = 1.0,
         margin_max: float = 20.0,
         margin_warmup: int = 0,
+        margin_rate: float = MARGIN_RATE,
+        margin_skill: float = MARGIN_SKILL,
     ) -> None:
         super().__init__(
             num_classes, margin, lambda_init, ignore_index,
-            margin_init, margin_min, margin_max, margin_warmup,
+            margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill,
         )  # fmt: skip
         if mu <= 1 or tau <= 0:
             raise ValueError(f"Expected `mu` > 1 and `tau` > 0, but got mu={mu}, tau={tau}.")
