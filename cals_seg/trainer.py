@@ -262,6 +262,8 @@ def _epoch_line(epoch: int, epochs: int, train: dict, val: dict, metric: str, sc
     )
 
 
+# Not split further (over 80 lines): the run reads top to bottom, as nanoGPT's training script;
+# the model placement, the resume, the validation and update, and the final test are helpers.
 def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, Any]:
     """Train, validate, update the multipliers, checkpoint, and test the best checkpoint.
 

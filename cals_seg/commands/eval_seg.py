@@ -142,12 +142,9 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     """Test metrics before/after temperature scaling, plots and calibration maps of ``run``."""
     import copy
 
-    from .. import plotting
     from ..checks import bounded_input, warn_large_images
     from ..distributed import is_main_process
     from ..engine import make_loader
-    from ..reports import calibration_maps, plot_regions
-    from ..rundir import RunDir, write_json
     from ..trainer import calibrated_test
 
     cfg, task, model, amp = run.config, run.task, run.model, run.precision
@@ -187,6 +184,17 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
+    return write_evaluation(run, args, result, split_set)
+
+
+def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> int:
+    """What rank 0 writes: metrics.json, the reliability, calibrator and region plots, the
+    multiplier curves and the calibration maps; prints the summary line."""
+    from .. import plotting
+    from ..reports import calibration_maps, plot_regions
+    from ..rundir import RunDir, write_json
+
+    cfg, task = run.config, run.task
     out = Path(args.out) if args.out else run.checkpoint.resolve().parent / f"eval_{args.split}"
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "metrics.json", result)
@@ -207,7 +215,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     plotting.plot_multiplier_curves(history, out / "lambda_curves.png", task.class_names)
     num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
     maps = calibration_maps(
-        model,
+        run.model,
         split_set,
         split_set.ids[:num_maps],
         out / "maps",
@@ -215,7 +223,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         task.class_names,
         task.ignore_index,
         protocol=task.protocol,
-        amp=amp,
+        amp=run.precision,
     )
     pre, post = result["pre_ts"], result["post_ts"]
     line = f"{args.split}: ECE {pre['ece']:.4f}  AECE {pre['aece']:.4f}  mIoU {pre['miou']:.4f}"
