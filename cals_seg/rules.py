@@ -180,6 +180,7 @@ RULES: dict[str, Rule | None] = {
     "train.channels_last": TYPE_ONLY,
     "train.compile": TYPE_ONLY,
     "train.loggers": TYPE_ONLY,  # known names whose package is installed: loggers.check_loggers
+    "train.debug_checks": TYPE_ONLY,
     "eval.batch_size": ints(1, example=8),
     "eval.n_bins": ints(1, 10_000, example=15),
     "eval.temperature_scaling": TYPE_ONLY,
