@@ -22,6 +22,7 @@ from .config import Config, config_to_dict, load_config
 from .errors import MissingPathError
 from .precision import resolve_amp, resolve_device
 from .rundir import RunDir, atomic_write
+from .runs import load_run
 from .tasks import build_task, task_family
 
 # (key in test_metrics, column title, lower is better, shown in percent)
@@ -146,11 +147,10 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
     the file are kept as they are. Raises ``FileNotFoundError`` when keys are missing and the
     checkpoint is not there.
     """
-    import torch
 
-    from cals_seg.engine import make_loader
-    from cals_seg.evaluation import Scaled, compute, evaluate
-    from cals_seg.rundir import load_checkpoint, write_json
+    from .engine import make_loader
+    from .evaluation import Scaled, compute, evaluate
+    from .rundir import write_json
 
     path = run_dir / "test_metrics.json"
     metrics = json.loads(path.read_text())
@@ -165,18 +165,15 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
     if not ckpt.is_file():
         raise MissingPathError(f"{run_dir} lacks the test metrics {missing} and {ckpt.name}")
     print(f"adding {', '.join(missing)} to {path} (one test pass of {ckpt.name})", flush=True)
-    task.model.load_state_dict(load_checkpoint(ckpt)["model"])
-    device = resolve_device(cfg.train.device)
-    amp = metrics.get("precision") or resolve_amp(cfg.train.amp, device, warn=False)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    run = load_run(ckpt, amp=metrics.get("precision"), with_data=True)
+    task, device, amp = run.task, run.device, run.precision
     meters = {v: {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
               for v in views}  # fmt: skip
     consumers: list[Any] = list(meters["pre_ts"].values())
     if "post_ts" in meters:
         consumers.append(Scaled(metrics["temperature"], meters["post_ts"].values()))
     loader = make_loader(task.test_set, cfg.eval.batch_size, False, cfg.data.num_workers)
-    evaluate(task.model.to(device), loader, device, consumers, amp, protocol=task.protocol)
+    evaluate(run.model, loader, device, consumers, amp, protocol=task.protocol)
     for view in views:
         new = compute(meters[view])
         metrics[view].update({k: new[k] for k in missing})
@@ -191,11 +188,10 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     from ``test_metrics.json["calibrators"]`` on its test split in one pass of
     ``checkpoint_best.pt``, and add them (and ``calibrator_fits``) to that file; return the
     names added."""
-    import torch
 
     from .calibrators import evaluate_calibrators, load_or_fit_calibrators
     from .engine import make_loader
-    from .rundir import load_checkpoint, write_json
+    from .rundir import write_json
 
     path = run_dir / "test_metrics.json"
     metrics = json.loads(path.read_text())
@@ -205,14 +201,8 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     ckpt = run_dir / "checkpoint_best.pt"
     if not ckpt.is_file():
         raise MissingPathError(f"{run_dir} lacks {ckpt.name}, needed for --calibrators")
-    cfg = load_config(run_dir / "config.yaml")
-    task = build_task(cfg)
-    task.model.load_state_dict(load_checkpoint(ckpt)["model"])
-    device = resolve_device(cfg.train.device)
-    amp = metrics.get("precision") or resolve_amp(cfg.train.amp, device, warn=False)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    model = task.model.to(device)
+    run = load_run(ckpt, amp=metrics.get("precision"), with_data=True)
+    cfg, task, model, device, amp = run.config, run.task, run.model, run.device, run.precision
     e, workers = cfg.eval, cfg.data.num_workers
     print(f"{run_dir.name}: calibrators {', '.join(missing)} (fit on val, one test pass)",
           flush=True)
