@@ -97,14 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nTest split of the embedded dataset (pooled over pixels; % except T), "
           f"{time.perf_counter() - start:.0f}s in all:\n")
-    header = ("| method | ECE | AECE | CWCE | ECE (image mean) | NLL | mIoU | "
+    header = ("| method | ECE | band-weighted ECE | AECE | CWCE | ECE (image mean) | NLL | mIoU | "
               "post-TS ECE | T |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for method, m in rows.items():
         pre, post = m["pre_ts"], m["post_ts"]
         post_ece = f"{100 * post['ece']:.2f}" if post else "-"
-        print(f"| {method} | {100 * pre['ece']:.2f} | {100 * pre['aece']:.2f} | "
+        banded = pre.get("ece_band_weighted")
+        banded = "-" if banded is None else f"{100 * banded:.2f}"
+        print(f"| {method} | {100 * pre['ece']:.2f} | {banded} | {100 * pre['aece']:.2f} | "
               f"{100 * pre['cwce']:.2f} | {100 * pre['ece_image_mean']:.2f} | {pre['nll']:.3f} | "
               f"{100 * pre['miou']:.2f} | {post_ece} | {m['temperature']:.2f} |")
     print("\nPlots:")
