@@ -301,7 +301,7 @@ def check_device(cfg: Config) -> None:
         elif device.type != "cpu":
             raise refuse(key, allowed, value, "e.g. --set train.device=auto")
     if cfg.train.amp == "fp16":
-        from .trainer import resolve_device
+        from .precision import resolve_device
 
         if resolve_device(value).type != "cuda":
             raise refuse("train.amp", "auto, none or bf16 on a CPU (fp16 needs a CUDA device)",

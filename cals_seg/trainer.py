@@ -268,8 +268,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     """Train, validate, update the multipliers, checkpoint, and test the best checkpoint.
 
     Args:
-        cfg: the resolved config (written to ``<run_dir>/config.yaml``), checked by
-            :func:`cals_seg.tasks.build_task` (:func:`cals_seg.checks.check_config`).
+        cfg: the resolved config (written to ``<run_dir>/config.yaml``), checked with
+            :func:`cals_seg.checks.check_config` (as the training commands do).
         task: data, model and meters (:func:`cals_seg.tasks.build_task`).
         resume: a run directory holding ``checkpoint_last.pt`` to continue from.
 

@@ -178,15 +178,14 @@ def test_a_folder_holding_any_run_file_is_refused(tmp_path):
         _check_before_training(run, resume=True)
 
 
-def test_the_config_is_checked_before_any_data_is_built(tmp_path):
-    """build_task checks the config first: a bad value is refused before the embedded dataset
-    is generated."""
-    from cals_seg.tasks import build_task
-
-    bad = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
-                      ["train.best_mode=maximize", f"data.root={tmp_path / 'data'}"])
-    with pytest.raises(ValueError, match="best_mode"):
-        build_task(bad)
+def test_the_config_is_checked_before_any_data_is_built(tmp_path, capsys):
+    """The training command checks the config first: a bad value is refused before the
+    embedded dataset is generated."""
+    code = load_tool("train_seg").main([
+        str(CONFIGS / "synthetic_deeplabv3.yaml"), "--method", "ce", "--set",
+        "train.best_mode=maximize", f"data.root={tmp_path / 'data'}",
+        f"output_dir={tmp_path / 'runs'}"])
+    assert code == 2 and "best_mode" in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
 
 

@@ -140,18 +140,16 @@ def score_metric(cfg: Config) -> str:
 def build_task(cfg: Config, family: str | None = None) -> Task:
     """The task of ``cfg`` (``family``: also check that it is one, naming the right tool).
 
-    The config is checked first (:func:`cals_seg.checks.check_config`), before any data is
-    generated or read.
+    Check the config with :func:`cals_seg.checks.check_config` first (every command does,
+    before any data is generated or read); the builders apply the rules of what they create
+    (the evaluation protocol, the class names, the data listing).
     """
-    from ..checks import check_config
-
     found = task_family(cfg)
     if family is not None and found != family:
         tool = "tools/train_seg.py" if found == "segmentation" else "tools/train_cls.py"
         raise ConfigError(
             f"data.name={cfg.data.name!r} is a {found} dataset; train it with {tool}."
         )
-    check_config(cfg, reads_data=True, writes_run=False)  # data.class_names included
     task = DATASETS[cfg.data.name][1](cfg)
     if cfg.data.class_names is not None:  # display names of any dataset
         task.class_names = list(cfg.data.class_names)

@@ -18,8 +18,8 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..checks import check_class_names, check_eval_protocol
 from ..config import Config
+from ..config_rules import check_class_names, check_eval_protocol
 from ..data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
 from ..data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
 from ..data.folder import ColourTable, FolderSegmentation, folder_split
