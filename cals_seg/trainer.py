@@ -45,7 +45,7 @@ from .distributed import (
 from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from .errors import RunExistsError
 from .evaluation import Scaled, compute, evaluate, predict, scalars
-from .loggers import RunLoggers
+from .loggers import RunLoggers, check_loggers
 from .losses import AdaptiveLoss, build_loss
 from .precision import precision_name, resolve_amp, resolve_device
 from .rules import check_model_input
@@ -279,6 +279,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     t, k = cfg.train, task.num_classes
     run = RunDir(resume if resume is not None else cfg.run_dir)
     _check_before_training(run, resume is not None)
+    check_loggers(t.loggers)  # a logger whose package is missing: the install command, first
     device = resolve_device(t.device)
     amp = resolve_amp(t.amp, device, warn=is_main_process())
     if t.threads:
