@@ -33,12 +33,14 @@ COLUMNS = [
     ("aece", "AECE", True, True),
     ("cwce", "CWCE", True, True),
     ("nll", "NLL", True, False),
+    ("aurc", "AURC", True, True),
     ("ece_image_mean", "ECE (image mean)", True, True),
     ("ece_boundary", "boundary ECE", True, True),
     ("ece_interior", "interior ECE", True, True),
     ("post_ece", "post-TS ECE", True, True),
     ("post_ece_band_weighted", "post-TS band-weighted ECE", True, True),
     ("temperature", "T", None, False),
+    ("epoch_time", "train s/epoch", None, False),
 ]
 
 
@@ -263,9 +265,20 @@ def write_calibrator_results(out: Path, rows: dict[str, dict[str, Any]]) -> None
     print(text)
 
 
-def summarise(metrics: dict[str, Any], score_metric: str) -> dict[str, float]:
+def epoch_time(history: list[dict[str, Any]]) -> float | None:
+    """The median seconds of one training pass (``train_time`` of each epoch after the first,
+    which carries the warm-up; the only epoch of a one-epoch run), or None without timings."""
+    times = [h["train_time"] for h in history if isinstance(h.get("train_time"), int | float)]
+    if not times:
+        return None
+    return statistics.median(times[1:] or times)
+
+
+def summarise(metrics: dict[str, Any], score_metric: str,
+              history: list[dict[str, Any]] | None = None) -> dict[str, float]:
     """One run's row entries: ``score_metric`` (the task's headline metric, e.g. ``miou``) as
-    ``score``, and the calibration columns of :data:`COLUMNS`."""
+    ``score``, the calibration columns of :data:`COLUMNS`, and the median training seconds per
+    epoch from the run's ``history`` (:func:`epoch_time`)."""
     pre, post = metrics["pre_ts"], metrics.get("post_ts")
     score = pre[score_metric]
     bands = pre.get("ece_band") or [None]
@@ -276,12 +289,14 @@ def summarise(metrics: dict[str, Any], score_metric: str) -> dict[str, float]:
         "aece": pre["aece"],
         "cwce": pre.get("cwce"),
         "nll": pre["nll"],
+        "aurc": pre.get("aurc"),
         "ece_image_mean": pre.get("ece_image_mean"),
         "ece_boundary": bands[0],
         "ece_interior": bands[-1],
         "post_ece": post["ece"] if post else None,
         "post_ece_band_weighted": post.get("ece_band_weighted") if post else None,
         "temperature": metrics["temperature"],
+        "epoch_time": epoch_time(history) if history else None,
     }
 
 
@@ -309,22 +324,30 @@ def write_results(out: Path, rows: dict[str, dict[str, Any]], score_name: str) -
         if lower is None or not means:
             continue
         best[key] = (min(means) if lower else max(means))[1]
-    titles = [score_name if title is None else title for _, title, _, _ in COLUMNS]
+    # the time of each row as a ratio to CE's (the first row named "ce"), when both were timed
+    ref = table.get("ce", {}).get("epoch_time", (None, None))[1]
+    for cells in table.values():
+        mean = cells["epoch_time"][1]
+        ratio = mean / ref if ref and mean is not None else None
+        cells["time_ratio"] = (f"{ratio:.2f}x" if ratio is not None else "-", ratio, None)
+    columns = [*COLUMNS, ("time_ratio", "time / CE", None, False)]
+    titles = [score_name if title is None else title for _, title, _, _ in columns]
     lines = [
         "| method | seeds | " + " | ".join(titles) + " |",
-        "|---|---:|" + "---:|" * len(COLUMNS),
+        "|---|---:|" + "---:|" * len(columns),
     ]
     for method, cells in table.items():
         shown = [
             f"**{cells[key][0]}**" if best.get(key) == method else cells[key][0]
-            for key, *_ in COLUMNS
+            for key, *_ in columns
         ]
         lines.append(f"| {method} | {len(rows[method]['summaries'])} | " + " | ".join(shown) + " |")
     failures = [(m, seed, err) for m, row in rows.items() for seed, err in row["failed"]]
     text = "\n".join(lines) + "\n"
     text += (
-        "\nValues in % except NLL and T; mean ± std over seeds; best per column in bold "
-        "(lower is better for calibration, higher for " + score_name + ").\n"
+        "\nValues in % except NLL, T and times; mean ± std over seeds; best per column in bold "
+        "(lower is better for calibration, higher for " + score_name + "); train s/epoch is "
+        "the median training pass after the first epoch, time / CE its ratio to the ce row.\n"
     )
     if failures:
         text += "\nFailed runs (not in the means):\n\n"
@@ -334,14 +357,14 @@ def write_results(out: Path, rows: dict[str, dict[str, Any]], score_name: str) -
     writer = csv.writer(table_csv)
     writer.writerow(
         ["method", "seeds", "failed"]
-        + [f"{k}_mean" for k, *_ in COLUMNS]
-        + [f"{k}_std" for k, *_ in COLUMNS]
+        + [f"{k}_mean" for k, *_ in columns]
+        + [f"{k}_std" for k, *_ in columns]
     )
     for method, cells in table.items():
         writer.writerow(
             [method, len(rows[method]["summaries"]), len(rows[method]["failed"])]
-            + [cells[k][1] for k, *_ in COLUMNS]
-            + [cells[k][2] for k, *_ in COLUMNS]
+            + [cells[k][1] for k, *_ in columns]
+            + [cells[k][2] for k, *_ in columns]
         )
     atomic_write(out / "results.csv",
                  lambda tmp: Path(tmp).write_text(table_csv.getvalue(), newline=""))

@@ -109,3 +109,38 @@ def test_compare_refuses_a_bad_config_before_any_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.startswith("error: loss.params.margin: ") and "\n" not in err, err
     assert not (out / "runs").exists()
+
+
+def test_results_table_has_aurc_and_the_time_ratio_to_ce(tmp_path):
+    """The study table's AURC, median training seconds per epoch (first epoch left out) and the
+    ratio of each row's mean to the ce row's, against values worked out by hand."""
+    from cals_seg.study import epoch_time, summarise, write_results
+
+    def metrics(aurc: float) -> dict:
+        view = {"miou": 0.4, "ece": 0.02, "aece": 0.02, "nll": 0.3, "aurc": aurc,
+                "ece_band": [0.03, 0.01]}
+        return {"pre_ts": view, "post_ts": view, "temperature": 1.0}
+
+    # the first epoch (warm-up) is left out; the median of the rest
+    assert epoch_time([{"train_time": 100.0}, {"train_time": 2.0}, {"train_time": 4.0},
+                       {"train_time": 3.0}]) == 3.0
+    assert epoch_time([{"train_time": 5.0}]) == 5.0  # a one-epoch run: its only epoch
+    assert epoch_time([{"epoch": 0}]) is None
+    rows = {
+        "ce": {"summaries": [summarise(metrics(0.10), "miou", [{"train_time": t} for t in (9, 2)]),
+                             summarise(metrics(0.20), "miou", [{"train_time": t} for t in (9, 4)])],
+               "failed": []},
+        "svls": {"summaries": [summarise(metrics(0.05), "miou",
+                                         [{"train_time": t} for t in (9, 6, 9, 7)])],
+                 "failed": []},
+        "old": {"summaries": [summarise(metrics(0.05), "miou", None)], "failed": []},
+    }
+    write_results(tmp_path, rows, "mIoU")
+    table = {r["method"]: r for r in csv.DictReader((tmp_path / "results.csv").open())}
+    assert float(table["ce"]["aurc_mean"]) == pytest.approx(15.0)  # percent
+    assert float(table["ce"]["epoch_time_mean"]) == pytest.approx(3.0)
+    assert float(table["svls"]["time_ratio_mean"]) == pytest.approx(7.0 / 3.0)
+    assert float(table["ce"]["time_ratio_mean"]) == pytest.approx(1.0)
+    assert table["old"]["time_ratio_mean"] == ""  # not timed: no ratio
+    text = (tmp_path / "results.md").read_text()
+    assert "| AURC |" in text and "| time / CE |" in text and "2.33x" in text

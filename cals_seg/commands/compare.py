@@ -114,6 +114,7 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
 
     from ..config import load_config
     from ..errors import UntrustedCheckpointError, UserError
+    from ..rundir import RunDir
     from ..study import add_calibrators, backfill_test_metrics, calibrator_rows, summarise
     from ..tasks import score_metric, task_family
 
@@ -139,7 +140,8 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
             continue
         metrics = json.loads((run_dir / "test_metrics.json").read_text())
         metric = metrics.get("score_metric") or score_metric(cfg)  # older runs: from the config
-        row["summaries"].append(summarise(metrics, metric))
+        history = RunDir(run_dir).history()
+        row["summaries"].append(summarise(metrics, metric, history))
         if calibrators and metrics.get("calibrators"):
             row.setdefault("calibrators", []).append(calibrator_rows(metrics, list(calibrators)))
         first_run.setdefault(method, run_dir)
