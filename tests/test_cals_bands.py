@@ -259,7 +259,7 @@ def test_each_band_updates_like_cals_alm_on_its_pixels(margin):
     only band b's validation pixels (the rest void)."""
     epochs = _epochs()
     common = dict(rho_period=1, margin=margin, margin_min=0.5)
-    ours = BandCALSALMLoss(K, bands=BANDS, ignore_index=IGN, **common)
+    ours = BandCALSALMLoss(K, bands=BANDS, ignore_index=IGN, margin_steer="band", **common)
     per_band = [CALSALMLoss(K, ignore_index=IGN, **common) for _ in range(ours.num_bands)]
     for e, batches in enumerate(epochs):
         for x, y in batches:
@@ -280,6 +280,76 @@ def test_each_band_updates_like_cals_alm_on_its_pixels(margin):
     if margin == "auto":  # the bands were steered apart
         assert len({round(logs[f"margin_band{b}"], 6) for b in range(3)}) == 3
     assert (ours.rhos > 1).any()
+
+
+def _in_bands(y, keep, bands):
+    """The target with every pixel outside the bands ``keep`` set void."""
+    band = torch.from_numpy(distance_bands(y.numpy(), bands, IGN))
+    return y.masked_fill(~torch.isin(band, torch.tensor(sorted(keep))), IGN)
+
+
+@pytest.mark.parametrize("steer", ["adjacent", "pooled_gate"])
+def test_margin_steering_reads_the_right_pixels(steer):
+    """Three epochs, margin: auto. ``adjacent``: band b's T_hat is the T_hat of a CALS-ALM that
+    observes bands b-1..b+1 only. ``pooled_gate``: band b's own T_hat while all the pixels
+    together are over-confident (T_all >= 1), T_all otherwise. The margin then follows
+    next_margin from the band's own ceiling; the multipliers follow the margin."""
+    from cals_seg.losses._auto_margin import MARGIN_RATE, MARGIN_SKILL, beyond_chance, next_margin
+
+    epochs = _epochs()
+    def onehot(y):
+        return F.one_hot(y.clamp(max=K - 1), K).permute(0, 3, 1, 2).to(torch.float64)
+
+    epochs = epochs + [[(x * 3.0, y) for x, y in epochs[1]],  # sharper: over-confident
+                       [(0.1 * x + onehot(y), y) for x, y in epochs[1]]]  # right, unsure
+    common = dict(rho_period=1, margin="auto", margin_min=0.5)
+    ours = BandCALSALMLoss(K, bands=BANDS, ignore_index=IGN, margin_steer=steer, **common)
+    nb = ours.num_bands
+    groups = ([set(range(max(b - 1, 0), min(b + 2, nb))) for b in range(nb)]
+              if steer == "adjacent" else [{b} for b in range(nb)])
+    refs = [CALSALMLoss(K, ignore_index=IGN, **common) for _ in groups]
+    pooled = CALSALMLoss(K, ignore_index=IGN, **common)
+    seen_gate = set()
+    for e, batches in enumerate(epochs):
+        before = ours.margins.clone()
+        correct, counts = np.zeros(len(groups)), np.zeros((len(groups), K))
+        for x, y in batches:
+            ours.observe(x, y)
+            pooled.observe(x, y)
+            for g, (keep, ref) in enumerate(zip(groups, refs, strict=True)):
+                yg = _in_bands(y, keep, ours.bands)
+                ref.observe(x, yg)
+                ok = yg != IGN
+                correct[g] += float((x.argmax(1) == yg)[ok].sum())
+                counts[g] += np.bincount(yg[ok].numpy(), minlength=K)
+        logs = ours.update_multipliers(e)
+        t_all = pooled.update_multipliers(e)["margin_temperature"]
+        for b, ref in enumerate(refs):
+            t_ref = ref.update_multipliers(e)["margin_temperature"]
+            if steer == "pooled_gate" and t_all < 1:
+                t_ref = t_all
+            seen_gate.add(steer != "pooled_gate" or t_all < 1)
+            assert logs[f"margin_temperature_band{b}"] == pytest.approx(t_ref, rel=1e-12)
+            expected = next_margin(float(before[b]), t_ref, logs[f"margin_ceiling_band{b}"],
+                                   0.5, 20.0, MARGIN_RATE)
+            if not beyond_chance(correct[b], torch.from_numpy(counts[b]), MARGIN_SKILL)[0]:
+                expected = float(before[b])  # at chance: held
+            assert logs[f"margin_band{b}"] == pytest.approx(expected, rel=1e-12)
+    assert seen_gate == {True, False} or steer == "adjacent"  # both sides of the gate ran
+    if steer == "adjacent":  # the groups differ: the bands are steered differently than alone
+        alone = BandCALSALMLoss(K, bands=BANDS, ignore_index=IGN, margin_steer="band", **common)
+        for x, y in epochs[0][0:2]:
+            alone.observe(x, y)
+        ours2 = BandCALSALMLoss(K, bands=BANDS, ignore_index=IGN, margin_steer=steer, **common)
+        for x, y in epochs[0][0:2]:
+            ours2.observe(x, y)
+        a, o = alone.update_multipliers(0), ours2.update_multipliers(0)
+        assert a["margin_temperature_band0"] != pytest.approx(o["margin_temperature_band0"])
+
+
+def test_margin_steer_is_checked():
+    with pytest.raises(ValueError, match="margin_steer"):
+        BandCALSALMLoss(K, bands=BANDS, margin_steer="pooled")
 
 
 def test_update_matches_loop_reference():
@@ -309,9 +379,11 @@ def test_update_matches_loop_reference():
     assert logs["band_pixels"] == n.tolist()
 
 
-def test_one_band_is_cals_alm():
+@pytest.mark.parametrize("steer", ["band", "adjacent", "pooled_gate"])
+def test_one_band_is_cals_alm(steer):
     epochs = _epochs()
-    ours = BandCALSALMLoss(K, bands=(), ignore_index=IGN, margin="auto", rho_period=1)
+    ours = BandCALSALMLoss(K, bands=(), ignore_index=IGN, margin="auto", rho_period=1,
+                           margin_steer=steer)
     ref = CALSALMLoss(K, ignore_index=IGN, margin="auto", rho_period=1)
     for e, batches in enumerate(epochs):
         for x, y in batches:

@@ -36,6 +36,8 @@ from ._functional import ce_sum, class_sums
 from ._spatial import SpatialLoss
 from .penalties import Penalty, PenaltyFn, get_penalty
 
+MARGIN_STEERS = ("band", "adjacent", "pooled_gate")
+
 
 class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
     """CALS-ALM with multipliers, penalty parameters and margins per class and distance band.
@@ -56,9 +58,20 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
         rho_bk    <- gamma rho_bk  every rho_period epochs if zbar_bk > tau max(0, zbar_prev_bk)
         m_b       <- clip(m_b / T_b, margin_min, min(margin_max, G_b))      (margin "auto")
 
-    with ``T_b`` the temperature that matches band ``b``'s validation confidence to its accuracy
-    and ``G_b`` its largest logit gap (:mod:`cals_seg.losses._auto_margin`). A band without
-    validation pixels keeps its values. With one band (``bands=()``) this is CALS-ALM.
+    with ``G_b`` band ``b``'s largest logit gap and ``T_b`` the temperature that matches the
+    validation confidence of the pixels that steer band ``b`` to their accuracy
+    (:mod:`cals_seg.losses._auto_margin`), chosen by ``margin_steer``:
+
+    - ``"band"``: band ``b``'s own pixels;
+    - ``"adjacent"``: the pixels of bands ``b - 1``, ``b`` and ``b + 1`` together. A network
+      cannot confine a band's penalty to that band's pixels (neighbouring pixels share
+      features), so the margin answers to the pixels its penalty reaches;
+    - ``"pooled_gate"``: band ``b``'s own pixels while all the valid validation pixels together
+      are over-confident (``T_all >= 1``); otherwise every band takes ``T_all`` (the margins
+      grow), so no band's penalty can make the whole set under-confident.
+
+    A band without validation pixels keeps its values. With one band (``bands=()``) this is
+    CALS-ALM, for every ``margin_steer``.
 
     The band map of a training batch comes with the data: the training transform computes it
     on the CPU from the augmented mask (``extra_inputs = ("band",)``, see
@@ -72,6 +85,8 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
         penalty, lambda_init, rho_init, gamma, tau, rho_period, lambda_min, lambda_max,
             rho_min, rho_max, margin_init, margin_min, margin_max, margin_warmup: as
             :class:`CALSALMLoss`, per band.
+        margin_steer: which validation pixels steer each band's margin (above), with
+            ``margin: auto``.
         ignore_index: void label.
 
     Shape:
@@ -106,6 +121,7 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
         margin_min: float = 1.0,
         margin_max: float = 20.0,
         margin_warmup: int = 0,
+        margin_steer: Literal["band", "adjacent", "pooled_gate"] = "adjacent",
     ) -> None:
         super().__init__(num_classes, ignore_index)
         bands = tuple(bands) if isinstance(bands, list | tuple) else bands
@@ -144,6 +160,10 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
         self.rho_min, self.rho_max = float(rho_min), float(rho_max)
         self.margin_min, self.margin_max = float(margin_min), float(margin_max)
         self.margin_warmup = margin_warmup
+        if margin_steer not in MARGIN_STEERS:
+            raise ValueError(f"Expected `margin_steer` to be one of {MARGIN_STEERS}, but got "
+                             f"{margin_steer!r}.")
+        self.margin_steer = margin_steer
         nb, k = len(self.bands) + 1, num_classes
         self.num_bands = nb
         self.add_state("lambdas", torch.full((nb, k), float(lambda_init), dtype=torch.float64))
@@ -265,22 +285,42 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
             logs[f"constraint_band{b}"] = zbar.tolist() if nb > 0 else None
         return logs
 
+    def _steering(self, b: int, stats: dict[str, Tensor]) -> tuple[Tensor, float, Tensor]:
+        """The statistics that steer band ``b``'s margin under ``margin_steer``: the ``m_eff``
+        histogram, the number of correct pixels and the pixels per class, summed over the band
+        (``"band"``, ``"pooled_gate"``) or over it and its adjacent bands (``"adjacent"``)."""
+        lo, hi = (max(b - 1, 0), min(b + 2, self.num_bands)) if (
+            self.margin_steer == "adjacent") else (b, b + 1)
+        return (stats["_meff_hist"][lo:hi].sum(0), float(stats["_correct"][lo:hi].sum()),
+                stats["_class_count"][lo:hi].sum(0))
+
+    def _pooled_temperature(self, stats: dict[str, Tensor]) -> float | None:
+        """``T_all``: the temperature of all valid validation pixels together (None if none)."""
+        hist = stats["_meff_hist"].sum(0)
+        if float(hist.sum()) <= 0:
+            return None
+        return solve_temperature(hist, float(stats["_correct"].sum()), self.num_classes)
+
     def _update_margin(self, b: int, epoch: int, stats: dict[str, Tensor],
                        nb: float) -> dict[str, float]:
         """Band ``b``'s margin: the rule of CALS-ALM's ``margin: auto``
         (:func:`~cals_seg.losses._auto_margin.next_margin`, at most a factor
-        :data:`~cals_seg.losses._auto_margin.MARGIN_RATE` per epoch, held while the network is
-        at chance) on the band's statistics; the band's multipliers follow the margin as
-        CALS-ALM's do: ``lambda <- lambda m' / m``, ``zbar_prev <- (m / m')(zbar_prev + 1) - 1``.
+        :data:`~cals_seg.losses._auto_margin.MARGIN_RATE` per epoch, held while the steering
+        pixels are at chance) on the statistics ``margin_steer`` chooses; the band's multipliers
+        follow the margin as CALS-ALM's do: ``lambda <- lambda m' / m``,
+        ``zbar_prev <- (m / m')(zbar_prev + 1) - 1``.
         """
         t_hat: float | None = None
         ceiling: float | None = None
         skill: float | None = None
         if nb > 0:
-            learned, skill = beyond_chance(float(stats["_correct"][b]), stats["_class_count"][b],
-                                           MARGIN_SKILL)
-            t_hat = solve_temperature(stats["_meff_hist"][b], float(stats["_correct"][b]),
-                                      self.num_classes)
+            hist, correct, counts = self._steering(b, stats)
+            learned, skill = beyond_chance(correct, counts, MARGIN_SKILL)
+            t_hat = solve_temperature(hist, correct, self.num_classes)
+            if self.margin_steer == "pooled_gate":
+                t_all = self._pooled_temperature(stats)
+                if t_all is not None and t_all < 1.0:
+                    t_hat = t_all
             ceiling = largest_gap_bound(stats["_gap_hist"][b])
             if epoch + 1 > self.margin_warmup and learned:
                 old = float(self.margins[b])
@@ -298,5 +338,6 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
     def extra_repr(self) -> str:
         auto = " (auto)" if self.auto_margin else ""
         margins = ", ".join(f"{m:g}" for m in self.margins.tolist())
-        return (f"{super().extra_repr()}, bands={self.bands}, margins=[{margins}]{auto}, "
-                f"penalty={self.penalty.name}")
+        steer = f", margin_steer={self.margin_steer}" if self.auto_margin else ""
+        return (f"{super().extra_repr()}, bands={self.bands}, margins=[{margins}]{auto}"
+                f"{steer}, penalty={self.penalty.name}")
