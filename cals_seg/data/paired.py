@@ -140,7 +140,61 @@ def index_mask(path: Path) -> np.ndarray:
     return pixels.astype(np.int64)
 
 
-class PairedSegmentation(Dataset):
+class SegmentationSamples(Dataset):
+    """What every image/mask dataset shares: ``len``, the sample dict of ``[i]`` and image
+    sizes. A subclass sets ``ids`` and ``transform`` and gives ``image_path``, ``mask_path``,
+    ``load_image`` (``uint8 (H, W, 3)``) and ``load_mask`` (validated ``uint8 (H, W)``)."""
+
+    ids: list[str]
+    transform: Callable[..., dict[str, Any]]
+
+    def image_path(self, sample_id: str) -> Path:
+        raise NotImplementedError
+
+    def mask_path(self, sample_id: str) -> Path:
+        raise NotImplementedError
+
+    def load_image(self, sample_id: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def load_mask(self, sample_id: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def image_size(self, sample_id: str) -> tuple[int, int]:
+        """``(width, height)`` of an image, from its header (nothing is decoded)."""
+        with Image.open(self.image_path(sample_id)) as image:
+            return image.size
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """``{"image": float32 (3, H, W), "mask": int64 (H, W), "id": str}`` after the
+        transform, plus what the transform adds (e.g. ``"band"``).
+
+        Raises:
+            DataError: the image and its mask differ in size, naming both files.
+        """
+        sample_id = self.ids[index]
+        image = self.load_image(sample_id)
+        mask = self.load_mask(sample_id)
+        if image.shape[:2] != mask.shape:
+            raise DataError(
+                f"Image '{self.image_path(sample_id)}' is {image.shape[1]}x{image.shape[0]} but "
+                f"mask '{self.mask_path(sample_id)}' is {mask.shape[1]}x{mask.shape[0]} (WxH). "
+                "They must match: re-export the mask at the image size, or remove the pair."
+            )
+        out = self.transform(image=image, mask=mask)
+        extras = {k: v for k, v in out.items() if k not in ("image", "mask")}  # e.g. "band"
+        return {
+            "image": torch.as_tensor(out["image"], dtype=torch.float32),
+            "mask": torch.as_tensor(out["mask"]).long(),
+            "id": sample_id,
+            **extras,
+        }
+
+
+class PairedSegmentation(SegmentationSamples):
     """Segmentation samples from image/mask file pairs, with validated labels.
 
     Subclasses override :meth:`decode_mask`; the default reads index masks as they are
@@ -197,11 +251,6 @@ class PairedSegmentation(Dataset):
         """Path of the mask file of ``sample_id``."""
         return self.files.pairs[sample_id][1]
 
-    def image_size(self, sample_id: str) -> tuple[int, int]:
-        """``(width, height)`` of an image, from its header (nothing is decoded)."""
-        with Image.open(self.image_path(sample_id)) as image:
-            return image.size
-
     def load_image(self, sample_id: str) -> np.ndarray:
         """Raw RGB image, not normalised: ``uint8 (H, W, 3)``."""
         return read_rgb(self.image_path(sample_id))
@@ -232,29 +281,6 @@ class PairedSegmentation(Dataset):
                 "data.num_classes / data.ignore_index to match the dataset."
             )
         return labels.astype(np.uint8)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        sample_id = self.ids[index]
-        image = self.load_image(sample_id)
-        mask = self.load_mask(sample_id)
-        if image.shape[:2] != mask.shape:
-            raise DataError(
-                f"Image '{self.image_path(sample_id)}' is {image.shape[1]}x{image.shape[0]} but "
-                f"mask '{self.mask_path(sample_id)}' is {mask.shape[1]}x{mask.shape[0]} (WxH). "
-                "They must match: re-export the mask at the image size, or remove the pair."
-            )
-        out = self.transform(image=image, mask=mask)
-        extras = {k: v for k, v in out.items() if k not in ("image", "mask")}  # e.g. "band"
-        return {
-            "image": torch.as_tensor(out["image"], dtype=torch.float32),
-            "mask": torch.as_tensor(out["mask"]).long(),
-            "id": sample_id,
-            **extras,
-        }
-
 
 def duplicates(ids: Iterable[str]) -> list[str]:
     """The ids that occur more than once, in first-occurrence order."""

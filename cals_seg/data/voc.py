@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
-from torch.utils.data import Dataset
 
-from cals_seg.data.paired import hold_out
+from cals_seg.data.paired import SegmentationSamples, hold_out
 from cals_seg.data.transforms import eval_transform
 from cals_seg.errors import DataError
 
@@ -157,7 +155,7 @@ def _read_pixels(path: Path, what: str, sample_id: str, rgb: bool) -> tuple[str,
         ) from err
 
 
-class VOCSegmentation(Dataset):
+class VOCSegmentation(SegmentationSamples):
     """VOC-layout segmentation dataset returning normalised image tensors and index masks.
 
     File existence is checked for every id at construction (cheap ``os.path.exists``); the content
@@ -231,11 +229,6 @@ class VOCSegmentation(Dataset):
                 "file."
             )
 
-    def image_size(self, sample_id: str) -> tuple[int, int]:
-        """``(width, height)`` of an image, from its header (nothing is decoded)."""
-        with Image.open(self.image_path(sample_id)) as image:
-            return image.size
-
     def load_image(self, sample_id: str) -> np.ndarray:
         """Raw RGB image, not normalised (for plotting).
 
@@ -268,24 +261,3 @@ class VOCSegmentation(Dataset):
             )
         return mask
 
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        sample_id = self.ids[index]
-        image = self.load_image(sample_id)
-        mask = self.load_mask(sample_id)
-        if image.shape[:2] != mask.shape:
-            raise DataError(
-                f"Image '{self.image_path(sample_id)}' is {image.shape[1]}x{image.shape[0]} but "
-                f"mask '{self.mask_path(sample_id)}' is {mask.shape[1]}x{mask.shape[0]} (WxH). "
-                "They must match: re-export the mask at the image size, or remove the id."
-            )
-        out = self.transform(image=image, mask=mask)
-        extras = {k: v for k, v in out.items() if k not in ("image", "mask")}  # e.g. "band"
-        return {
-            "image": torch.as_tensor(out["image"], dtype=torch.float32),
-            "mask": torch.as_tensor(out["mask"]).long(),
-            "id": sample_id,
-            **extras,
-        }

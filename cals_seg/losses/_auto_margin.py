@@ -206,3 +206,48 @@ def next_margin(
     target = min(max(margin / t_hat, margin_min), high)
     stepped = min(max(target, margin / rate), margin * rate)
     return min(max(stepped, margin_min), margin_max)
+
+
+def starting_margin(margin: object, margin_init: float) -> tuple[bool, float]:
+    """``(auto, m0)``: whether ``margin`` is ``"auto"`` and the margin in force at the start
+    (``margin_init`` with ``"auto"``, checked by :func:`check_auto_margin`; else ``margin``).
+
+    Raises:
+        ValueError: ``margin`` is neither a positive number nor ``"auto"``.
+    """
+    auto = margin == "auto"
+    if auto:  # checked with the rule's other settings (check_auto_margin)
+        return True, float(margin_init)
+    value = margin
+    if isinstance(value, str | bool) or not isinstance(value, int | float):
+        raise ValueError(f"Expected `margin` to be a number or 'auto', but got {margin!r}.")
+    if not value > 0:
+        raise ValueError(f"Expected `margin` > 0, but got {value}.")
+    return auto, float(value)
+
+
+def check_auto_margin(margin_min: float, margin_init: float, margin_max: float,
+                      margin_warmup: int, margin_rate: float, margin_skill: float) -> None:
+    """The settings of the rule (module docstring).
+
+    Raises:
+        ValueError: not ``0 < margin_min <= margin_init <= margin_max``; ``margin_warmup`` not
+            an integer >= 0; ``margin_rate <= 1``; ``margin_skill`` outside ``[0, 1)``.
+    """
+    if not 0 < margin_min <= margin_init <= margin_max:
+        raise ValueError("Expected 0 < margin_min <= margin_init <= margin_max, but got "
+                         f"{margin_min}, {margin_init}, {margin_max}.")
+    if not isinstance(margin_warmup, int) or isinstance(margin_warmup, bool) or margin_warmup < 0:
+        raise ValueError(
+            f"Expected `margin_warmup` to be an integer >= 0, but got {margin_warmup!r}."
+        )
+    if not margin_rate > 1:
+        raise ValueError(
+            "Expected `margin_rate` > 1 (the largest factor of one epoch's margin change; inf "
+            f"for none), but got {margin_rate!r}."
+        )
+    if not 0 <= margin_skill < 1:
+        raise ValueError(
+            "Expected 0 <= `margin_skill` < 1 (the validation skill above chance needed to move "
+            f"the margin), but got {margin_skill!r}."
+        )

@@ -23,19 +23,22 @@ from torch import Tensor
 
 from .._validation import check_finite
 from ._adaptive import AdaptiveLoss
+from ._alm import ALMRules
 from ._auto_margin import (
     MARGIN_RATE,
     MARGIN_SKILL,
     NUM_BINS,
     beyond_chance,
+    check_auto_margin,
     class_counts,
     effective_margin_sums,
     largest_gap_bound,
     next_margin,
     solve_temperature,
+    starting_margin,
 )
 from ._functional import ce_sum, class_penalty, class_sums
-from .penalties import Penalty, PenaltyFn, get_penalty
+from .penalties import Penalty, PenaltyFn
 
 
 class _ClassAdaptiveLoss(AdaptiveLoss):
@@ -58,35 +61,13 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
         margin_skill: float = MARGIN_SKILL,
     ) -> None:
         super().__init__(num_classes, ignore_index)
-        self.auto_margin = margin == "auto"
+        self.auto_margin, margin = starting_margin(margin, margin_init)
         if self.auto_margin:
-            if not 0 < margin_min <= margin_init <= margin_max:
-                raise ValueError(
-                    "Expected 0 < margin_min <= margin_init <= margin_max, but got "
-                    f"{margin_min}, {margin_init}, {margin_max}."
-                )
-            if not isinstance(margin_warmup, int) or margin_warmup < 0:
-                raise ValueError(
-                    f"Expected `margin_warmup` to be an integer >= 0, but got {margin_warmup!r}."
-                )
-            if not margin_rate > 1:
-                raise ValueError(
-                    f"Expected `margin_rate` > 1 (the largest factor of one epoch's margin change; "
-                    f"inf for none), but got {margin_rate!r}."
-                )
-            if not 0 <= margin_skill < 1:
-                raise ValueError(
-                    "Expected 0 <= `margin_skill` < 1 (the validation skill above chance needed "
-                    f"to move the margin), but got {margin_skill!r}."
-                )
-            margin = margin_init
+            check_auto_margin(margin_min, margin_init, margin_max, margin_warmup, margin_rate,
+                              margin_skill)
             self.margin_min, self.margin_max = float(margin_min), float(margin_max)
             self.margin_warmup = margin_warmup
             self.margin_rate, self.margin_skill = float(margin_rate), float(margin_skill)
-        elif isinstance(margin, str):
-            raise ValueError(f"Expected `margin` to be a number or 'auto', but got {margin!r}.")
-        if margin <= 0:
-            raise ValueError(f"Expected `margin` > 0, but got {margin}.")
         if lambda_init < 0:
             raise ValueError(f"Expected `lambda_init` >= 0, but got {lambda_init}.")
         self.margin = float(margin)  # the margin in force (a Python float: no device sync)
@@ -181,7 +162,7 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
         return f"{super().extra_repr()}, margin={self.margin:g}{auto}"
 
 
-class CALSALMLoss(_ClassAdaptiveLoss):
+class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
     """CALS-ALM: cross-entropy plus a class-wise augmented-Lagrangian penalty (paper Alg. 2).
 
     Training loss on a batch (means over valid positions ``V`` only)::
@@ -261,18 +242,8 @@ class CALSALMLoss(_ClassAdaptiveLoss):
             num_classes, margin, lambda_init, ignore_index,
             margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill,
         )  # fmt: skip
-        if rho_init <= 0:
-            raise ValueError(f"Expected `rho_init` > 0, but got {rho_init}.")
-        if not isinstance(rho_period, int) or rho_period < 1:
-            raise ValueError(
-                f"Expected `rho_period` to be a positive integer, but got {rho_period!r}."
-            )
-        if not (0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max):
-            raise ValueError("Expected 0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max.")
-        self.penalty = get_penalty(penalty)
-        self.gamma, self.tau, self.rho_period = float(gamma), float(tau), rho_period
-        self.lambda_min, self.lambda_max = float(lambda_min), float(lambda_max)
-        self.rho_min, self.rho_max = float(rho_min), float(rho_max)
+        self._set_alm_rules(penalty, lambda_init, rho_init, gamma, tau, rho_period,
+                            lambda_min, lambda_max, rho_min, rho_max)
         k = num_classes
         self.add_state("rhos", torch.full((k,), float(rho_init), dtype=torch.float64))
         self.add_state("zbar_prev", torch.zeros(k, dtype=torch.float64))
@@ -313,10 +284,7 @@ class CALSALMLoss(_ClassAdaptiveLoss):
         """
         self.lambdas.copy_((stats["_sum_grad"] / n).clamp_(self.lambda_min, self.lambda_max))
         zbar = stats["_sum_z"] / n
-        if (epoch + 1) % self.rho_period == 0 and bool(self.has_prev):
-            worse = zbar > self.tau * self.zbar_prev.clamp(min=0.0)
-            grown = torch.where(worse, self.rhos * self.gamma, self.rhos)
-            self.rhos.copy_(grown.clamp_(self.rho_min, self.rho_max))
+        self._step_rhos(epoch, self.rhos, zbar, self.zbar_prev, bool(self.has_prev))
         self.zbar_prev.copy_(zbar)
         self.has_prev.fill_(True)
         margin = self._update_margin(epoch, stats)

@@ -18,28 +18,31 @@ from torch import Tensor
 
 from .._validation import check_finite
 from ._adaptive import AdaptiveLoss
+from ._alm import ALMRules
 from ._auto_margin import (
     MARGIN_RATE,
     MARGIN_SKILL,
     NUM_BINS,
     beyond_chance,
+    check_auto_margin,
     class_counts,
     effective_margin_sums,
     largest_gap_bound,
     next_margin,
     solve_temperature,
+    starting_margin,
 )
 from ._band_penalty import band_penalty
 from ._bands import BandMap, distance_bands
 from ._base import as_float32, autocast_off
 from ._functional import ce_sum, class_sums
 from ._spatial import SpatialLoss
-from .penalties import Penalty, PenaltyFn, get_penalty
+from .penalties import Penalty, PenaltyFn
 
 MARGIN_STEERS = ("band", "adjacent", "pooled_gate")
 
 
-class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
+class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     """CALS-ALM with multipliers, penalty parameters and margins per class and distance band.
 
     Pixel ``i`` of a training mask is in band ``b(i)`` when ``edges[b] <= d(i) < edges[b + 1]``,
@@ -83,8 +86,8 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
         bands: increasing positive distances in pixels (default ``(3, 8)``: three bands).
         margin: the initial margin of every band, a number (fixed) or ``"auto"``.
         penalty, lambda_init, rho_init, gamma, tau, rho_period, lambda_min, lambda_max,
-            rho_min, rho_max, margin_init, margin_min, margin_max, margin_warmup: as
-            :class:`CALSALMLoss`, per band.
+            rho_min, rho_max, margin_init, margin_min, margin_max, margin_warmup, margin_rate,
+            margin_skill: as :class:`CALSALMLoss`, per band.
         margin_steer: which validation pixels steer each band's margin (above), with
             ``margin: auto``.
         ignore_index: void label.
@@ -121,6 +124,8 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
         margin_min: float = 1.0,
         margin_max: float = 20.0,
         margin_warmup: int = 0,
+        margin_rate: float = MARGIN_RATE,
+        margin_skill: float = MARGIN_SKILL,
         margin_steer: Literal["band", "adjacent", "pooled_gate"] = "adjacent",
     ) -> None:
         super().__init__(num_classes, ignore_index)
@@ -133,33 +138,15 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
                 f"Expected `bands` to be increasing positive finite distances, but got {bands!r}."
             )
         self.bands = tuple(float(b) for b in bands)
-        self.auto_margin = margin == "auto"
+        self.auto_margin, margin = starting_margin(margin, margin_init)
         if self.auto_margin:
-            if not 0 < margin_min <= margin_init <= margin_max:
-                raise ValueError("Expected 0 < margin_min <= margin_init <= margin_max, but got "
-                                 f"{margin_min}, {margin_init}, {margin_max}.")
-            if not isinstance(margin_warmup, int) or margin_warmup < 0:
-                raise ValueError(
-                    f"Expected `margin_warmup` to be an integer >= 0, but got {margin_warmup!r}."
-                )
-            margin = margin_init
-        elif isinstance(margin, str) or isinstance(margin, bool):
-            raise ValueError(f"Expected `margin` to be a number or 'auto', but got {margin!r}.")
-        if margin <= 0 or lambda_init < 0 or rho_init <= 0:
-            raise ValueError("Expected `margin` > 0, `lambda_init` >= 0 and `rho_init` > 0, but "
-                             f"got {margin}, {lambda_init}, {rho_init}.")
-        if not isinstance(rho_period, int) or rho_period < 1:
-            raise ValueError(
-                f"Expected `rho_period` to be a positive integer, but got {rho_period!r}."
-            )
-        if not (0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max):
-            raise ValueError("Expected 0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max.")
-        self.penalty = get_penalty(penalty)
-        self.gamma, self.tau, self.rho_period = float(gamma), float(tau), rho_period
-        self.lambda_min, self.lambda_max = float(lambda_min), float(lambda_max)
-        self.rho_min, self.rho_max = float(rho_min), float(rho_max)
+            check_auto_margin(margin_min, margin_init, margin_max, margin_warmup, margin_rate,
+                              margin_skill)
+        self._set_alm_rules(penalty, lambda_init, rho_init, gamma, tau, rho_period,
+                            lambda_min, lambda_max, rho_min, rho_max)
         self.margin_min, self.margin_max = float(margin_min), float(margin_max)
         self.margin_warmup = margin_warmup
+        self.margin_rate, self.margin_skill = float(margin_rate), float(margin_skill)
         if margin_steer not in MARGIN_STEERS:
             raise ValueError(f"Expected `margin_steer` to be one of {MARGIN_STEERS}, but got "
                              f"{margin_steer!r}.")
@@ -272,10 +259,8 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
             if nb > 0:
                 lam = (stats["_sum_grad"][b] / nb).clamp_(self.lambda_min, self.lambda_max)
                 self.lambdas[b].copy_(lam)
-                if (epoch + 1) % self.rho_period == 0 and bool(self.has_prev[b]):
-                    worse = zbar > self.tau * self.zbar_prev[b].clamp(min=0.0)
-                    grown = torch.where(worse, self.rhos[b] * self.gamma, self.rhos[b])
-                    self.rhos[b].copy_(grown.clamp_(self.rho_min, self.rho_max))
+                self._step_rhos(epoch, self.rhos[b], zbar, self.zbar_prev[b],
+                                bool(self.has_prev[b]))
                 self.zbar_prev[b].copy_(zbar)
                 self.has_prev[b] = True
             if self.auto_margin:  # the multipliers follow a margin that moves
@@ -305,7 +290,7 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
                        nb: float) -> dict[str, float]:
         """Band ``b``'s margin: the rule of CALS-ALM's ``margin: auto``
         (:func:`~cals_seg.losses._auto_margin.next_margin`, at most a factor
-        :data:`~cals_seg.losses._auto_margin.MARGIN_RATE` per epoch, held while the steering
+        ``margin_rate`` per epoch, held while the steering
         pixels are at chance) on the statistics ``margin_steer`` chooses; the band's multipliers
         follow the margin as CALS-ALM's do: ``lambda <- lambda m' / m``,
         ``zbar_prev <- (m / m')(zbar_prev + 1) - 1``.
@@ -315,7 +300,7 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
         skill: float | None = None
         if nb > 0:
             hist, correct, counts = self._steering(b, stats)
-            learned, skill = beyond_chance(correct, counts, MARGIN_SKILL)
+            learned, skill = beyond_chance(correct, counts, self.margin_skill)
             t_hat = solve_temperature(hist, correct, self.num_classes)
             if self.margin_steer == "pooled_gate":
                 t_all = self._pooled_temperature(stats)
@@ -325,7 +310,7 @@ class BandCALSALMLoss(AdaptiveLoss, SpatialLoss):
             if epoch + 1 > self.margin_warmup and learned:
                 old = float(self.margins[b])
                 new = next_margin(old, t_hat, ceiling, self.margin_min, self.margin_max,
-                                  MARGIN_RATE)
+                                  self.margin_rate)
                 if new != old:
                     self.margins[b] = new
                     new = float(self.margins[b])

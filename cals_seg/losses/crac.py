@@ -15,14 +15,15 @@ from torch import Tensor
 
 from .._validation import check_finite
 from ._adaptive import AdaptiveLoss
+from ._alm import ALMRules
 from ._functional import ce_sum
 from ._spatial import SpatialLoss, mean_kernel, mixed_windows, neighbourhood_distribution
-from .penalties import Penalty, PenaltyFn, get_penalty
+from .penalties import Penalty, PenaltyFn
 
 REGIONS = ("boundary", "interior")
 
 
-class CRaCLoss(AdaptiveLoss, SpatialLoss):
+class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     """Cross-entropy plus a class- and region-wise augmented-Lagrangian penalty.
 
     With ``q_ik`` the label proportions of pixel ``i``'s 3x3 window (zero padding outside the
@@ -92,20 +93,9 @@ class CRaCLoss(AdaptiveLoss, SpatialLoss):
         super().__init__(num_classes, ignore_index)
         if isinstance(margin, bool) or not isinstance(margin, int | float) or margin <= 0:
             raise ValueError(f"Expected `margin` > 0 (a number), but got {margin!r}.")
-        if lambda_init < 0 or rho_init <= 0:
-            raise ValueError(f"Expected `lambda_init` >= 0 and `rho_init` > 0, but got "
-                             f"{lambda_init} and {rho_init}.")
-        if not isinstance(rho_period, int) or rho_period < 1:
-            raise ValueError(
-                f"Expected `rho_period` to be a positive integer, but got {rho_period!r}."
-            )
-        if not (0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max):
-            raise ValueError("Expected 0 <= lambda_min <= lambda_max and 0 < rho_min <= rho_max.")
+        self._set_alm_rules(penalty, lambda_init, rho_init, gamma, tau, rho_period,
+                            lambda_min, lambda_max, rho_min, rho_max)
         self.margin = float(margin)
-        self.penalty = get_penalty(penalty)
-        self.gamma, self.tau, self.rho_period = float(gamma), float(tau), rho_period
-        self.lambda_min, self.lambda_max = float(lambda_min), float(lambda_max)
-        self.rho_min, self.rho_max = float(rho_min), float(rho_max)
         shape = (len(REGIONS), num_classes)
         self.add_state("lambdas", torch.full(shape, float(lambda_init), dtype=torch.float64))
         self.add_state("rhos", torch.full(shape, float(rho_init), dtype=torch.float64))
@@ -173,10 +163,7 @@ class CRaCLoss(AdaptiveLoss, SpatialLoss):
         lam = (stats["_sum_grad"] + others * at_zero) / n
         self.lambdas.copy_(lam.clamp_(self.lambda_min, self.lambda_max))
         hbar = stats["_sum_h"] / n
-        if (epoch + 1) % self.rho_period == 0 and bool(self.has_prev):
-            worse = hbar > self.tau * self.hbar_prev.clamp(min=0.0)
-            grown = torch.where(worse, self.rhos * self.gamma, self.rhos)
-            self.rhos.copy_(grown.clamp_(self.rho_min, self.rho_max))
+        self._step_rhos(epoch, self.rhos, hbar, self.hbar_prev, bool(self.has_prev))
         self.hbar_prev.copy_(hbar)
         self.has_prev.fill_(True)
         logs: dict[str, Any] = {}
