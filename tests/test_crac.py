@@ -60,6 +60,75 @@ def test_equals_the_authors_formula_without_void(margin):
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-14)
 
 
+def _formula(loss, x, y):
+    """CE + the penalty written with autograd ops on the whole batch (void excluded): the
+    reference of the analytic backward, any penalty."""
+    valid = y != IGN
+    t, boundary = loss.targets(y, valid, x.dtype)
+    b = boundary.unsqueeze(1)
+    rho = torch.where(b, loss.rhos[0].view(1, -1, 1, 1), loss.rhos[1].view(1, -1, 1, 1))
+    lam = torch.where(b, loss.lambdas[0].view(1, -1, 1, 1), loss.lambdas[1].view(1, -1, 1, 1))
+    p = loss.penalty.value((t - x).abs(), rho.to(x.dtype), lam.to(x.dtype)).sum(1)
+    count = valid.sum()
+    return (F.cross_entropy(x, y, ignore_index=IGN, reduction="sum") / count
+            + p.masked_fill(~valid, 0.0).sum() / (count * 2 * K))
+
+
+@pytest.mark.parametrize("penalty", ["phr", "p2", "p3"])
+@pytest.mark.parametrize("margin", [1.0, 2.0])
+def test_analytic_backward_equals_autograd_with_void(penalty, margin):
+    """Value and gradient against autograd on the formula, float64, void pixels included, some
+    logits exactly at their target (|t - l| = 0: no gradient, as autograd's abs)."""
+    x, y = _data(n=3, s=(7, 8), seed=4)
+    loss = CRaCLoss(K, margin=margin, penalty=penalty, ignore_index=IGN)
+    g = torch.Generator().manual_seed(5)
+    loss.lambdas.copy_(torch.rand(2, K, generator=g, dtype=torch.float64) * 2)
+    loss.rhos.copy_(1 + torch.rand(2, K, generator=g, dtype=torch.float64) * 3)
+    t, _ = loss.targets(y, y != IGN, x.dtype)
+    x[:, :, :2] = t[:, :, :2]  # ties with the target
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ours, ref = loss(a, y), _formula(loss, b, y)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    ours.backward()
+    ref.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-14)
+    assert (a.grad[:, :, :2][(y[:, :2] == IGN).unsqueeze(1).expand(-1, K, -1, -1)] == 0).all()
+
+
+def test_gradcheck():
+    x, y = _data(n=2, s=(5, 6), seed=6)
+    loss = CRaCLoss(K, margin=1.5, ignore_index=IGN)
+    loss.lambdas.fill_(0.7)
+    assert torch.autograd.gradcheck(lambda v: loss(v, y), (x.requires_grad_(True),))
+
+
+def test_backward_keeps_one_logits_tensor_besides_the_logits():
+    """What the penalty keeps for backward: the target t (one logits-sized float32 tensor),
+    the boundary and valid maps and the (2, K) parameters; autograd on the formula kept about
+    seven logits-sized tensors."""
+    x, y = _data(n=2, s=(32, 32), seed=7)
+    x = x.float().requires_grad_(True)
+    loss = CRaCLoss(K, ignore_index=IGN)
+    sizes: list[int] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    t, boundary = loss.targets(y, y != IGN, torch.float32)
+    from cals_seg.losses.crac import _RegionPenalty
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _RegionPenalty.apply(x, t, boundary, y != IGN, loss.rhos.float().view(2, -1, 1, 1),
+                                   loss.lambdas.float().view(2, -1, 1, 1), loss.penalty,
+                                   torch.tensor(1.0))
+    out.backward()
+    # t is a view of the proportions' (K + 1)-channel accumulator (the void channel)
+    t_bytes = x.numel() * 4 * (K + 1) // K
+    assert sum(sizes) <= t_bytes + 2 * 2 * 32 * 32 + 2 * 2 * K * 4
+
+
 def test_the_authors_region_test_misses_mixed_windows():
     """Why the region is "the window is not uniform" rather than the authors' literal
     ``sum(mean(u) - u) != 0``: in float32 that sum is a rounding residual, zero for uniform

@@ -23,6 +23,41 @@ from .penalties import Penalty, PenaltyFn
 REGIONS = ("boundary", "interior")
 
 
+class _RegionPenalty(torch.autograd.Function):
+    """``sum_{i in V} sum_k P(|t_ik - l_ik|; rho_{r(i)k}, lambda_{r(i)k}) / denom`` with an
+    analytic backward, ``d/dl_ik = -sign(t_ik - l_ik) P'(|t_ik - l_ik|) / denom`` at valid
+    pixels (0 where ``t = l``, as autograd's ``abs``). It keeps the logits (alive for the
+    cross-entropy anyway), the target ``t`` (one logits-sized tensor) and two ``(N, H, W)`` bool
+    maps, and walks the batch one image at a time: temporaries of ``(K, H, W)``. Autograd on
+    the formula keeps about seven logits-sized tensors."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, t: Tensor, boundary: Tensor, valid: Tensor,
+                rhos: Tensor, lams: Tensor, penalty: Penalty, denom: Tensor) -> Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=logits.device)
+        for i in range(logits.shape[0]):
+            h = (t[i] - logits[i]).abs_()  # (K, H, W)
+            p_boundary = penalty.value(h.clone(), rhos[0], lams[0])  # value may work in place
+            p = torch.where(boundary[i], p_boundary, penalty.value(h, rhos[1], lams[1]))
+            total += p.sum(dim=0).masked_fill_(~valid[i], 0.0).sum(dtype=torch.float64)
+        ctx.save_for_backward(logits, t, boundary, valid, rhos, lams)
+        ctx.penalty, ctx.denom = penalty, denom
+        return (total / denom).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, t, boundary, valid, rhos, lams = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        scale = grad_out / ctx.denom
+        for i in range(logits.shape[0]):
+            d = t[i] - logits[i]
+            h = d.abs()
+            g_boundary = ctx.penalty.derivative(h.clone(), rhos[0], lams[0])  # may work in place
+            g = torch.where(boundary[i], g_boundary, ctx.penalty.derivative(h, rhos[1], lams[1]))
+            grad[i] = g.mul_(d.sign_()).mul_(valid[i].to(g.dtype).mul(-scale))
+        return grad, None, None, None, None, None, None, None
+
+
 class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     """Cross-entropy plus a class- and region-wise augmented-Lagrangian penalty.
 
@@ -105,14 +140,22 @@ class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
         self.add_statistic("_sum_h", shape)
         self.add_statistic("_region_count", len(REGIONS))
 
-    def constraints(self, logits: Tensor, target: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        """``h (N, K, H, W)`` in the logits' dtype and the boundary map ``(N, H, W)`` bool."""
+    def targets(self, target: Tensor, valid: Tensor,
+                dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``t (N, K, H, W)`` in ``dtype`` (``q`` on the boundary, ``m q`` in the interior) and
+        the boundary map ``(N, H, W)`` bool."""
         k = self.num_classes
-        q = neighbourhood_distribution(target, valid, k, mean_kernel(3), "zeros", logits.dtype)
+        q = neighbourhood_distribution(target, valid, k, mean_kernel(3), "zeros", dtype)
         boundary = mixed_windows(target, valid, k, 3)
         if self.margin != 1.0:
             q = torch.where(boundary.unsqueeze(1), q, q * self.margin)
-        return (q - logits).abs(), boundary
+        return q, boundary
+
+    def constraints(self, logits: Tensor, target: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """``h = |t - l| (N, K, H, W)`` in the logits' dtype and the boundary map
+        ``(N, H, W)`` bool."""
+        t, boundary = self.targets(target, valid, logits.dtype)
+        return (t - logits).abs_(), boundary
 
     def _region_params(self, boundary: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
         """Per-pixel ``rho`` and ``lambda`` ``(N, K, H, W)`` of each pixel's region."""
@@ -125,10 +168,12 @@ class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
         n, k = logits.shape[:2]
         count = valid.sum().clamp(min=1)
         ce = ce_sum(logits.reshape(n, k, -1), target.reshape(n, -1), self.ignore_index) / count
-        h, boundary = self.constraints(logits, target, valid)
-        rho, lam = self._region_params(boundary, logits)
-        p = self.penalty.value(h, rho, lam).sum(dim=1)  # (N, H, W)
-        pen = p.masked_fill(~valid, 0.0).sum() / (count * 2 * k)
+        t, boundary = self.targets(target, valid, logits.dtype)
+        like = dict(dtype=logits.dtype, device=logits.device)
+        rhos = self.rhos.to(**like).view(2, -1, 1, 1)
+        lams = self.lambdas.to(**like).view(2, -1, 1, 1)
+        pen = _RegionPenalty.apply(logits, t, boundary, valid, rhos, lams, self.penalty,
+                                   count * 2 * k)
         self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
         return ce + pen
 
