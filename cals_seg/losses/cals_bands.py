@@ -126,7 +126,7 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
         margin_warmup: int = 0,
         margin_rate: float = MARGIN_RATE,
         margin_skill: float = MARGIN_SKILL,
-        margin_steer: Literal["band", "adjacent", "pooled_gate"] = "adjacent",
+        margin_steer: Literal["band", "adjacent", "pooled_gate"] = "pooled_gate",
     ) -> None:
         super().__init__(num_classes, ignore_index)
         bands = tuple(bands) if isinstance(bands, list | tuple) else bands
