@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 from collections.abc import Callable
@@ -18,11 +19,13 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    faulthandler.enable()  # a C++ abort in a worker prints the Python stack of every thread
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
         fn(rank, world, *args)
+        dist.barrier()  # no rank tears down its connections while another still uses them
     finally:
         dist.destroy_process_group()
 
