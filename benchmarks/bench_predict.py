@@ -55,8 +55,8 @@ def make_run(folder: Path) -> Path:
     """A run directory with the study's config and a random-weight checkpoint."""
     import torch
 
-    from cals_seg.config import load_config, save_config
-    from cals_seg.rundir import RunDir
+    from cals_seg.config.schema import load_config, save_config
+    from cals_seg.runs.folder import RunDir
     from cals_seg.tasks.segmentation import build_model
 
     cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", [], "ce")

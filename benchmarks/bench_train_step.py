@@ -7,7 +7,7 @@
 One step = forward, loss, backward, AdamW step, on random images and labels with 10% void. The
 two criteria alternate step by step (after warm-up) so that drift of the machine (other load,
 clocks) affects both alike; the median step time of each is reported with the ratio. ``--amp
-auto`` is resolved with ``cals_seg.precision.resolve_amp`` (bf16 where native, else float32)
+auto`` is resolved with ``cals_seg.utils.precision.resolve_amp`` (bf16 where native, else float32)
 and the resolved precision is printed. Peak memory (CUDA: ``torch.cuda.max_memory_allocated``,
 reset before one extra step per criterion) is reported per criterion. The ``TARGET`` line states
 the target: a CALS-ALM step at most 1.02x a CE step.
@@ -31,7 +31,7 @@ import torch
 from cals_seg.losses import _functional as penalty_blocks
 from cals_seg.losses import build_loss
 from cals_seg.models import build_segmentation_model
-from cals_seg.precision import AMP_CHOICES, precision_name, resolve_amp
+from cals_seg.utils.precision import AMP_CHOICES, precision_name, resolve_amp
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 COMPILED = " (compiled)"

@@ -3,7 +3,8 @@
 The public API, for use in any PyTorch training loop::
 
     from cals_seg import build_loss, CalibrationMeter, SegmentationMeter, fit_temperature
-    from cals_seg import predict_image  # calibrated maps of new images (cals_seg.inference)
+    from cals_seg import predict_image  # calibrated maps of new images
+    (cals_seg.evaluation.inference)
 
 Names are imported on first access, so ``import cals_seg`` is cheap (it does not even import
 torch) and never pulls in the optional heavy dependencies of the tools (matplotlib,
@@ -37,15 +38,15 @@ _EXPORTS = {
     "CalibrationMeter": "cals_seg.metrics",
     "SegmentationMeter": "cals_seg.metrics",
     "ShotGroupMeter": "cals_seg.metrics",
-    "resolve_amp": "cals_seg.precision",
-    "fit_temperature": "cals_seg.temperature",
-    "nll_at_temperature": "cals_seg.temperature",
-    "TemperatureScaler": "cals_seg.temperature",
-    "EvalProtocol": "cals_seg.inference",
-    "Prediction": "cals_seg.inference",
-    "predict_image": "cals_seg.inference",
-    "segment_logits": "cals_seg.inference",
-    "calibrated_outputs": "cals_seg.inference",
+    "resolve_amp": "cals_seg.utils.precision",
+    "fit_temperature": "cals_seg.calibrators.temperature",
+    "nll_at_temperature": "cals_seg.calibrators.temperature",
+    "TemperatureScaler": "cals_seg.calibrators.temperature",
+    "EvalProtocol": "cals_seg.evaluation.inference",
+    "Prediction": "cals_seg.evaluation.inference",
+    "predict_image": "cals_seg.evaluation.inference",
+    "segment_logits": "cals_seg.evaluation.inference",
+    "calibrated_outputs": "cals_seg.evaluation.inference",
 }
 
 __all__ = [
@@ -80,7 +81,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects
-    from cals_seg.inference import (
+    from cals_seg.calibrators.temperature import (
+        TemperatureScaler,
+        fit_temperature,
+        nll_at_temperature,
+    )
+    from cals_seg.evaluation.inference import (
         EvalProtocol,
         Prediction,
         calibrated_outputs,
@@ -101,8 +107,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
         build_loss,
     )
     from cals_seg.metrics import CalibrationMeter, SegmentationMeter, ShotGroupMeter
-    from cals_seg.precision import resolve_amp
-    from cals_seg.temperature import TemperatureScaler, fit_temperature, nll_at_temperature
+    from cals_seg.utils.precision import resolve_amp
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,7 @@ of the toolkit (or of a library it calls) and keeps its traceback.
 keeps working; the kinds below also keep the built-in type their callers knew (a missing file is
 still a ``FileNotFoundError``, a diverging run still a ``RuntimeError``).
 
-Message format (see :mod:`cals_seg.rules`): the key or file, what is allowed, the value, the
+Message format (see :mod:`cals_seg.config.rules`): the key or file, what is allowed, the value, the
 fix::
 
     train.epochs: expected an integer >= 1, got 0; e.g. --set train.epochs=30.

@@ -23,10 +23,10 @@ import torch
 from albumentations.pytorch import ToTensorV2
 from torch.utils.data import DataLoader, Dataset
 
+from cals_seg.calibrators.temperature import fit_temperature
 from cals_seg.losses import build_loss
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
-from cals_seg.precision import resolve_amp
-from cals_seg.temperature import fit_temperature
+from cals_seg.utils.precision import resolve_amp
 
 NUM_CLASSES = 3  # background, rectangle, disc
 VOID = 255

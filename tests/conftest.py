@@ -23,9 +23,9 @@ def recomputed_test_accuracy(run_dir: Path) -> tuple[float, int]:
     plain loop (no meter, no DataLoader): an independent check of ``test_metrics.json``."""
     import torch
 
-    from cals_seg.config import load_config
-    from cals_seg.rundir import load_checkpoint
+    from cals_seg.config.schema import load_config
     from cals_seg.tasks import build_task
+    from cals_seg.utils.io import load_checkpoint
 
     cfg = load_config(run_dir / "config.yaml")
     task = build_task(cfg)

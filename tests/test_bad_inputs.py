@@ -19,13 +19,13 @@ import pytest
 import torch
 from PIL import Image
 
-from cals_seg import trainer as trainer_mod
-from cals_seg.config import load_config
+from cals_seg.config.schema import load_config
 from cals_seg.data.voc import voc_palette
-from cals_seg.engine import seed_everything
-from cals_seg.rundir import load_checkpoint, read_jsonl
 from cals_seg.tasks import build_task
-from cals_seg.trainer import fit
+from cals_seg.training import trainer as trainer_mod
+from cals_seg.training.engine import seed_everything
+from cals_seg.training.trainer import fit
+from cals_seg.utils.io import load_checkpoint, read_jsonl
 
 from .conftest import load_tool
 
@@ -299,7 +299,7 @@ def mixed_size_test_split(finished, tmp: Path) -> None:
 def huge_image_warns(finished, tmp: Path) -> None:
     """12: a huge evaluation image seen whole gives a warning naming its size and the keys that
     bound the network input (eval.resize, eval.mode: slide); none when they are set."""
-    from cals_seg.checks import bounded_input, check_splits
+    from cals_seg.config.checks import bounded_input, check_splits
 
     _voc_tree(tmp / "huge" / "voc", [(32, 32)] * 8, [(32, 32), (2100, 2100)])
     cfg = load_config(SETUP, _voc(tmp, "huge")[3:], "ce")

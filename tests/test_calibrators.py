@@ -21,8 +21,8 @@ from cals_seg.calibrators import (
     save_calibrator,
 )
 from cals_seg.calibrators.boundary_ts import predicted_bands
+from cals_seg.calibrators.temperature import fit_temperature
 from cals_seg.metrics import BoundaryCalibrationMeter, CalibrationMeter, SegmentationMeter
-from cals_seg.temperature import fit_temperature
 
 VOID = 255
 
@@ -346,7 +346,7 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path):
     import json
     from pathlib import Path
 
-    from cals_seg.config import load_config
+    from cals_seg.config.schema import load_config
     from cals_seg.tasks.segmentation import build_model
 
     from .conftest import load_tool

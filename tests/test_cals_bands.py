@@ -433,7 +433,7 @@ def test_band_map_function_is_picklable():
 def test_training_step_passes_the_band_map_to_the_criterion():
     from torch import nn
 
-    from cals_seg.engine import train_one_epoch
+    from cals_seg.training.engine import train_one_epoch
 
     seen: list[torch.Tensor] = []
 
@@ -461,10 +461,10 @@ def test_trains_end_to_end_with_bands_from_the_loader(tmp_path, monkeypatch):
     import json
     from pathlib import Path
 
-    from cals_seg.config import load_config
-    from cals_seg.engine import seed_everything
+    from cals_seg.config.schema import load_config
     from cals_seg.tasks import build_task
-    from cals_seg.trainer import fit
+    from cals_seg.training.engine import seed_everything
+    from cals_seg.training.trainer import fit
 
     calls: list[bool] = []
     forward = BandCALSALMLoss.forward

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cals_seg.config import load_config
+from cals_seg.config.schema import load_config
 from cals_seg.data.check import check_splits
 from cals_seg.tasks.segmentation import segmentation_splits
 

@@ -15,16 +15,11 @@ import pytest
 import torch
 from PIL import Image
 
-from cals_seg.config import load_config
-from cals_seg.engine import seed_everything
-from cals_seg.rundir import (
-    UntrustedCheckpointError,
-    load_checkpoint,
-    rng_state,
-    set_rng_state,
-)
+from cals_seg.config.schema import load_config
 from cals_seg.tasks import build_task
-from cals_seg.trainer import fit
+from cals_seg.training.engine import seed_everything
+from cals_seg.training.trainer import fit
+from cals_seg.utils.io import UntrustedCheckpointError, load_checkpoint, rng_state, set_rng_state
 
 from .conftest import load_tool
 

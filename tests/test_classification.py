@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from cals_seg.config import load_config
+from cals_seg.config.schema import load_config
 from cals_seg.data.classification import (
     ImageClassification,
     classification_eval_transform,
@@ -25,7 +25,7 @@ from cals_seg.data.classification import (
     tiny_imagenet_paper_split,
 )
 from cals_seg.data.synthetic_cls import generate_synthetic_images, long_tail_counts
-from cals_seg.evaluation import Scaled, evaluate
+from cals_seg.evaluation.stream import Scaled, evaluate
 from cals_seg.metrics import CalibrationMeter
 from cals_seg.metrics.groups import ShotGroupMeter, shot_groups
 from cals_seg.models.classification import WeightsUnavailableError, build_classification_model

@@ -26,9 +26,9 @@ import torch._dynamo.testing
 import torch.nn.functional as F
 from torch import nn
 
-from cals_seg import engine
-from cals_seg.engine import NonFiniteLossError, train_one_epoch
 from cals_seg.losses import LOSSES, build_loss
+from cals_seg.training import engine
+from cals_seg.training.engine import NonFiniteLossError, train_one_epoch
 
 K, VOID = 5, 255
 ADAPTIVE = ("cals_alm", "cals_hr")
@@ -389,11 +389,11 @@ def test_deferred_label_check_ignores_and_counts(name):
 def test_train_compile_compiles_model_and_criterion(tmp_path, monkeypatch):
     """train.compile: the trainer hands torch.compile the model and the criterion (recorded;
     the eager backend keeps the test fast) and trains through both."""
-    from cals_seg import trainer as trainer_mod
-    from cals_seg.config import load_config
-    from cals_seg.engine import seed_everything
+    from cals_seg.config.schema import load_config
     from cals_seg.losses import SegLoss
     from cals_seg.tasks import build_task
+    from cals_seg.training import trainer as trainer_mod
+    from cals_seg.training.engine import seed_everything
 
     from .test_pipeline import CONFIG, _overrides
 

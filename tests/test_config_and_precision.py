@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cals_seg import precision
-from cals_seg.config import ConfigError, load_config
-from cals_seg.rundir import RunDir
+from cals_seg.config.schema import ConfigError, load_config
+from cals_seg.runs.folder import RunDir
+from cals_seg.utils import precision
 
 from .conftest import load_tool
 
@@ -141,11 +141,11 @@ def test_resolve_amp_errors_and_fp16_only_on_cuda():
 
 
 def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch):
-    from cals_seg.study import config_differences
+    from cals_seg.training.study import config_differences
 
     cfg = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
                       [f"output_dir={tmp_path}", "name=r"])
-    from cals_seg.config import save_config
+    from cals_seg.config.schema import save_config
 
     run = RunDir(tmp_path / "r")
     run.path.mkdir()
@@ -162,7 +162,7 @@ def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch)
 
 # ----------------------------------------------------------------------------- run directory
 def test_a_folder_holding_any_run_file_is_refused(tmp_path):
-    from cals_seg.trainer import _check_before_training
+    from cals_seg.training.trainer import _check_before_training
 
     cfg = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml", [f"output_dir={tmp_path}"])
     run = RunDir(cfg.run_dir)
@@ -190,7 +190,7 @@ def test_the_config_is_checked_before_any_data_is_built(tmp_path, capsys):
 
 
 def test_history_trim_and_best_repair(tmp_path):
-    from cals_seg.rundir import load_checkpoint, save_checkpoint
+    from cals_seg.utils.io import load_checkpoint, save_checkpoint
 
     run = RunDir(tmp_path)
     for epoch in range(3):
@@ -206,7 +206,7 @@ def test_history_trim_and_best_repair(tmp_path):
 
 
 def test_best_checkpoint_link_survives_the_next_last(tmp_path):
-    from cals_seg.rundir import link_checkpoint, load_checkpoint, save_checkpoint
+    from cals_seg.utils.io import link_checkpoint, load_checkpoint, save_checkpoint
 
     run = RunDir(tmp_path)
     save_checkpoint({"model": {}, "epoch": 3}, run.last)

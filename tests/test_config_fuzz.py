@@ -5,7 +5,8 @@ Each case must end in one of two ways: exit status 2 with ONE line ``error: ...`
 (a ``*.params.<name>`` key may be named as its section plus the name), or, for a value valid after
 all, a run that reaches its work (the first epoch, the test pass, the first prediction, the first
 training job). Never a traceback, never another exit status, and never a run on a value that the
-rule table refuses (:func:`cals_seg.checks.check_config` without the data and run paths, which a
+rule table refuses (:func:`cals_seg.config.checks.check_config` without the data and run paths,
+which a
 tool checks only where it reads or writes them).
 
 Values per key, from its type (the config dataclasses, or the shipped value for ``params``):
@@ -37,8 +38,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cals_seg import config as config_mod
-from cals_seg.config import load_config
+from cals_seg.config import schema as config_mod
+from cals_seg.config.schema import load_config
 
 from .conftest import load_tool
 
@@ -191,11 +192,11 @@ def tool_module(name: str) -> Any:
 
 # Where each tool's work starts (patched to raise Reached): module, attribute.
 STOP = {
-    "train_seg": ("cals_seg.trainer", "train_one_epoch"),
-    "train_cls": ("cals_seg.trainer", "train_one_epoch"),
+    "train_seg": ("cals_seg.training.trainer", "train_one_epoch"),
+    "train_cls": ("cals_seg.training.trainer", "train_one_epoch"),
     "eval_seg": ("tool", "evaluate_run"),
-    "predict_seg": ("cals_seg.inference", "predict_image"),
-    "compare": ("cals_seg.study", "run_one"),
+    "predict_seg": ("cals_seg.evaluation.inference", "predict_image"),
+    "compare": ("cals_seg.training.study", "run_one"),
 }
 
 
@@ -276,7 +277,7 @@ def rule_refuses(argv_config: str, sets: list[str], method: str | None) -> bool:
     """Whether the rule table (types, ranges, choices, names, devices; no data or run paths)
     refuses the config these arguments give."""
     try:
-        from cals_seg.checks import check_config
+        from cals_seg.config.checks import check_config
 
         cfg = load_config(argv_config, sets, method)
         check_config(cfg, reads_data=False, writes_run=False)
@@ -328,9 +329,9 @@ def env(tmp_path_factory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("fuzz")
     (tmp / "a_file").write_text("not a folder\n")
     (tmp / "a_folder").mkdir()
-    from cals_seg.engine import seed_everything
     from cals_seg.tasks import build_task
-    from cals_seg.trainer import fit
+    from cals_seg.training.engine import seed_everything
+    from cals_seg.training.trainer import fit
 
     for setup, tiny in BASE.values():  # generate each family's data once
         sets = [_fill(s, tmp) for s in tiny] + COMMON
@@ -418,7 +419,7 @@ def test_fuzz_sample_through_a_subprocess(tool, key, value, env):
 
 
 def test_every_config_key_has_a_rule_and_every_setup_key_is_fuzzed():
-    from cals_seg.rules import RULES, config_keys
+    from cals_seg.config.rules import RULES, config_keys
 
     assert set(RULES) == set(config_keys())
     fuzzed = {key for _, key in setup_keys()}

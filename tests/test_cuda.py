@@ -22,9 +22,9 @@ import os
 import pytest
 import torch
 
+from cals_seg.calibrators.temperature import TemperatureScaler, fit_temperature, nll_at_temperature
 from cals_seg.losses import LOSSES, build_loss
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
-from cals_seg.temperature import TemperatureScaler, fit_temperature, nll_at_temperature
 
 DEVICE = os.environ.get("CALS_TEST_DEVICE", "cuda")
 K, VOID = 11, 255

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from cals_seg.engine import train_one_epoch
+from cals_seg.training.engine import train_one_epoch
 
 from .test_compile_sync import NAMES, _data, _make, _value_and_grad
 

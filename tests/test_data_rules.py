@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from cals_seg.data.voc_checks import split_file_ids
 from cals_seg.errors import DataError
-from cals_seg.voc_checks import split_file_ids
 
 from .conftest import load_tool
 from .test_bad_inputs import SETUP, _voc, _voc_tree

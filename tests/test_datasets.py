@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cals_seg.checks import check_config
-from cals_seg.config import ConfigError, load_config
+from cals_seg.config.checks import check_config
+from cals_seg.config.schema import ConfigError, load_config
 from cals_seg.data.ade20k import ADE20K_CLASSES, reduce_zero_label
 from cals_seg.data.cityscapes import CITYSCAPES_CLASSES, label_to_train_ids
 from cals_seg.data.folder import ColourTable
@@ -336,7 +336,7 @@ FAST = [
 def _train(tmp_path, monkeypatch, setup: str, root: Path, *sets: str) -> tuple[Path, list[str]]:
     """One short run through tools/train_seg.py; returns the run directory and the texts of
     every plot legend drawn."""
-    from cals_seg import plotting
+    from cals_seg.visualization import plotting
 
     legends: list[str] = []
     save = plotting._save

@@ -10,20 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from cals_seg.config import load_config
-from cals_seg.engine import seed_everything
-from cals_seg.export import export_run
-from cals_seg.inference import (
+from cals_seg.config.schema import load_config
+from cals_seg.evaluation.inference import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     EvalProtocol,
     input_multiple,
     segment_logits,
 )
-from cals_seg.rundir import load_checkpoint
+from cals_seg.runs.export import export_run
 from cals_seg.tasks import build_task
 from cals_seg.tasks.segmentation import build_model
-from cals_seg.trainer import fit
+from cals_seg.training.engine import seed_everything
+from cals_seg.training.trainer import fit
+from cals_seg.utils.io import load_checkpoint
 
 from .conftest import load_tool
 

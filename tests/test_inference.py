@@ -1,4 +1,5 @@
-"""The logits path at each image's own resolution (cals_seg.inference), the eval.* protocol keys,
+"""The logits path at each image's own resolution (cals_seg.evaluation.inference), the eval.*
+protocol keys,
 and eval_seg on a split of mixed sizes."""
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import torch
 from PIL import Image
 from torch import nn
 
-from cals_seg.checks import check_config
-from cals_seg.config import ConfigError, load_config
+from cals_seg.config.checks import check_config
+from cals_seg.config.schema import ConfigError, load_config
 from cals_seg.data import eval_transform, voc_palette
-from cals_seg.inference import (
+from cals_seg.evaluation.inference import (
     EvalProtocol,
     calibrated_outputs,
     predict_image,
@@ -121,7 +122,7 @@ def test_predict_image_uses_the_evaluation_normalisation_and_path():
 def test_large_or_tiled_batches_are_evaluated_one_image_at_a_time(monkeypatch):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from cals_seg import evaluation
+    from cals_seg.evaluation.stream import stream as evaluation
 
     net = _net()
     data = TensorDataset(torch.randn(4, 3, 20, 30), torch.randint(0, 5, (4, 20, 30)))
@@ -259,8 +260,8 @@ def test_mixed_sizes_feed_original_masks_to_the_meters(tmp_path):
             "model.params={encoder_output_stride: 16, decoder_channels: 16}"],
                       "ce")
     task = build_task(cfg)
-    from cals_seg.engine import make_loader
-    from cals_seg.evaluation import predict
+    from cals_seg.evaluation.stream import predict
+    from cals_seg.training.engine import make_loader
 
     sizes, count = [], 0
     loader = make_loader(task.test_set, 3, False)

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from cals_seg.config import ConfigError, load_config
-from cals_seg.engine import seed_everything
-from cals_seg.loggers import RunLoggers, check_loggers, flatten_record, scalar_tags
+from cals_seg.config.schema import ConfigError, load_config
 from cals_seg.tasks import build_task
-from cals_seg.trainer import fit
+from cals_seg.training.engine import seed_everything
+from cals_seg.training.loggers import RunLoggers, check_loggers, flatten_record, scalar_tags
+from cals_seg.training.trainer import fit
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from cals_seg.config import load_config
-from cals_seg.evaluation import unpack_batch
-from cals_seg.gaps import confidence_cap, recommend
-from cals_seg.rundir import load_checkpoint, read_jsonl
+from cals_seg.config.schema import load_config
+from cals_seg.evaluation.stream import unpack_batch
+from cals_seg.runs.gaps import confidence_cap, recommend
 from cals_seg.tasks import build_task
+from cals_seg.utils.io import load_checkpoint, read_jsonl
 
 from .conftest import load_tool
 from .test_pipeline import ROOT, _overrides

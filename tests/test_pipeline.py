@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cals_seg import trainer as trainer_mod
-from cals_seg.config import ConfigError, load_config
-from cals_seg.engine import NonFiniteLossError, seed_everything, train_one_epoch
-from cals_seg.precision import resolve_amp
-from cals_seg.rundir import load_checkpoint
+from cals_seg.config.schema import ConfigError, load_config
 from cals_seg.tasks import build_task
-from cals_seg.trainer import fit
+from cals_seg.training import trainer as trainer_mod
+from cals_seg.training.engine import NonFiniteLossError, seed_everything, train_one_epoch
+from cals_seg.training.trainer import fit
+from cals_seg.utils.io import load_checkpoint
+from cals_seg.utils.precision import resolve_amp
 
 from .conftest import load_tool
 
@@ -151,7 +151,7 @@ def test_eval_seg_takes_the_run_folder(straight):
 
 def test_load_run_gives_what_every_tool_needs(straight):
     from cals_seg.errors import CheckpointError
-    from cals_seg.runs import load_run
+    from cals_seg.runs.loading import load_run
 
     _, cfg, _ = straight
     run = load_run(cfg.run_dir)
@@ -244,7 +244,7 @@ def test_train_seg_cli_reports_bad_config(tmp_path, capsys):
 
 def test_bf16_autocast_on_cpu_trains_and_fp16_is_refused():
     from cals_seg.losses import build_loss
-    from cals_seg.precision import autocast_context, resolve_amp
+    from cals_seg.utils.precision import autocast_context, resolve_amp
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from cals_seg.config import load_config
-from cals_seg.engine import seed_everything
+from cals_seg.config.schema import load_config
 from cals_seg.tasks import build_task
-from cals_seg.trainer import fit
+from cals_seg.training.engine import seed_everything
+from cals_seg.training.trainer import fit
 
 from .test_pipeline import CONFIG, ROOT, _overrides
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from cals_seg import plotting
-from cals_seg.plotting import (
+from cals_seg.visualization import plotting
+from cals_seg.visualization.plotting import (
     plot_calibration_map,
     plot_multiplier_curves,
     plot_reliability_diagram,

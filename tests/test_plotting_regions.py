@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cals_seg.plotting import band_labels, plot_band_ece, plot_reliability_grid, plot_risk_coverage
+from cals_seg.visualization.plotting import (
+    band_labels,
+    plot_band_ece,
+    plot_reliability_grid,
+    plot_risk_coverage,
+)
 
 from .test_plotting import _check_png, _reliability
 

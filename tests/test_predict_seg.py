@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from cals_seg.config import load_config, save_config
-from cals_seg.rundir import RunDir
+from cals_seg.config.schema import load_config, save_config
+from cals_seg.runs.folder import RunDir
 from cals_seg.tasks.segmentation import build_model
 
 from .conftest import load_tool
@@ -216,7 +216,7 @@ def test_a_4000x3000_photo_gets_every_output_at_its_size(run_dir, tmp_path):
 
 def test_label_pngs_use_the_dataset_palette():
     from cals_seg.data.voc import voc_palette
-    from cals_seg.predict import label_palette
+    from cals_seg.evaluation.predict import label_palette
 
     colours = [[1, 2, 3], [250, 0, 7]]
     palette = label_palette(colours)

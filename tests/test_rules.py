@@ -10,13 +10,14 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from cals_seg import plotting, rundir
-from cals_seg.checks import check_config
-from cals_seg.cli import split_set_items, training_parser
-from cals_seg.config import ConfigError, load_config, save_config
-from cals_seg.engine import NonFiniteLossError
+from cals_seg.commands._cli import split_set_items, training_parser
+from cals_seg.config.checks import check_config
+from cals_seg.config.rules import RULES, check_rules, config_keys
+from cals_seg.config.schema import ConfigError, load_config, save_config
 from cals_seg.errors import DataError, MissingPathError, RunExistsError, UserError
-from cals_seg.rules import RULES, check_rules, config_keys
+from cals_seg.training.engine import NonFiniteLossError
+from cals_seg.utils import io as safe_io
+from cals_seg.visualization import plotting
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
@@ -110,9 +111,9 @@ def test_one_user_error_type_keeps_the_builtin_types():
                           (MissingPathError, FileNotFoundError),
                           (RunExistsError, FileExistsError),
                           (NonFiniteLossError, RuntimeError),
-                          (rundir.CheckpointError, ValueError)):
+                          (safe_io.CheckpointError, ValueError)):
         assert issubclass(kind, UserError) and issubclass(kind, builtin)
-    from cals_seg.cli import USER_ERRORS
+    from cals_seg.commands._cli import USER_ERRORS
 
     assert USER_ERRORS == (UserError,)  # a bug (any other exception) keeps its traceback
 
@@ -142,7 +143,7 @@ def test_config_yaml_and_plots_are_written_atomically(tmp_path, monkeypatch):
     def dies(src, dst):
         raise OSError("killed before the rename")
 
-    monkeypatch.setattr(rundir.os, "replace", dies)
+    monkeypatch.setattr(safe_io.os, "replace", dies)
     changed = load_config(SETUP, ["train.epochs=3"], "ce")
     with pytest.raises(OSError, match="killed"):
         save_config(changed, path)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cals_seg.config import load_config
+from cals_seg.config.schema import load_config
 from cals_seg.data.synthetic_cls import TEXT_GROUPS, generate_synthetic_corpus
 from cals_seg.data.text import (
     Vocabulary,

@@ -15,7 +15,7 @@ TOOLS = sorted(p.stem for p in (ROOT / "tools").glob("*.py"))
 
 def test_every_tool_has_a_command_and_a_console_script():
     commands = sorted(p.stem for p in (ROOT / "cals_seg" / "commands").glob("*.py")
-                      if p.stem != "__init__")
+                      if not p.stem.startswith("_"))
     assert TOOLS == commands
     scripts = (ROOT / "pyproject.toml").read_text()
     for name in TOOLS:

@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from ..errors import MissingPathError, UserError
-from ._base import Batches, Calibrator
-from ._evaluate import (
+from cals_seg.calibrators._base import Batches, Calibrator
+from cals_seg.calibrators._evaluate import (
     TABLE_COLUMNS,
     Calibrated,
     calibration_table,
@@ -43,12 +42,13 @@ from ._evaluate import (
     load_or_fit_calibrators,
     table_values,
 )
-from .boundary_ts import BoundaryTemperatureScaling
-from .dirichlet import DirichletCalibration
-from .lts import LocalTemperatureScaling
-from .selective import SelectiveScaling
-from .ts import TemperatureScaling
-from .vector import VectorScaling
+from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
+from cals_seg.calibrators.dirichlet import DirichletCalibration
+from cals_seg.calibrators.lts import LocalTemperatureScaling
+from cals_seg.calibrators.selective import SelectiveScaling
+from cals_seg.calibrators.ts import TemperatureScaling
+from cals_seg.calibrators.vector import VectorScaling
+from cals_seg.errors import MissingPathError, UserError
 
 CALIBRATORS: dict[str, type[Calibrator]] = {
     "ts": TemperatureScaling,

@@ -3,7 +3,8 @@
 A calibrator maps logits ``(N, K, *S)`` (and, for some methods, the image) to calibrated logits
 of the same shape. It is fitted on the validation split by :meth:`Calibrator.fit`, which streams
 over a zero-argument callable returning a fresh iterator of ``(logits, target)`` or
-``(logits, target, image)`` batches, as :func:`cals_seg.temperature.fit_temperature` does:
+``(logits, target, image)`` batches, as
+:func:`cals_seg.calibrators.temperature.fit_temperature` does:
 the memory is one batch plus the calibrator's state; a method that needs several passes (grid
 refinement, L-BFGS iterations, epochs) calls it again.
 """
@@ -17,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from cals_seg.distributed import all_reduce_sum_
+from cals_seg.calibrators.temperature import _valid_rows
 from cals_seg.errors import UserError
-from cals_seg.temperature import _valid_rows
+from cals_seg.utils.distributed import all_reduce_sum_
 
 Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor | None]
 Batches = Callable[[], Iterable[Batch]]

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from ..errors import UserError
-from ._base import Calibrator
+from cals_seg.calibrators._base import Calibrator
+from cals_seg.errors import UserError
 
 # Meters that only read the argmax: fed the raw logits when the calibrator cannot change it, so
 # that their numbers (mIoU, accuracies) are bit-identical to the uncalibrated ones.
@@ -55,7 +55,7 @@ def fit_calibrators(
     """Fit each calibrator on ``model``'s logits over ``val_loader`` (re-running the model for
     every pass; nothing is cached); returns ``{name: fit_info}``. The test split is never
     involved."""
-    from cals_seg.evaluation import predict
+    from cals_seg.evaluation.stream import predict
 
     def batches():
         return predict(model, val_loader, device, amp, protocol=protocol, with_inputs=True)
@@ -93,7 +93,7 @@ def evaluate_calibrators(
         ``{"uncalibrated": metrics, name: metrics, ...}``, each the merged ``compute()`` dicts
         of one meter set.
     """
-    from cals_seg.evaluation import compute, evaluate
+    from cals_seg.evaluation.stream import compute, evaluate
 
     raw = {k: m.to(device) for k, m in meters().items()}
     sets = {name: {k: m.to(device) for k, m in meters().items()} for name in calibrators}
@@ -127,7 +127,7 @@ def load_or_fit_calibrators(
         ``fit_seconds`` and, on CUDA, ``fit_peak_memory_mib`` (peak allocated during the fit,
         the network's forward passes included).
     """
-    from . import build_calibrator, load_calibrator, save_calibrator
+    from cals_seg.calibrators import build_calibrator, load_calibrator, save_calibrator
 
     folder = Path(folder)
     out, info = {}, {}

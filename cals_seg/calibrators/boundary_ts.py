@@ -14,7 +14,7 @@ recomputed from the argmax, which the division keeps).
 
 Fit: the validation NLL is a sum over bands of one-temperature NLLs, so each ``T_i`` is the
 temperature-scaling optimum of its band's pixels, found by the same streaming grid refinement
-as :func:`cals_seg.temperature.fit_temperature` (one grid per band, ``passes`` passes, a
+as :func:`cals_seg.calibrators.temperature.fit_temperature` (one grid per band, ``passes`` passes, a
 parabola through the best point and its neighbours). A band without validation pixels gets the
 temperature of all pixels (``passes`` more passes, with a warning). Void pixels of the target
 are left out of the NLL, but they shape the predicted map like every other pixel, as at test
@@ -31,12 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.distributed import all_reduce_sum_
+from cals_seg.calibrators._base import Batches, Calibrator, check_positive_int, iterate, valid_rows
+from cals_seg.calibrators.temperature import _grid_nll, _parabola_vertex, fit_temperature
 from cals_seg.errors import UserError
 from cals_seg.metrics.regions import boundary_bands
-from cals_seg.temperature import _grid_nll, _parabola_vertex, fit_temperature
-
-from ._base import Batches, Calibrator, check_positive_int, iterate, valid_rows
+from cals_seg.utils.distributed import all_reduce_sum_
 
 
 def predicted_bands(logits: Tensor, bands: Sequence[float]) -> Tensor:

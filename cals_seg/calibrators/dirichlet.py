@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import UserError
-from ._base import Batches, Calibrator, check_positive_int, lbfgs_fit
+from cals_seg.calibrators._base import Batches, Calibrator, check_positive_int, lbfgs_fit
+from cals_seg.errors import UserError
 
 
 def dirichlet_logits(rows: Tensor, weight: Tensor, bias: Tensor) -> Tensor:

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import UserError
-from ._base import Batches, Calibrator, check_positive_int, fit_with_holdout
+from cals_seg.calibrators._base import Batches, Calibrator, check_positive_int, fit_with_holdout
+from cals_seg.errors import UserError
 
 LOG_T_MAX = math.log(100.0)
 

@@ -28,10 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cals_seg.errors import UserError
-from cals_seg.temperature import _grid_nll
-
-from ._base import (
+from cals_seg.calibrators._base import (
     Batches,
     Calibrator,
     check_positive_float,
@@ -41,6 +38,8 @@ from ._base import (
     iterate,
     valid_rows,
 )
+from cals_seg.calibrators.temperature import _grid_nll
+from cals_seg.errors import UserError
 
 # Rows per forward pass of the classifier at inference (bounds its hidden activations).
 _ROWS = 2**18

@@ -1,6 +1,7 @@
 """``ts``: one temperature for every logit (Guo et al., ICML 2017).
 
-``forward(l) = l / T`` with ``T > 0`` fitted by :func:`cals_seg.temperature.fit_temperature`
+``forward(l) = l / T`` with ``T > 0`` fitted by
+:func:`cals_seg.calibrators.temperature.fit_temperature`
 (grid refinement of the validation NLL, three passes, bounded memory). The argmax is unchanged.
 """
 
@@ -11,9 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.temperature import fit_temperature
-
-from ._base import Batches, Calibrator, iterate
+from cals_seg.calibrators._base import Batches, Calibrator, iterate
+from cals_seg.calibrators.temperature import fit_temperature
 
 
 class TemperatureScaling(Calibrator):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._base import Batches, Calibrator, check_positive_int, lbfgs_fit
+from cals_seg.calibrators._base import Batches, Calibrator, check_positive_int, lbfgs_fit
 
 
 def vector_nll(rows: Tensor, labels: Tensor, scale: Tensor, bias: Tensor) -> Tensor:

@@ -38,10 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported after parsing, so that --help answers without loading torch.
-    from ..checks import check_class_names
-    from ..config import ConfigError, load_config
-    from ..data.check import check_splits
-    from ..tasks.segmentation import class_names, segmentation_splits
+    from cals_seg.config.checks import check_class_names
+    from cals_seg.config.schema import ConfigError, load_config
+    from cals_seg.data.check import check_splits
+    from cals_seg.tasks.segmentation import class_names, segmentation_splits
 
     try:
         cfg = load_config(args.config, args.set)

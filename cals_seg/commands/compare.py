@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cli import add_set_argument
+from cals_seg.commands._cli import add_set_argument
 
 SCORE_NAMES = {"miou": "mIoU", "acc": "Acc"}
 
@@ -84,9 +84,9 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
     Raises:
         UserError: a config that does not load.
     """
-    from ..checks import check_config
-    from ..config import load_config, resolve_config_path
-    from ..tasks import build_task
+    from cals_seg.config.checks import check_config
+    from cals_seg.config.schema import load_config, resolve_config_path
+    from cals_seg.tasks import build_task
 
     jobs, prepared = [], set()
     for config in args.configs:
@@ -112,11 +112,16 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
     the headline metric's name, read from the runs' own files."""
     import json
 
-    from ..config import load_config
-    from ..errors import UntrustedCheckpointError, UserError
-    from ..rundir import RunDir
-    from ..study import add_calibrators, backfill_test_metrics, calibrator_rows, summarise
-    from ..tasks import score_metric, task_family
+    from cals_seg.config.schema import load_config
+    from cals_seg.errors import UntrustedCheckpointError, UserError
+    from cals_seg.runs.folder import RunDir
+    from cals_seg.tasks import score_metric, task_family
+    from cals_seg.training.study import (
+        add_calibrators,
+        backfill_test_metrics,
+        calibrator_rows,
+        summarise,
+    )
 
     first_run: dict[str, Path] = {}
     metric = None
@@ -153,9 +158,9 @@ def plot_study(out: Path, rows: dict[str, dict[str, Any]], first_run: dict[str, 
     """ECE against the score, a reliability grid and the multiplier curves of each row."""
     import json
 
-    from .. import plotting
-    from ..rundir import RunDir
-    from ..study import mean_std
+    from cals_seg.runs.folder import RunDir
+    from cals_seg.training.study import mean_std
+    from cals_seg.visualization import plotting
 
     points = []
     for method, row in rows.items():
@@ -183,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..cli import USER_ERRORS, report
-    from ..errors import UntrustedCheckpointError
-    from ..rules import check_folder
-    from ..study import run_one, write_results
+    from cals_seg.commands._cli import USER_ERRORS, report
+    from cals_seg.config.rules import check_folder
+    from cals_seg.errors import UntrustedCheckpointError
+    from cals_seg.training.study import run_one, write_results
 
     start = time.perf_counter()
     rows: dict[str, dict[str, Any]] = {}
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return report(err)
     write_results(args.out, rows, score_name)
     if args.calibrators:
-        from ..study import write_calibrator_results
+        from cals_seg.training.study import write_calibrator_results
 
         write_calibrator_results(args.out, rows)
     plot_study(args.out, rows, first_run, score_name)

@@ -28,14 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="where to write the converted checkpoint (default: in place)")
     args = parser.parse_args(argv)
-    from ..cli import report
-    from ..errors import UserError
+    from cals_seg.commands._cli import report
+    from cals_seg.errors import UserError
 
     if not args.trust:
         return report(UserError(
             f"converting {args.checkpoint} unpickles it in full, which runs any code it holds; "
             "pass --trust if you trust the file (you wrote it, or know who did)."))
-    from ..rundir import convert_checkpoint
+    from cals_seg.utils.io import convert_checkpoint
 
     try:
         out = convert_checkpoint(args.checkpoint, args.out)

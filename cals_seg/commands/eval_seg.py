@@ -35,8 +35,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..cli import add_method_argument, add_protocol_arguments, add_set_argument, protocol_overrides
-from ..errors import MissingPathError, UserError
+from cals_seg.commands._cli import (
+    add_method_argument,
+    add_protocol_arguments,
+    add_set_argument,
+    protocol_overrides,
+)
+from cals_seg.errors import MissingPathError, UserError
 
 # The names of cals_seg.calibrators.CALIBRATORS (listed here so that --help does not import torch;
 # a test checks that they agree).
@@ -105,7 +110,7 @@ def calibrator_params(items: list[str]) -> dict[str, dict]:
 def open_run(args: argparse.Namespace):
     """The run of ``RUN_DIR [--checkpoint best|last|FILE]``, or of the older form
     ``CONFIG --checkpoint FILE`` (the config given instead of the run's own)."""
-    from ..runs import load_run
+    from cals_seg.runs.loading import load_run
 
     sets = [*args.set, *protocol_overrides(args)]
     given = Path(args.run)
@@ -123,9 +128,9 @@ def open_run(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from ..cli import USER_ERRORS, report
-    from ..rules import check_folder
-    from ..voc_checks import check_voc_data
+    from cals_seg.commands._cli import USER_ERRORS, report
+    from cals_seg.config.rules import check_folder
+    from cals_seg.data.voc_checks import check_voc_data
 
     try:
         if args.out:
@@ -142,10 +147,10 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     """Test metrics before/after temperature scaling, plots and calibration maps of ``run``."""
     import copy
 
-    from ..checks import bounded_input, warn_large_images
-    from ..distributed import is_main_process
-    from ..engine import make_loader
-    from ..trainer import calibrated_test
+    from cals_seg.config.checks import bounded_input, warn_large_images
+    from cals_seg.training.engine import make_loader
+    from cals_seg.training.trainer import calibrated_test
+    from cals_seg.utils.distributed import is_main_process
 
     cfg, task, model, amp = run.config, run.task, run.model, run.precision
     split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
@@ -158,9 +163,9 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     calibrators, fits = {}, {}
     names = getattr(args, "calibrators", [])
     if names:
-        from ..calibrators import load_or_fit_calibrators
-        from ..cli import USER_ERRORS, report
-        from ..distributed import is_distributed
+        from cals_seg.calibrators import load_or_fit_calibrators
+        from cals_seg.commands._cli import USER_ERRORS, report
+        from cals_seg.utils.distributed import is_distributed
 
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
@@ -190,9 +195,10 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
 def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> int:
     """What rank 0 writes: metrics.json, the reliability, calibrator and region plots, the
     multiplier curves and the calibration maps; prints the summary line."""
-    from .. import plotting
-    from ..reports import calibration_maps, plot_regions
-    from ..rundir import RunDir, write_json
+    from cals_seg.evaluation.reports import calibration_maps, plot_regions
+    from cals_seg.runs.folder import RunDir
+    from cals_seg.utils.io import write_json
+    from cals_seg.visualization import plotting
 
     cfg, task = run.config, run.task
     out = Path(args.out) if args.out else run.checkpoint.resolve().parent / f"eval_{args.split}"
@@ -236,8 +242,8 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
 
 def write_calibrator_outputs(result: dict, out: Path, title: str) -> None:
     """Each post-hoc calibrator's reliability diagram and the table ``out/calibrators.md``."""
-    from .. import plotting
-    from ..calibrators import calibration_table
+    from cals_seg.calibrators import calibration_table
+    from cals_seg.visualization import plotting
 
     if not result.get("calibrators"):
         return
@@ -257,7 +263,7 @@ def write_calibrator_outputs(result: dict, out: Path, title: str) -> None:
 
 def run() -> None:
     """Console entry point (joins the process group under torchrun)."""
-    from ..cli import launch
+    from cals_seg.commands._cli import launch
 
     launch(main)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-# The library's names (cals_seg.export imports torch; --help must not).
+# The library's names (cals_seg.runs.export imports torch; --help must not).
 FORMATS = ("onnx", "pt2")
 CALIBRATORS = ("ts", "none")
 
@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from ..cli import USER_ERRORS, report
-    from ..export import export_run
+    from cals_seg.commands._cli import USER_ERRORS, report
+    from cals_seg.runs.export import export_run
 
     try:
         info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,

@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a synthetic dataset generated with other parameters")
     args = parser.parse_args(argv)
-    from ..data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
-    from ..data.voc import paper_split
+    from cals_seg.data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
+    from cals_seg.data.voc import paper_split
 
 
     start = time.perf_counter()

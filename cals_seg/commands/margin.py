@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cli import add_set_argument
-from ..errors import UserError
+from cals_seg.commands._cli import add_set_argument
+from cals_seg.errors import UserError
 
-PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)  # as cals_seg.gaps
+PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)  # as cals_seg.runs.gaps
 
 
 def _fmt_gap_table(stats: dict[str, Any]) -> str:
@@ -66,12 +66,12 @@ def _fmt_gap_table(stats: dict[str, Any]) -> str:
 
 
 def gaps_main(args: argparse.Namespace) -> int:
-    from ..cli import USER_ERRORS, report
-    from ..engine import make_loader
-    from ..evaluation import predict
-    from ..gaps import gap_statistics
-    from ..rundir import write_json
-    from ..runs import load_run
+    from cals_seg.commands._cli import USER_ERRORS, report
+    from cals_seg.evaluation.stream import predict
+    from cals_seg.runs.gaps import gap_statistics
+    from cals_seg.runs.loading import load_run
+    from cals_seg.training.engine import make_loader
+    from cals_seg.utils.io import write_json
 
     try:
         if any(m <= 0 for m in args.margins):
@@ -134,8 +134,8 @@ def write_sweep(out: Path, rows: list[dict[str, Any]], config: Path, args: argpa
                 sets: list[str], minutes: float) -> None:
     """The recommendation from the sweep's rows (the CE reference first), written to
     ``OUT/results.json`` and ``OUT/results.md`` and printed."""
-    from ..gaps import recommend
-    from ..rundir import write_json
+    from cals_seg.runs.gaps import recommend
+    from cals_seg.utils.io import write_json
 
     reference, candidates = rows[0], [r for r in rows[1:] if "error" not in r]
     if "error" in reference:
@@ -172,13 +172,13 @@ def sweep_main(args: argparse.Namespace) -> int:
     import inspect
     from concurrent.futures import ThreadPoolExecutor
 
-    from ..checks import check_config
-    from ..cli import USER_ERRORS, report
-    from ..config import load_config
-    from ..gaps import run_summary
-    from ..losses import LOSSES
-    from ..study import run_one
-    from ..tasks import build_task
+    from cals_seg.commands._cli import USER_ERRORS, report
+    from cals_seg.config.checks import check_config
+    from cals_seg.config.schema import load_config
+    from cals_seg.losses import LOSSES
+    from cals_seg.runs.gaps import run_summary
+    from cals_seg.tasks import build_task
+    from cals_seg.training.study import run_one
 
     start = time.perf_counter()
     config = Path(args.config)

@@ -23,7 +23,7 @@ Per image, named after the input file, in DIR:
 and one JSON line per input in DIR/predictions.jsonl: size, temperature, mean confidence, the
 fraction of pixels under the threshold, mean entropy (nats), predicted class areas, seconds, and
 the output files (or the error of an unreadable input). Outputs are at the image's own
-resolution whatever the network input (see cals_seg.inference).
+resolution whatever the network input (see cals_seg.evaluation.inference).
 
 Exit status: 0, or 1 when some inputs could not be read (each is named, the rest are written),
 or 2 on a usage error or, with --strict, at the first unreadable input.
@@ -38,20 +38,20 @@ import time
 import warnings
 from pathlib import Path
 
-from ..cli import add_protocol_arguments, add_set_argument, protocol_overrides
-from ..errors import MissingPathError, UserError
+from cals_seg.commands._cli import add_protocol_arguments, add_set_argument, protocol_overrides
+from cals_seg.errors import MissingPathError, UserError
 
 
 def open_run(args: argparse.Namespace):
     """The run to predict with (eval mode, on its device) and the temperature to use; with
     ``--calibrator NAME``, ``args.calibrator_module`` is the run's saved calibrator."""
-    from ..runs import load_run
+    from cals_seg.runs.loading import load_run
 
     run = load_run(args.run, overrides=[*args.set, *protocol_overrides(args)],
                    device=args.device, amp=args.amp, family="segmentation")
     args.calibrator_module = None
     if args.calibrator is not None:
-        from ..calibrators import load_calibrator
+        from cals_seg.calibrators import load_calibrator
 
         path = run.path / "calibrators" / f"{args.calibrator}.pt"
         if not path.is_file():
@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from ..cli import USER_ERRORS, report
-    from ..inference import predict_image
-    from ..predict import (
+    from cals_seg.commands._cli import USER_ERRORS, report
+    from cals_seg.config.rules import check_folder
+    from cals_seg.evaluation.inference import predict_image
+    from cals_seg.evaluation.predict import (
         IMAGE_SUFFIXES,
         UnreadableImageError,
         collect_inputs,
@@ -121,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
         summary,
         write_outputs,
     )
-    from ..rules import check_folder
 
     try:
         check_folder("--out", args.out, must_exist=False, writable=True)

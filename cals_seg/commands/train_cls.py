@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cli import launch, train_command
+from cals_seg.commands._cli import launch, train_command
 
 
 def group_report(test: dict[str, Any]) -> str:

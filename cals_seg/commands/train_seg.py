@@ -10,7 +10,7 @@ test_metrics.json, temperature.json, plots/*.png}.
 
 from __future__ import annotations
 
-from ..cli import launch, train_command
+from cals_seg.commands._cli import launch, train_command
 
 main = train_command(__doc__, "segmentation")
 

@@ -21,7 +21,27 @@ from cals_seg.data.voc import (
     voc_palette,
 )
 
+# data.name -> kind: every dataset the toolkit can build. ``segmentation`` datasets give
+# (image, mask) samples, ``classification`` (image, label), ``text`` (token ids, label);
+# cals_seg.tasks registers one builder for each name (a test keeps the two in step).
+DATASET_KINDS: dict[str, str] = {
+    "imagefolder": "classification",
+    "split_files": "classification",
+    "tiny_imagenet": "classification",
+    "imagenet": "classification",
+    "imagenet_lt": "classification",
+    "synthetic_cls": "classification",
+    "voc": "segmentation",
+    "synthetic": "segmentation",
+    "cityscapes": "segmentation",
+    "ade20k": "segmentation",
+    "folder": "segmentation",
+    "20news": "text",
+    "synthetic_text": "text",
+}
+
 __all__ = [
+    "DATASET_KINDS",
     "ADE20K_CLASSES",
     "CITYSCAPES_CLASSES",
     "SYNTHETIC_CLASSES",

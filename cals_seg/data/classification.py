@@ -45,7 +45,8 @@ Sample = tuple[str, int]
 class ClassificationTransform:
     """An ``A.Compose`` applied to an RGB uint8 image, returning a float32 tensor.
 
-    The compose is exposed as ``.compose`` so that :mod:`cals_seg.engine` reseeds its RNG per
+    The compose is exposed as ``.compose`` so that :mod:`cals_seg.training.engine` reseeds its
+    RNG per
     epoch (exact resume).
 
     Shape:

@@ -33,7 +33,9 @@ def request_extra_inputs(dataset: Dataset, criterion: nn.Module) -> None:
     names = tuple(getattr(criterion, "extra_inputs", ()))
     if not names:
         return
-    from .transforms import SegmentationTransform  # albumentations: imported when needed
+    from cals_seg.data.transforms import (
+        SegmentationTransform,  # albumentations: imported when needed
+    )
 
     transform = getattr(dataset, "transform", None)
     if not isinstance(transform, SegmentationTransform):

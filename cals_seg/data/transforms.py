@@ -137,7 +137,8 @@ def eval_transform(
     """Deterministic evaluation pipeline giving every image the same ``(size, size)`` shape.
 
     The toolkit's own segmentation evaluation uses ``eval_transform(None)`` (normalisation
-    only) and makes the network input with :mod:`cals_seg.inference`, so that masks are never
+    only) and makes the network input with :mod:`cals_seg.evaluation.inference`, so that masks
+    are never
     resized; a ``size`` here shrinks the mask too, and metrics taken on its output are not on
     the original pixels.
 

@@ -13,19 +13,19 @@ import inspect
 import typing
 from typing import Any
 
-from ._adaptive import AdaptiveLoss
-from ._base import SegLoss
-from .cals import CALSALMLoss, CALSHRLoss
-from .cals_bands import BandCALSALMLoss
-from .ce import CrossEntropyLoss
-from .confidence_penalty import ConfidencePenaltyLoss
-from .crac import CRaCLoss
-from .focal import FocalLoss, FocalLossSD
-from .label_smoothing import LabelSmoothingLoss
-from .mbls import MbLSLoss
-from .nacl import NACLLoss
-from .penalties import PENALTIES, Penalty, get_penalty
-from .svls import SVLSLoss
+from cals_seg.losses._adaptive import AdaptiveLoss
+from cals_seg.losses._base import SegLoss
+from cals_seg.losses.cals import CALSALMLoss, CALSHRLoss
+from cals_seg.losses.cals_bands import BandCALSALMLoss
+from cals_seg.losses.ce import CrossEntropyLoss
+from cals_seg.losses.confidence_penalty import ConfidencePenaltyLoss
+from cals_seg.losses.crac import CRaCLoss
+from cals_seg.losses.focal import FocalLoss, FocalLossSD
+from cals_seg.losses.label_smoothing import LabelSmoothingLoss
+from cals_seg.losses.mbls import MbLSLoss
+from cals_seg.losses.nacl import NACLLoss
+from cals_seg.losses.penalties import PENALTIES, Penalty, get_penalty
+from cals_seg.losses.svls import SVLSLoss
 
 LOSSES: dict[str, type[SegLoss]] = {
     "ce": CrossEntropyLoss,

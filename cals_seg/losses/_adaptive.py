@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..distributed import all_reduce_sum_
-from ._base import SegLoss, as_float32, autocast_off
+from cals_seg.losses._base import SegLoss, as_float32, autocast_off
+from cals_seg.utils.distributed import all_reduce_sum_
 
 # Keys of a history line that the trainer writes itself; a loss may not log under them.
 RESERVED_LOG_KEYS = frozenset({"epoch", "lr", "precision", "best", "time"})

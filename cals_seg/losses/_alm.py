@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .penalties import Penalty, PenaltyFn, get_penalty
+from cals_seg.losses.penalties import Penalty, PenaltyFn, get_penalty
 
 
 class ALMRules:

@@ -39,7 +39,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._functional import blocks
+from cals_seg.losses._functional import blocks
 
 BIN_WIDTH = 0.05  # nats of m_eff per histogram bin
 NUM_BINS = 800  # covers m_eff in [0, 40); larger values fall in the last bin

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._base import autocast_off
-from ._functional import blocks
-from .penalties import Penalty
+from cals_seg.losses._base import autocast_off
+from cals_seg.losses._functional import blocks
+from cals_seg.losses.penalties import Penalty
 
 
 def _block_params(band: Tensor, margins: Tensor, lambdas: Tensor, rhos: Tensor

@@ -60,7 +60,7 @@ def distance_bands(target: np.ndarray, bands: Sequence[float], ignore_index: int
         target: ``(N, H, W)`` integer; inside: ``(N, H, W)`` or None; returns ``(N, H, W)``
         int64.
     """
-    from ..metrics.regions import squared_boundary_distance  # OpenCV
+    from cals_seg.metrics.regions import squared_boundary_distance  # OpenCV
 
     boundary = boundary_pixels_inside(target, ignore_index, inside)
     dist2 = squared_boundary_distance(boundary)

@@ -48,7 +48,7 @@ class SegLoss(nn.Module):
     ``deferred_checks = True`` (what the trainer sets, see ``train.debug_checks``) the call
     never synchronises: out-of-range targets are treated as ``ignore_index`` and their count is
     left in ``self.bad_labels`` (0-dim int64 tensor) for the caller to check when it wants
-    (:func:`cals_seg.engine.train_one_epoch` checks it every ``CHECK_EVERY`` steps).
+    (:func:`cals_seg.training.engine.train_one_epoch` checks it every ``CHECK_EVERY`` steps).
 
     Args:
         num_classes: K.

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from ._base import autocast_off
+from cals_seg.losses._base import autocast_off
 
 ElementFn = Callable[[Tensor], Tensor]
 

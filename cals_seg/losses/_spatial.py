@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._base import SegLoss
+from cals_seg.losses._base import SegLoss
 
 PADDINGS = ("zeros", "replicate")
 _TINY = 1e-30  # a kernel whose weights are all 0 (refused earlier; kept safe)

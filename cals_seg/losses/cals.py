@@ -21,10 +21,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._validation import check_finite
-from ._adaptive import AdaptiveLoss
-from ._alm import ALMRules
-from ._auto_margin import (
+from cals_seg.losses._adaptive import AdaptiveLoss
+from cals_seg.losses._alm import ALMRules
+from cals_seg.losses._auto_margin import (
     MARGIN_RATE,
     MARGIN_SKILL,
     NUM_BINS,
@@ -37,8 +36,9 @@ from ._auto_margin import (
     solve_temperature,
     starting_margin,
 )
-from ._functional import ce_sum, class_penalty, class_sums
-from .penalties import Penalty, PenaltyFn
+from cals_seg.losses._functional import ce_sum, class_penalty, class_sums
+from cals_seg.losses.penalties import Penalty, PenaltyFn
+from cals_seg.utils.validation import check_finite
 
 
 class _ClassAdaptiveLoss(AdaptiveLoss):

@@ -16,10 +16,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from .._validation import check_finite
-from ._adaptive import AdaptiveLoss
-from ._alm import ALMRules
-from ._auto_margin import (
+from cals_seg.losses._adaptive import AdaptiveLoss
+from cals_seg.losses._alm import ALMRules
+from cals_seg.losses._auto_margin import (
     MARGIN_RATE,
     MARGIN_SKILL,
     NUM_BINS,
@@ -32,12 +31,13 @@ from ._auto_margin import (
     solve_temperature,
     starting_margin,
 )
-from ._band_penalty import band_penalty
-from ._bands import BandMap, distance_bands
-from ._base import as_float32, autocast_off
-from ._functional import ce_sum, class_sums
-from ._spatial import SpatialLoss
-from .penalties import Penalty, PenaltyFn
+from cals_seg.losses._band_penalty import band_penalty
+from cals_seg.losses._bands import BandMap, distance_bands
+from cals_seg.losses._base import as_float32, autocast_off
+from cals_seg.losses._functional import ce_sum, class_sums
+from cals_seg.losses._spatial import SpatialLoss
+from cals_seg.losses.penalties import Penalty, PenaltyFn
+from cals_seg.utils.validation import check_finite
 
 MARGIN_STEERS = ("band", "adjacent", "pooled_gate")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._base import SegLoss, masked_mean
-from ._functional import ce_sum
+from cals_seg.losses._base import SegLoss, masked_mean
+from cals_seg.losses._functional import ce_sum
 
 ENTROPY_FORMS = ("class_mean", "sum")
 

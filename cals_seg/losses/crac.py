@@ -13,12 +13,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._validation import check_finite
-from ._adaptive import AdaptiveLoss
-from ._alm import ALMRules
-from ._functional import ce_sum
-from ._spatial import SpatialLoss, mean_kernel, mixed_windows, neighbourhood_distribution
-from .penalties import Penalty, PenaltyFn
+from cals_seg.losses._adaptive import AdaptiveLoss
+from cals_seg.losses._alm import ALMRules
+from cals_seg.losses._functional import ce_sum
+from cals_seg.losses._spatial import (
+    SpatialLoss,
+    mean_kernel,
+    mixed_windows,
+    neighbourhood_distribution,
+)
+from cals_seg.losses.penalties import Penalty, PenaltyFn
+from cals_seg.utils.validation import check_finite
 
 REGIONS = ("boundary", "interior")
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._base import SegLoss, masked_mean
+from cals_seg.losses._base import SegLoss, masked_mean
 
 
 def _focal_terms(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:

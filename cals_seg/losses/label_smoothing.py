@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._base import SegLoss
+from cals_seg.losses._base import SegLoss
 
 
 class LabelSmoothingLoss(SegLoss):

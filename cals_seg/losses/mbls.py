@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ._base import SegLoss
-from ._functional import ce_sum, class_penalty
+from cals_seg.losses._base import SegLoss
+from cals_seg.losses._functional import ce_sum, class_penalty
 
 
 class MbLSLoss(SegLoss):

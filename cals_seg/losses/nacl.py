@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._functional import ce_sum
-from ._spatial import SpatialLoss, check_kernel_size, mean_kernel, neighbourhood_distribution
+from cals_seg.losses._functional import ce_sum
+from cals_seg.losses._spatial import (
+    SpatialLoss,
+    check_kernel_size,
+    mean_kernel,
+    neighbourhood_distribution,
+)
 
 
 class NACLLoss(SpatialLoss):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._spatial import (
+from cals_seg.losses._spatial import (
     SpatialLoss,
     check_kernel_size,
     gaussian_svls_kernel,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cals_seg.distributed import all_reduce_sum_, is_distributed
+from cals_seg.utils.distributed import all_reduce_sum_, is_distributed
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -239,7 +239,7 @@ def max_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     dimension is vectorised along the positions, while ``max`` with indices is not. The first
     maximal index is recovered as ``K - max_k ([l_k == max] * (K - k))`` on uint8 (one uint8
     temporary of ``(N, K, P)`` bytes). NaN positions give the out-of-range index K, so call
-    ``cals_seg._validation.check_finite`` before using the indices.
+    ``cals_seg.utils.validation.check_finite`` before using the indices.
 
     Shape:
         - logits: ``(N, K, P)``; returns maxima ``(N, P)`` and int64 indices ``(N, P)``.

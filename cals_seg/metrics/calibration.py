@@ -13,7 +13,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
     NUM_FINE_CELLS,
     bin_index,
@@ -25,6 +24,7 @@ from cals_seg.metrics._functional import (
     prepare_logits,
     sum_over_ranks,
 )
+from cals_seg.utils.validation import check_finite
 
 # Per-image values whose sums over images are kept (``<name>_image_mean`` in ``compute``).
 IMAGE_KEYS = ("ece", "mce", "acc", "nll", "brier", "cwce")

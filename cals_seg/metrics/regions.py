@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
     bin_index,
     check_ignore_index,
@@ -33,6 +32,7 @@ from cals_seg.metrics._functional import (
     sum_over_ranks,
 )
 from cals_seg.metrics.calibration import ece_split, reliability_data
+from cals_seg.utils.validation import check_finite
 
 # --------------------------------------------------------------------------------------------
 # Groups from the target masks (numpy, CPU).

@@ -12,7 +12,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from cals_seg._validation import check_finite
 from cals_seg.metrics._functional import (
     check_ignore_index,
     check_inputs_arg,
@@ -22,6 +21,7 @@ from cals_seg.metrics._functional import (
     prepare_predictions,
     sum_over_ranks,
 )
+from cals_seg.utils.validation import check_finite
 
 
 def _confusion_update(

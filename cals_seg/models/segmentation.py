@@ -9,7 +9,7 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 
-from ..errors import MissingPathError, UserError, WeightsUnavailableError
+from cals_seg.errors import MissingPathError, UserError, WeightsUnavailableError
 
 
 def build_segmentation_model(

@@ -20,15 +20,17 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import Config, ConfigError
-from ..inference import EvalProtocol
-from ..metrics import (
+from cals_seg.config.schema import Config
+from cals_seg.data import DATASET_KINDS
+from cals_seg.errors import ConfigError
+from cals_seg.evaluation.inference import EvalProtocol
+from cals_seg.metrics import (
     BoundaryCalibrationMeter,
     CalibrationMeter,
     ObjectSizeCalibrationMeter,
     SegmentationMeter,
 )
-from ..metrics.groups import ShotGroupMeter
+from cals_seg.metrics.groups import ShotGroupMeter
 
 
 @dataclass
@@ -44,7 +46,8 @@ class Task:
     ignore_index: int
     class_names: list[str] = field(default_factory=list)
     # How an evaluation makes the network input from a sample (segmentation: resize / pad /
-    # tiles, logits brought back to the image's size, see cals_seg.inference); None: as is.
+    # tiles, logits brought back to the image's size, see cals_seg.evaluation.inference); None:
+    # as is.
     protocol: EvalProtocol | None = None
 
     family = "classification"
@@ -104,6 +107,10 @@ def register_dataset(name: str, family: str) -> Callable[[Builder], Builder]:
     """Decorator: make ``builder(cfg) -> Task`` the one for ``data.name == name``."""
 
     def add(builder: Builder) -> Builder:
+        kind = DATASET_KINDS.get(name)
+        if kind is None or (kind if kind != "text" else "classification") != family:
+            raise ValueError(f"data.name {name!r}: add it to cals_seg.data.DATASET_KINDS "
+                             f"as a {family} dataset first.")
         if name in DATASETS:
             raise ValueError(f"data.name {name!r} is registered twice.")
         DATASETS[name] = (family, builder)
@@ -140,7 +147,7 @@ def score_metric(cfg: Config) -> str:
 def build_task(cfg: Config, family: str | None = None) -> Task:
     """The task of ``cfg`` (``family``: also check that it is one, naming the right tool).
 
-    Check the config with :func:`cals_seg.checks.check_config` first (every command does,
+    Check the config with :func:`cals_seg.config.checks.check_config` first (every command does,
     before any data is generated or read); the builders apply the rules of what they create
     (the evaluation protocol, the class names, the data listing).
     """
@@ -188,7 +195,7 @@ def class_names_or_default(names: Any, num_classes: int) -> list[str]:
 
 
 # The families register their datasets on import.
-from . import classification, segmentation, text  # noqa: E402, F401
+from cals_seg.tasks import classification, segmentation, text  # noqa: E402, F401
 
 __all__ = [
     "DATASETS",

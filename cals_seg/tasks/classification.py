@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..config import Config, ConfigError
-from ..data.classification import (
+from cals_seg.config.schema import Config
+from cals_seg.data.classification import (
     IMAGENET_LT_FILES,
     ImageClassification,
     classification_eval_transform,
@@ -21,9 +21,10 @@ from ..data.classification import (
     split_file_splits,
     tiny_imagenet_paper_split,
 )
-from ..data.synthetic_cls import IMAGE_CLASSES, generate_synthetic_images
-from ..models.classification import build_classification_model
-from . import ClassificationTask, generate_embedded, register_dataset
+from cals_seg.data.synthetic_cls import IMAGE_CLASSES, generate_synthetic_images
+from cals_seg.errors import ConfigError
+from cals_seg.models.classification import build_classification_model
+from cals_seg.tasks import ClassificationTask, generate_embedded, register_dataset
 
 
 def check_classification_config(cfg: Config, classes: Sequence[str]) -> None:

@@ -18,18 +18,17 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..config import Config
-from ..config_rules import check_class_names, check_eval_protocol
-from ..data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
-from ..data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
-from ..data.folder import ColourTable, FolderSegmentation, folder_split
-from ..data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
-from ..data.transforms import eval_transform, train_transform
-from ..data.voc import VOC_CLASSES, VOCSegmentation, paper_split
-from ..errors import ConfigError, DataError
-from ..inference import EvalProtocol, input_multiple
-from ..models import build_segmentation_model
-from . import (
+from cals_seg.config.schema import Config
+from cals_seg.data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
+from cals_seg.data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
+from cals_seg.data.folder import ColourTable, FolderSegmentation, folder_split
+from cals_seg.data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
+from cals_seg.data.transforms import eval_transform, train_transform
+from cals_seg.data.voc import VOC_CLASSES, VOCSegmentation, paper_split
+from cals_seg.errors import ConfigError, DataError
+from cals_seg.evaluation.inference import EvalProtocol, input_multiple
+from cals_seg.models import build_segmentation_model
+from cals_seg.tasks import (
     SegmentationTask,
     class_names_or_default,
     generate_embedded,
@@ -111,7 +110,6 @@ def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
             f"and choose the network input with eval.pad: {d.eval_size} (pad, the paper's VOC "
             f"protocol), eval.resize: {d.eval_size} (longest side), or eval.mode: slide (tiles)."
         )
-    check_eval_protocol(cfg)
     return EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window,
                         stride=e.stride, multiple=input_multiple(model),
                         tile_batch=max(1, e.batch_size))
@@ -164,7 +162,6 @@ def class_names(cfg: Config) -> list[str]:
     """The class names of ``cfg``'s dataset, without reading the data: ``data.class_names``,
     else the dataset's own, else ``class 0 ...``."""
     if cfg.data.class_names is not None:
-        check_class_names(cfg)
         return list(cfg.data.class_names)
     return class_names_or_default(CLASS_NAMES.get(cfg.data.name), cfg.data.num_classes)
 

@@ -3,18 +3,19 @@
 
 from __future__ import annotations
 
-from ..config import Config, ConfigError
-from ..data.synthetic_cls import TEXT_GROUPS, generate_synthetic_corpus
-from ..data.text import (
+from cals_seg.config.schema import Config
+from cals_seg.data.synthetic_cls import TEXT_GROUPS, generate_synthetic_corpus
+from cals_seg.data.text import (
     TextClassification,
     Vocabulary,
     load_glove,
     tokenize,
     twenty_news_paper_split,
 )
-from ..models.text import GlobalPoolingCNN
-from . import ClassificationTask, generate_embedded, register_dataset
-from .classification import check_classification_config
+from cals_seg.errors import ConfigError
+from cals_seg.models.text import GlobalPoolingCNN
+from cals_seg.tasks import ClassificationTask, generate_embedded, register_dataset
+from cals_seg.tasks.classification import check_classification_config
 
 
 def text_task(cfg: Config) -> ClassificationTask:

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .errors import UserError
-from .inference import IMAGENET_MEAN, IMAGENET_STD, input_multiple
+from cals_seg.errors import UserError
+from cals_seg.evaluation.inference import IMAGENET_MEAN, IMAGENET_STD, input_multiple
 
 FORMATS = ("onnx", "pt2")
 # Post-hoc calibrators an exported program can apply: the run's temperature, or none (T = 1).
@@ -170,7 +170,7 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         calibrator: ``ts`` (the run's fitted temperature) or ``none``.
         logits: output raw logits instead of calibrated probabilities.
         checkpoint: ``best`` or ``last`` (for a run directory; read by
-            :func:`cals_seg.runs.load_run`).
+            :func:`cals_seg.runs.loading.load_run`).
         min_size: smallest height / width the program accepts (default ``2 * stride``).
 
     Returns:
@@ -179,7 +179,7 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     Raises:
         ValueError / FileNotFoundError: a bad argument or run, naming the fix.
     """
-    from .runs import load_run
+    from cals_seg.runs.loading import load_run
 
     if calibrator not in CALIBRATORS:
         raise UserError(f"--calibrator: expected one of {list(CALIBRATORS)}, got {calibrator!r}.")

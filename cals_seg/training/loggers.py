@@ -26,7 +26,6 @@ command that installs it.
 from __future__ import annotations
 
 import csv
-import importlib
 import io
 import os
 import secrets
@@ -37,46 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
-
-# logger name -> (module that must import, pip package, extra of cals_seg that installs it)
-LOGGERS: dict[str, tuple[str | None, str | None, str | None]] = {
-    "csv": (None, None, None),
-    "tensorboard": ("tensorboard", "tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb", "wandb"),
-}
-
-
-class LoggerError(ConfigError):
-    """An unknown logger name, or a logger whose package is not installed."""
-
-
-def check_loggers(names: Sequence[str]) -> None:
-    """Refuse unknown names and loggers whose package is missing (before any training).
-
-    Raises:
-        LoggerError: naming ``train.loggers`` and the fix (the valid names, or the ``pip``
-            command that installs the package).
-    """
-    if isinstance(names, str) or not isinstance(names, Sequence):
-        raise LoggerError(
-            f"train.loggers: expected a list of names, got {names!r}; e.g. [csv, tensorboard]."
-        )
-    for name in names:
-        if name not in LOGGERS:
-            raise LoggerError(
-                f"train.loggers: unknown logger {name!r}; valid names are {sorted(LOGGERS)}."
-            )
-        module, package, extra = LOGGERS[name]
-        if module is None:
-            continue
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            raise LoggerError(
-                f"train.loggers: {name!r} needs the {package} package, which is not installed; "
-                f'install it with: pip install "cals_seg[{extra}]" (or: pip install {package}).'
-            ) from None
+from cals_seg.config.rules import LOGGERS, LoggerError, check_loggers
 
 
 # ----------------------------------------------------------------------------- flattening
@@ -133,7 +93,7 @@ def _render(draw: Callable[[Path], Any]) -> np.ndarray | None:
 def epoch_figures(val: Mapping[str, Any], history: Sequence[Mapping[str, Any]],
                   class_names: Sequence[str], title: str) -> dict[str, np.ndarray]:
     """The validation reliability diagram and the multiplier curves as RGB arrays."""
-    from . import plotting
+    from cals_seg.visualization import plotting
 
     images = {}
     rel = val.get("reliability")
@@ -269,7 +229,7 @@ class RunLoggers:
         temperature scaling) and their reliability diagrams, at the last step."""
         if not self.live:
             return
-        from . import plotting
+        from cals_seg.visualization import plotting
 
         scalars: dict[str, float] = {}
         images: dict[str, np.ndarray] = {}

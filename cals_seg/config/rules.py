@@ -16,15 +16,16 @@ Sizes that must suit the network (``data.crop_size`` against its output stride, 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError, yaml_text
+from cals_seg.config.schema import Config, ConfigError, yaml_text
 
 # Largest image side, tile or input size a config may ask for (a 16384 x 16384 float32 input of
 # one channel is 1 GiB: anything larger is a typo, not a protocol).
@@ -244,21 +245,16 @@ def check_rules(cfg: Config) -> None:
 # ----------------------------------------------------------------------------- cross rules
 def family(cfg: Config) -> str | None:
     """``segmentation``, ``classification`` or ``text`` (None: unknown dataset)."""
-    from .tasks import DATASETS
+    from cals_seg.data import DATASET_KINDS
 
-    if cfg.data.name not in DATASETS:
-        return None
-    found, builder = DATASETS[cfg.data.name]
-    if getattr(builder, "__module__", "").endswith(".text"):
-        return "text"
-    return found
+    return DATASET_KINDS.get(cfg.data.name)
 
 
 def check_dataset_name(cfg: Config) -> None:
-    from .tasks import dataset_names
+    from cals_seg.data import DATASET_KINDS
 
     if family(cfg) is None:
-        raise refuse("data.name", f"one of {dataset_names()}", cfg.data.name,
+        raise refuse("data.name", f"one of {list(DATASET_KINDS)}", cfg.data.name,
                      "e.g. --set data.name=synthetic")
 
 
@@ -301,7 +297,7 @@ def check_device(cfg: Config) -> None:
         elif device.type != "cpu":
             raise refuse(key, allowed, value, "e.g. --set train.device=auto")
     if cfg.train.amp == "fp16":
-        from .precision import resolve_device
+        from cals_seg.utils.precision import resolve_device
 
         if resolve_device(value).type != "cuda":
             raise refuse("train.amp", "auto, none or bf16 on a CPU (fp16 needs a CUDA device)",
@@ -310,7 +306,7 @@ def check_device(cfg: Config) -> None:
 
 def check_names(cfg: Config) -> None:
     """``loss.name``, ``model.arch``, ``model.encoder_name``: names their registries know."""
-    from .losses import LOSSES
+    from cals_seg.losses import LOSSES
 
     if cfg.loss.name not in LOSSES:
         raise refuse("loss.name", f"one of {sorted(LOSSES)}", cfg.loss.name,
@@ -347,7 +343,7 @@ def check_names(cfg: Config) -> None:
     elif kind == "text":
         if m.arch != "gpcn":
             raise refuse("model.arch", "'gpcn' for text", m.arch, "use --set model.arch=gpcn")
-        from .models.text import GlobalPoolingCNN
+        from cals_seg.models.text import GlobalPoolingCNN
 
         params = dict(m.params)
         freeze = params.pop("freeze_glove", False)
@@ -545,3 +541,93 @@ def check_model_input(cfg: Config, task: Any) -> None:
 
 __all__ = ["CROSS_RULES", "RULES", "Rule", "check_all", "check_model_input", "check_rules",
            "config_keys"]
+
+
+def check_class_names(cfg: Config) -> None:
+    """Refuse a ``data.class_names`` that is not ``data.num_classes`` different names.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    names, k = cfg.data.class_names, cfg.data.num_classes
+    if names is None:
+        return
+    if len(names) != k:
+        raise ConfigError(
+            f"data.class_names: {len(names)} names for data.num_classes={k} classes; give one "
+            "name per class, in class-index order (or null for the dataset's own names)."
+        )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice or not all(n.strip() for n in names):
+        what = f"the names {twice} occur twice" if twice else "a name is empty"
+        raise ConfigError(f"data.class_names: {what}; each class needs its own name.")
+
+
+def check_eval_protocol(cfg: Config) -> None:
+    """Refuse evaluation-protocol values (``eval.mode``, ``window``, ``stride``, ``resize``,
+    ``pad``) that :class:`cals_seg.evaluation.inference.EvalProtocol` cannot run: the rule is the
+    protocol's own (it validates itself when it is built); here it is reported under the config
+    keys, with a fix.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    from cals_seg.evaluation.inference import EvalProtocol
+
+    e = cfg.eval
+    stride = max(1, e.window * 2 // 3) if isinstance(e.window, int) else 341
+    fixes = {
+        "mode": "e.g. --set eval.mode=slide eval.window=512 eval.stride=341 (tiles), or "
+                "eval.mode=whole with eval.resize=1024",
+        "window": "e.g. --set eval.window=512",
+        "stride": f"e.g. --set eval.stride={stride} (two thirds of the window)",
+        "resize": "or null for none",
+        "pad": "or null for none",
+    }
+    try:
+        EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window, stride=e.stride)
+    except ValueError as err:
+        text = str(err)
+        field = text.split("`")[1] if text.count("`") >= 2 else "mode"
+        message = text.replace("`window`", "eval.window").replace(f"`{field}`", f"eval.{field}")
+        raise ConfigError(f"{message.rstrip('.')}; {fixes.get(field, '')}.") from None
+
+
+# logger name -> (module that must import, pip package, extra of cals_seg that installs it)
+LOGGERS: dict[str, tuple[str | None, str | None, str | None]] = {
+    "csv": (None, None, None),
+    "tensorboard": ("tensorboard", "tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb", "wandb"),
+}
+
+
+class LoggerError(ConfigError):
+    """An unknown logger name, or a logger whose package is not installed."""
+
+
+def check_loggers(names: Sequence[str]) -> None:
+    """Refuse unknown names and loggers whose package is missing (before any training).
+
+    Raises:
+        LoggerError: naming ``train.loggers`` and the fix (the valid names, or the ``pip``
+            command that installs the package).
+    """
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise LoggerError(
+            f"train.loggers: expected a list of names, got {names!r}; e.g. [csv, tensorboard]."
+        )
+    for name in names:
+        if name not in LOGGERS:
+            raise LoggerError(
+                f"train.loggers: unknown logger {name!r}; valid names are {sorted(LOGGERS)}."
+            )
+        module, package, extra = LOGGERS[name]
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise LoggerError(
+                f"train.loggers: {name!r} needs the {package} package, which is not installed; "
+                f'install it with: pip install "cals_seg[{extra}]" (or: pip install {package}).'
+            ) from None

@@ -12,13 +12,11 @@ import re
 import warnings
 from typing import Any
 
-from .config import Config, ConfigError, config_to_dict
-from .config_rules import check_class_names, check_eval_protocol
-from .errors import DataError
-from .loggers import check_loggers
-from .losses import build_loss
-from .rules import check_all
-from .voc_checks import check_voc_data
+from cals_seg.config.rules import check_all, check_class_names, check_eval_protocol, check_loggers
+from cals_seg.config.schema import Config, ConfigError, config_to_dict
+from cals_seg.data.voc_checks import check_voc_data
+from cals_seg.errors import DataError
+from cals_seg.losses import build_loss
 
 # The direction of each validation metric a run can select its best epoch by.
 LOWER_BETTER = ("ece", "aece", "mce", "cwce", "nll", "brier", "loss")
@@ -42,7 +40,7 @@ LARGE_IMAGE_PIXELS = 2048 * 2048
 
 def check_config(cfg: Config, reads_data: bool = False, writes_run: bool = False) -> None:
     """Refuse a config whose values cannot give a sensible run (before any data or model work):
-    every key by the table of :mod:`cals_seg.rules` (ranges, choices, devices, names, paths),
+    every key by the table of :mod:`cals_seg.config.rules` (ranges, choices, devices, names, paths),
     then the rules between keys (best metric and mode, the loss parameters, the evaluation
     protocol).
 

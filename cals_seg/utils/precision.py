@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from .errors import UserError
+from cals_seg.errors import UserError
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_CHOICES = ("auto", "none", "bf16", "fp16")

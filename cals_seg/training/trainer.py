@@ -25,16 +25,26 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .calibrators import Calibrated
-from .checks import (
+from cals_seg.calibrators import Calibrated
+from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.config.checks import (
     bounded_input,
     check_best_metric,
     check_resume,
     check_splits,
 )
-from .config import Config, ConfigError, config_to_dict, save_config
-from .data.extra_inputs import request_extra_inputs
-from .distributed import (
+from cals_seg.config.rules import check_model_input
+from cals_seg.config.schema import Config, ConfigError, config_to_dict, save_config
+from cals_seg.data.extra_inputs import request_extra_inputs
+from cals_seg.errors import RunExistsError
+from cals_seg.evaluation.stream import Scaled, compute, evaluate, predict, scalars
+from cals_seg.losses import AdaptiveLoss, build_loss
+from cals_seg.runs.folder import RunDir
+from cals_seg.runs.loading import load_weights
+from cals_seg.tasks import Task
+from cals_seg.training.engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
+from cals_seg.training.loggers import RunLoggers
+from cals_seg.utils.distributed import (
     barrier,
     broadcast_buffers,
     check_identical,
@@ -42,15 +52,7 @@ from .distributed import (
     is_distributed,
     is_main_process,
 )
-from .engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
-from .errors import RunExistsError
-from .evaluation import Scaled, compute, evaluate, predict, scalars
-from .loggers import RunLoggers, check_loggers
-from .losses import AdaptiveLoss, build_loss
-from .precision import precision_name, resolve_amp, resolve_device
-from .rules import check_model_input
-from .rundir import (
-    RunDir,
+from cals_seg.utils.io import (
     link_checkpoint,
     load_checkpoint,
     rng_state,
@@ -58,9 +60,7 @@ from .rundir import (
     set_rng_state,
     write_json,
 )
-from .runs import load_weights
-from .tasks import Task
-from .temperature import fit_temperature
+from cals_seg.utils.precision import precision_name, resolve_amp, resolve_device
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
@@ -213,7 +213,7 @@ def calibrated_test(
 
 def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -> list[Path]:
     """Write the run's plots (multipliers, training curves, test reliability diagrams)."""
-    from . import plotting  # matplotlib is loaded only when a plot is drawn
+    from cals_seg.visualization import plotting  # matplotlib is loaded only when a plot is drawn
 
     history = run.history()
     run.plots.mkdir(parents=True, exist_ok=True)
@@ -269,7 +269,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
 
     Args:
         cfg: the resolved config (written to ``<run_dir>/config.yaml``), checked with
-            :func:`cals_seg.checks.check_config` (as the training commands do).
+            :func:`cals_seg.config.checks.check_config` (as the training commands do).
         task: data, model and meters (:func:`cals_seg.tasks.build_task`).
         resume: a run directory holding ``checkpoint_last.pt`` to continue from.
 
@@ -279,7 +279,6 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     t, k = cfg.train, task.num_classes
     run = RunDir(resume if resume is not None else cfg.run_dir)
     _check_before_training(run, resume is not None)
-    check_loggers(t.loggers)  # a logger whose package is missing: the install command, first
     device = resolve_device(t.device)
     amp = resolve_amp(t.amp, device, warn=is_main_process())
     if t.threads:

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
-from .rundir import read_jsonl
+from cals_seg.errors import UserError
+from cals_seg.utils.io import read_jsonl
 
 PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)
 
@@ -199,7 +199,7 @@ def recommend(
 
 def _score_metric(run_dir: Path) -> str:
     """The headline metric of a run written before test_metrics.json recorded it."""
-    from .config import load_config
-    from .tasks import score_metric
+    from cals_seg.config.schema import load_config
+    from cals_seg.tasks import score_metric
 
     return score_metric(load_config(run_dir / "config.yaml"))

@@ -41,7 +41,7 @@ def _figure(width: float, height: float) -> Figure:
 
 def _save(fig: Figure, path: PathLike) -> None:
     """Write the figure as PNG atomically (a reader never sees half a file)."""
-    from cals_seg.rundir import atomic_write
+    from cals_seg.utils.io import atomic_write
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=_DPI, format="png"))

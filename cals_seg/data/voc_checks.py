@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .errors import DataError
+from cals_seg.errors import DataError
 
 SPLIT_FILES = ("train", "val")  # train.txt: train + validation; val.txt: the test set
 SHOWN = 5  # problems named in one message
@@ -135,7 +135,7 @@ def is_voc_layout(dataset: Any) -> bool:
     """A VOC-layout dataset (``voc`` and the embedded ``synthetic``): index masks and
     ``ImageSets/Segmentation`` split files. The other layouts have their own checks
     (``cals_seg.data.check``, ``tools/check_data.py``)."""
-    from .data.voc import VOCSegmentation
+    from cals_seg.data.voc import VOCSegmentation
 
     return isinstance(dataset, VOCSegmentation)
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .precision import autocast_context
+from cals_seg.utils.precision import autocast_context
 
 MODES = ("whole", "slide")
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)

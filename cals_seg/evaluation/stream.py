@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
-from .distributed import is_main_process
-from .inference import EvalProtocol, segment_logits
-from .precision import autocast_context
+from cals_seg.evaluation.inference import EvalProtocol, segment_logits
+from cals_seg.utils.distributed import is_main_process
+from cals_seg.utils.precision import autocast_context
 
 
 class Meter(Protocol):
@@ -111,7 +111,8 @@ def predict(
 
     ``amp`` is a resolved precision (``none``, ``bf16``, ``fp16``) for the forward pass only.
     With a ``protocol`` (segmentation) the logits come from
-    :func:`cals_seg.inference.segment_logits`: whatever the network input (resized, padded,
+    :func:`cals_seg.evaluation.inference.segment_logits`: whatever the network input (resized,
+    padded,
     tiled), they are at each image's own resolution, like its unmodified mask. The progress bar
     counts images.
     """

@@ -1,5 +1,6 @@
-"""Task-agnostic training step, data loaders and seeding (evaluation: :mod:`cals_seg.evaluation`;
-checkpoints and run files: :mod:`cals_seg.rundir`).
+"""Task-agnostic training step, data loaders and seeding (evaluation:
+:mod:`cals_seg.evaluation.stream`;
+checkpoints and run files: :mod:`cals_seg.runs.folder`).
 
 One loop serves every task: a batch is ``(inputs, target)`` (or a dict with ``image``/``mask``
 or ``input``/``target``), the model maps inputs to logits ``(N, K, *S)`` and the criterion and
@@ -17,16 +18,16 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
 from tqdm import tqdm
 
-from .distributed import (
+from cals_seg.errors import NonFiniteLossError
+from cals_seg.evaluation.stream import eval_collate, unpack_batch
+from cals_seg.utils.distributed import (
     ShardedBatchSampler,
     all_reduce_sum_,
     get_rank,
     is_distributed,
     is_main_process,
 )
-from .errors import NonFiniteLossError
-from .evaluation import eval_collate, unpack_batch
-from .precision import autocast_context
+from cals_seg.utils.precision import autocast_context
 
 CHECK_EVERY = 50
 """Training steps between two reads of the device-side checks (and progress-bar updates)."""
@@ -128,7 +129,7 @@ class StepChecks:
         all_reduce_sum_([counts])
         non_finite, bad_labels = counts.tolist()
         if bad_labels:
-            from .losses._base import bad_labels_message
+            from cals_seg.losses._base import bad_labels_message
 
             c = self.criterion
             raise ValueError(

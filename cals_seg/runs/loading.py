@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import Config, load_config
-from .errors import MissingPathError, UserError
-from .rundir import CHECKPOINT_FILES, CheckpointError, RunDir, load_checkpoint
+from cals_seg.config.schema import Config, load_config
+from cals_seg.errors import MissingPathError, UserError
+from cals_seg.runs.folder import CHECKPOINT_FILES, RunDir
+from cals_seg.utils.io import CheckpointError, load_checkpoint
 
 CHECKPOINTS = {"best": "checkpoint_best.pt", "last": "checkpoint_last.pt"}
 
@@ -159,9 +160,9 @@ def load_run(
     """
     import torch
 
-    from .checks import check_config
-    from .precision import resolve_amp, resolve_device
-    from .tasks import TASK_TYPES, build_task, task_family
+    from cals_seg.config.checks import check_config
+    from cals_seg.tasks import TASK_TYPES, build_task, task_family
+    from cals_seg.utils.precision import resolve_amp, resolve_device
 
     folder, file = resolve_run(path, checkpoint, need_config=config is None)
     config_file = Path(config) if config is not None else folder / "config.yaml"
@@ -178,7 +179,7 @@ def load_run(
         task = build_task(cfg)
         model, protocol, names = task.model, task.protocol, task.class_names
     elif found == "segmentation":
-        from .tasks.segmentation import build_model, class_names, eval_protocol
+        from cals_seg.tasks.segmentation import build_model, class_names, eval_protocol
 
         model = build_model(cfg, encoder_weights=None)  # every weight comes from the checkpoint
         protocol, names = eval_protocol(cfg, model), class_names(cfg)

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from cals_seg.errors import ConfigError
 
 
 @dataclass
@@ -149,7 +149,8 @@ class TrainConfig:
     criterion and the meters compute in float32. ``sync_bn``: SyncBatchNorm under
     torch.distributed. ``compile``: ``torch.compile`` the model and the criterion. ``loggers``:
     live logs besides ``history.jsonl``, any of ``csv``, ``tensorboard``, ``wandb``
-    (:mod:`cals_seg.loggers`). ``debug_checks``: check the labels and the loss on the host at
+    (:mod:`cals_seg.training.loggers`). ``debug_checks``: check the labels and the loss on the
+    host at
     every step (a device synchronisation per step; by default they are checked on the device
     and read every 50 steps)."""
 
@@ -173,7 +174,8 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     """Evaluation: calibration bins, temperature scaling, number of calibration maps, and, for
-    segmentation, how the network input is made from an image (:mod:`cals_seg.inference`).
+    segmentation, how the network input is made from an image
+    (:mod:`cals_seg.evaluation.inference`).
 
     Segmentation metrics are always taken at each image's own resolution against its
     unmodified mask: the logits are cropped and bilinearly upsampled to the image's size before
@@ -462,8 +464,8 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML, atomically (see :func:`cals_seg.rundir.atomic_write`)."""
-    from .rundir import atomic_write  # rundir imports torch: only when a config is written
+    """Write the resolved config as YAML, atomically (:func:`cals_seg.utils.io.atomic_write`)."""
+    from cals_seg.utils.io import atomic_write
 
     text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))

@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import Config, config_to_dict, load_config
-from .errors import MissingPathError
-from .precision import resolve_amp, resolve_device
-from .rundir import RunDir, atomic_write
-from .runs import load_run
-from .tasks import build_task, task_family
+from cals_seg.config.schema import Config, config_to_dict, load_config
+from cals_seg.errors import MissingPathError
+from cals_seg.runs.folder import RunDir
+from cals_seg.runs.loading import load_run
+from cals_seg.tasks import build_task, task_family
+from cals_seg.utils.io import atomic_write
+from cals_seg.utils.precision import resolve_amp, resolve_device
 
 # (key in test_metrics, column title, lower is better, shown in percent)
 COLUMNS = [
@@ -150,9 +151,9 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
     checkpoint is not there.
     """
 
-    from .engine import make_loader
-    from .evaluation import Scaled, compute, evaluate
-    from .rundir import write_json
+    from cals_seg.evaluation.stream import Scaled, compute, evaluate
+    from cals_seg.training.engine import make_loader
+    from cals_seg.utils.io import write_json
 
     path = run_dir / "test_metrics.json"
     metrics = json.loads(path.read_text())
@@ -191,9 +192,9 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     ``checkpoint_best.pt``, and add them (and ``calibrator_fits``) to that file; return the
     names added."""
 
-    from .calibrators import evaluate_calibrators, load_or_fit_calibrators
-    from .engine import make_loader
-    from .rundir import write_json
+    from cals_seg.calibrators import evaluate_calibrators, load_or_fit_calibrators
+    from cals_seg.training.engine import make_loader
+    from cals_seg.utils.io import write_json
 
     path = run_dir / "test_metrics.json"
     metrics = json.loads(path.read_text())
@@ -224,7 +225,7 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
 def calibrator_rows(metrics: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
     """``{calibration: table values}`` of one run: uncalibrated, post-TS (the run's T), then
     each of ``names`` (:func:`cals_seg.calibrators.table_values`)."""
-    from .calibrators import table_values
+    from cals_seg.calibrators import table_values
 
     rows = {"uncalibrated": table_values(metrics["pre_ts"])}
     if metrics.get("post_ts"):
@@ -238,7 +239,7 @@ def write_calibrator_results(out: Path, rows: dict[str, dict[str, Any]]) -> None
     """OUT/calibrators.md and .csv: one row per (method, calibration), mean ± std over seeds of
     the columns of :data:`cals_seg.calibrators.TABLE_COLUMNS`; ``rows[method]["calibrators"]``
     holds one :func:`calibrator_rows` per seed."""
-    from .calibrators import TABLE_COLUMNS
+    from cals_seg.calibrators import TABLE_COLUMNS
 
     lines = ["| method | calibration | seeds | " + " | ".join(t for _, t, _ in TABLE_COLUMNS)
              + " |", "|---|---|---:|" + "---:|" * len(TABLE_COLUMNS)]

@@ -10,10 +10,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .errors import USER_ERRORS, MissingPathError, UserError  # noqa: F401 (USER_ERRORS: for the commands)
+from cals_seg.errors import USER_ERRORS, MissingPathError, UserError  # noqa: F401 (USER_ERRORS: for the commands)
 
 if TYPE_CHECKING:
-    from .config import Config
+    from cals_seg.config.schema import Config
 
 # This module is imported before argparse runs (``--help`` must answer at once): it imports
 # nothing heavy at the top; torch, the data and the models are imported inside the commands.
@@ -77,7 +77,8 @@ PROTOCOL_KEYS = ("mode", "resize", "pad", "window", "stride")
 
 def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     """``--mode --resize --pad --window --stride``: the run's ``eval.*`` protocol, overridden
-    (see :mod:`cals_seg.inference`); the metrics and outputs stay at the image's resolution."""
+    (see :mod:`cals_seg.evaluation.inference`); the metrics and outputs stay at the image's
+    resolution."""
     group = parser.add_argument_group(
         "network input (default: the run's eval section; the logits are always upsampled to "
         "the image's own size)")
@@ -119,8 +120,8 @@ def training_parser(doc: str | None) -> argparse.ArgumentParser:
 def run_config(args: argparse.Namespace) -> Config:
     """The config of a training command: the given file, or, with ``--resume``, the run's own
     resolved ``config.yaml``; ``--set`` overrides on top."""
-    from .config import load_config
-    from .rundir import RunDir
+    from cals_seg.config.schema import load_config
+    from cals_seg.runs.folder import RunDir
 
     if args.resume:
         if args.config is not None:  # the older form CONFIG --resume RUN_DIR: still validated
@@ -148,11 +149,11 @@ def train_command(
 
     def main(argv: list[str] | None = None) -> int:
         args = training_parser(doc).parse_args(argv)
-        from .checks import check_config
-        from .distributed import is_main_process
-        from .engine import seed_everything
-        from .tasks import build_task
-        from .trainer import fit
+        from cals_seg.config.checks import check_config
+        from cals_seg.tasks import build_task
+        from cals_seg.training.engine import seed_everything
+        from cals_seg.training.trainer import fit
+        from cals_seg.utils.distributed import is_main_process
 
         try:
             cfg = run_config(args)
@@ -185,7 +186,7 @@ def launch(main: Callable[[], int]) -> NoReturn:
     A plain launch (``WORLD_SIZE`` unset or 1) loads nothing first, so ``--help`` is instant."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(main())
-    from .distributed import cleanup, init_from_env
+    from cals_seg.utils.distributed import cleanup, init_from_env
 
     init_from_env()
     try:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from . import plotting
-from .data.transforms import eval_transform
-from .data.voc import voc_palette
-from .inference import EvalProtocol, segment_logits
+from cals_seg.data.transforms import eval_transform
+from cals_seg.data.voc import voc_palette
+from cals_seg.evaluation.inference import EvalProtocol, segment_logits
+from cals_seg.visualization import plotting
 
 
 @torch.no_grad()
@@ -27,7 +27,7 @@ def calibration_maps(
     amp: str = "none",
 ) -> list[Path]:
     """One six-panel PNG per image id, at the image's own resolution: the logits of the
-    evaluation's ``protocol`` (:func:`cals_seg.inference.segment_logits`)."""
+    evaluation's ``protocol`` (:func:`cals_seg.evaluation.inference.segment_logits`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.eval()
     to_tensor = eval_transform(None, ignore_index=ignore_index)

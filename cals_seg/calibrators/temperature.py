@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from cals_seg.distributed import all_reduce_sum_
+from cals_seg.utils.distributed import all_reduce_sum_
 
 Batches = Callable[[], Iterable[tuple[Tensor, Tensor]]]
 

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from .data.voc import voc_palette
-from .errors import UserError
-from .inference import Prediction
+from cals_seg.data.voc import voc_palette
+from cals_seg.errors import UserError
+from cals_seg.evaluation.inference import Prediction
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 SCALE_16 = 65535  # 16-bit PNG value of probability 1 (and of entropy ln K)
