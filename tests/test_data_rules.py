@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from cals_seg.data.voc_checks import split_file_ids
+from cals_seg.data.checks import split_file_ids
 from cals_seg.errors import DataError
 
 from .conftest import load_tool
@@ -56,19 +56,19 @@ def mask_value_outside_classes(root: Path) -> str:
     out = Image.fromarray(pixels, mode="P")
     out.putpalette(png.getpalette())
     out.save(mask)
-    return r"train_3.png holds values \[40\] outside \[0, 11\)"
+    return r"train_3.png' contains values \[40\] outside \[0, 11\)"
 
 
 def size_mismatch(root: Path) -> str:
     image = root / BASE / "JPEGImages" / "val_1.jpg"
     Image.fromarray(np.zeros((40, 32, 3), np.uint8)).save(image)
-    return r"The test split has 1 bad sample.*val_1.jpg is 32x40 but mask .*val_1.png is 32x32"
+    return r"The test split has 1 bad sample.*val_1.jpg' is 32x40 but mask .*val_1.png' is 32x32"
 
 
 def rgb_mask(root: Path) -> str:
     mask = root / BASE / "SegmentationClass" / "train_0.png"
     Image.open(mask).convert("RGB").save(mask)
-    return r"train_0.png has mode RGB, not a palette"
+    return r"train_0.png' has mode RGB, not a palette"
 
 
 CASES = [blank_line, repeated_id, id_in_train_and_test, id_without_files,

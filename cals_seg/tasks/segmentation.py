@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 from torch.utils.data import Dataset
 
+from cals_seg.config.rules import check_eval_size, check_folder, check_num_classes, check_palette
 from cals_seg.config.schema import Config
 from cals_seg.data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
 from cals_seg.data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
@@ -102,14 +102,8 @@ def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
         ConfigError: a bad ``eval.mode`` / ``window`` / ``stride`` / ``resize`` / ``pad``, or a
             ``data.eval_size`` (a segmentation split is evaluated at its own resolution).
     """
-    d, e = cfg.data, cfg.eval
-    if d.eval_size is not None:
-        raise ConfigError(
-            f"data.eval_size: {d.eval_size} would shrink the masks of a segmentation split; "
-            "metrics are now taken at each image's own resolution. Set data.eval_size: null "
-            f"and choose the network input with eval.pad: {d.eval_size} (pad, the paper's VOC "
-            f"protocol), eval.resize: {d.eval_size} (longest side), or eval.mode: slide (tiles)."
-        )
+    e = cfg.eval
+    check_eval_size(cfg)
     return EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window,
                         stride=e.stride, multiple=input_multiple(model),
                         tile_batch=max(1, e.batch_size))
@@ -166,18 +160,8 @@ def class_names(cfg: Config) -> list[str]:
     return class_names_or_default(CLASS_NAMES.get(cfg.data.name), cfg.data.num_classes)
 
 
-def _check_num_classes(cfg: Config, expected: int, what: str) -> None:
-    if cfg.data.num_classes != expected:
-        raise ConfigError(
-            f"data.num_classes: {what} has {expected} classes, but the config says "
-            f"{cfg.data.num_classes}; set data.num_classes: {expected}."
-        )
-
-
 def _existing_root(cfg: Config) -> str:
-    if not Path(cfg.data.root).is_dir():
-        raise ConfigError(f"data.root: the folder '{cfg.data.root}' does not exist; point "
-                          f"data.root at the {cfg.data.name} dataset.")
+    check_folder("data.root", cfg.data.root, must_exist=True)
     return cfg.data.root
 
 
@@ -207,7 +191,7 @@ def cityscapes(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Da
     """Cityscapes fine: 19 train ids; a seeded ``data.val_fraction`` of ``train`` is the
     validation split, the official ``val`` the test set."""
     d = cfg.data
-    _check_num_classes(cfg, len(CITYSCAPES_CLASSES), "Cityscapes")
+    check_num_classes(cfg, len(CITYSCAPES_CLASSES), "Cityscapes")
     files = cityscapes_split(_existing_root(cfg), d.val_fraction, d.split_seed)
     return {s: CityscapesSegmentation(files[s], transforms[s], num_classes=d.num_classes,
                                       ignore_index=d.ignore_index) for s in SPLITS}
@@ -218,7 +202,7 @@ def ade20k(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Datase
     """ADE20K (ADEChallengeData2016): 150 classes, annotation 0 void; a seeded
     ``data.val_fraction`` of ``training`` is the validation split, ``validation`` the test set."""
     d = cfg.data
-    _check_num_classes(cfg, len(ADE20K_CLASSES), "ADE20K")
+    check_num_classes(cfg, len(ADE20K_CLASSES), "ADE20K")
     files = ade20k_split(_existing_root(cfg), d.val_fraction, d.split_seed)
     return {s: ADE20KSegmentation(files[s], transforms[s], num_classes=d.num_classes,
                                   ignore_index=d.ignore_index) for s in SPLITS}
@@ -231,14 +215,9 @@ def colour_table(cfg: Config) -> ColourTable | None:
         ConfigError: a malformed palette, or colour keys given without ``data.palette``.
     """
     d = cfg.data
+    check_palette(cfg)
     if d.palette is None:
-        if d.void_colours:
-            raise ConfigError("data.void_colours is only read with data.palette (colour masks); "
-                              "set data.palette or remove data.void_colours.")
         return None
-    if len(d.palette) != d.num_classes:
-        raise ConfigError(f"data.palette: {len(d.palette)} colours for data.num_classes="
-                          f"{d.num_classes}; give one [r, g, b] per class, in class order.")
     try:
         return ColourTable(d.palette, d.void_colours, d.ignore_index, d.unknown_colours)
     except ValueError as err:
