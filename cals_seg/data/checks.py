@@ -19,8 +19,8 @@ places they are checked from.
   :func:`cals_seg.data.paired.size_mismatch`).
 
 Listing problems (files missing, images without masks, ids listed twice: ``dataset.problems``)
-are found when a dataset is built; a segmentation task refuses them before training
-(``cals_seg.tasks.segmentation.refuse_listing_problems``) and the report lists them.
+are found when a dataset is built; a segmentation task refuses them when it is built
+(:func:`refuse_listing_problems`) and the report lists them.
 """
 
 from __future__ import annotations
@@ -217,6 +217,26 @@ def check_voc_data(task: Any, splits: tuple[str, ...] = SPLITS) -> None:
 
 
 # ----------------------------------------------------------------------------- before training
+def refuse_listing_problems(sets: Mapping[str, Any]) -> None:
+    """The cheap data check run when a task is built: refuse splits whose listing found files
+    missing, images without masks or ids listed twice (``dataset.problems``); warn about the
+    rest (``dataset.warnings``: masks without images, blank lines in split files).
+
+    Raises:
+        ValueError: every problem, each naming its files, and the full check to run.
+    """
+    notes = dict.fromkeys(w for split in SPLITS for w in getattr(sets[split], "warnings", []))
+    for note in notes:  # files training does not use: said once, not refused
+        warnings.warn(f"data: {note}", stacklevel=3)
+    problems = list(dict.fromkeys(p for split in SPLITS
+                                  for p in getattr(sets[split], "problems", [])))
+    if problems:
+        raise DataError(
+            f"the dataset has {len(problems)} problem(s): " + "; ".join(problems)
+            + ". Fix the files (tools/check_data.py CONFIG lists every problem of the data)."
+        )
+
+
 def check_task_data(task: Any, batch_size: int, bounded_input: bool = False,
                     world_size: int = 1) -> None:
     """Refuse splits that would fail later (empty, fewer training samples than a batch, no

@@ -10,7 +10,6 @@ function ``splits(cfg, transforms) -> {"train", "val", "test": Dataset}`` regist
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,12 +19,13 @@ from torch.utils.data import Dataset
 from cals_seg.config.rules import check_eval_size, check_folder, check_num_classes, check_palette
 from cals_seg.config.schema import Config
 from cals_seg.data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
+from cals_seg.data.checks import refuse_listing_problems
 from cals_seg.data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
 from cals_seg.data.folder import ColourTable, FolderSegmentation, folder_split
 from cals_seg.data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
 from cals_seg.data.transforms import eval_transform, train_transform
 from cals_seg.data.voc import VOC_CLASSES, VOCSegmentation, paper_split
-from cals_seg.errors import ConfigError, DataError
+from cals_seg.errors import ConfigError
 from cals_seg.evaluation.inference import EvalProtocol, input_multiple
 from cals_seg.models import build_segmentation_model
 from cals_seg.tasks import (
@@ -48,26 +48,6 @@ def split_transforms(cfg: Config) -> dict[str, Transform]:
                                color_jitter=d.color_jitter, ignore_index=d.ignore_index)
     eval_tf = eval_transform(None, ignore_index=d.ignore_index)
     return {"train": train_tf, "val": eval_tf, "test": eval_tf}
-
-
-def refuse_listing_problems(sets: Mapping[str, Dataset]) -> None:
-    """The cheap data check run when a task is built: refuse splits whose listing found files
-    missing, images without masks or ids listed twice (``dataset.problems``); warn about the
-    rest (``dataset.warnings``: masks without images, blank lines in split files).
-
-    Raises:
-        ValueError: every problem, each naming its files, and the full check to run.
-    """
-    notes = dict.fromkeys(w for split in SPLITS for w in getattr(sets[split], "warnings", []))
-    for note in notes:  # files training does not use: said once, not refused
-        warnings.warn(f"data: {note}", stacklevel=3)
-    problems = list(dict.fromkeys(p for split in SPLITS
-                                  for p in getattr(sets[split], "problems", [])))
-    if problems:
-        raise DataError(
-            f"the dataset has {len(problems)} problem(s): " + "; ".join(problems)
-            + ". Fix the files (tools/check_data.py CONFIG lists every problem of the data)."
-        )
 
 
 def segmentation_task(cfg: Config, make_splits: SplitBuilder,
