@@ -299,17 +299,18 @@ def mixed_size_test_split(finished, tmp: Path) -> None:
 def huge_image_warns(finished, tmp: Path) -> None:
     """12: a huge evaluation image seen whole gives a warning naming its size and the keys that
     bound the network input (eval.resize, eval.mode: slide); none when they are set."""
-    from cals_seg.config.checks import bounded_input, check_splits
+    from cals_seg.config.checks import bounded_input
+    from cals_seg.data.checks import check_task_data
 
     _voc_tree(tmp / "huge" / "voc", [(32, 32)] * 8, [(32, 32), (2100, 2100)])
     cfg = load_config(SETUP, _voc(tmp, "huge")[3:], "ce")
     task = build_task(cfg)
     with pytest.warns(UserWarning, match=r"2100x2100 image .*eval.resize.*eval.mode: slide"):
-        check_splits(task, 4, bounded_input(cfg))
+        check_task_data(task, 4, bounded_input(cfg))
     cfg = load_config(SETUP, [*_voc(tmp, "huge")[3:], "eval.mode=slide"], "ce")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_splits(task, 4, bounded_input(cfg))
+        check_task_data(task, 4, bounded_input(cfg))
 
 
 BEHAVIOURS = {

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cals_seg.config.schema import load_config
-from cals_seg.data.check import check_splits
+from cals_seg.data.checks import check_splits
 from cals_seg.tasks.segmentation import segmentation_splits
 
 from ._trees import H, W, cityscapes_tree, folder_tree, stripes, write_image, write_png
@@ -93,7 +93,8 @@ def test_size_mismatch(tmp_path):
     code, text, report = _check(root, tmp_path)
     assert code == 1
     (problem,) = [p for p in report["problems"] if "different sizes" in p]
-    assert "test_001" in problem and f"{W}x{H} vs {W + 2}x{H}" in problem
+    assert "test_001" in problem and f"is {W}x{H} but mask" in problem
+    assert f"is {W + 2}x{H} (WxH)" in problem
 
 
 def test_label_value_outside_the_classes(tmp_path):

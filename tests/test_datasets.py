@@ -269,7 +269,8 @@ def test_palette_and_class_name_config_errors(tmp_path):
         check_config(_folder_cfg(root, "data.class_names=[a, b]"))
     with pytest.raises(ConfigError, match=r"data.class_names: the names \['a'\] occur twice"):
         check_config(_folder_cfg(root, "data.class_names=[a, a, b]"))
-    with pytest.raises(ConfigError, match="data.root: the folder .* does not exist"):
+    with pytest.raises(ConfigError,
+                       match="data.root: expected an existing folder, got .*does not exist"):
         segmentation_splits(_folder_cfg(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="no test split"):
         segmentation_splits(_folder_cfg(folder_tree(tmp_path / "t", {"train": 3})))

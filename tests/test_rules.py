@@ -153,3 +153,93 @@ def test_config_yaml_and_plots_are_written_atomically(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="killed"):
         plotting._save(fig, plot)
     assert plot.read_bytes() == png
+
+
+# --------------------------------------------------------------------------- each rule once
+def test_check_config_runs_each_rule_once_in_table_order(monkeypatch):
+    from cals_seg.config import rules
+    from cals_seg.evaluation import inference
+
+    calls: list[str] = []
+
+    def counted(rule):
+        def run(cfg):
+            calls.append(rule.__name__)
+            rule(cfg)
+        return run
+
+    table = list(rules.CROSS_RULES)
+    monkeypatch.setattr(rules, "CROSS_RULES", [counted(r) for r in table])
+    loggers, protocols = [], []
+    check_loggers, post_init = rules.check_loggers, inference.EvalProtocol.__post_init__
+
+    def logged(names):
+        loggers.append(list(names))
+        check_loggers(names)
+
+    def built(self):
+        protocols.append(self)
+        post_init(self)
+
+    monkeypatch.setattr(rules, "check_loggers", logged)
+    monkeypatch.setattr(inference.EvalProtocol, "__post_init__", built)
+    check_config(load_config(SETUP, ["train.loggers=[csv]"], "ce"), reads_data=True)
+    assert calls == [r.__name__ for r in table]  # every cross rule, once, in the table's order
+    assert loggers == [["csv"]] and len(protocols) == 1
+
+
+def test_the_stride_rule_is_the_protocols_own():
+    """``1 <= eval.stride <= eval.window`` is written once, in EvalProtocol; the config check
+    says the protocol's words under the config keys, with a fix."""
+    from cals_seg.evaluation.inference import EvalProtocol
+
+    assert RULES["eval.stride"] is None
+    for stride in (600, 0):
+        with pytest.raises(ValueError) as own:
+            EvalProtocol(window=512, stride=stride)
+        words = str(own.value).replace("`stride`", "eval.stride").replace("`window`",
+                                                                          "eval.window")
+        message = _refusal(f"eval.stride={stride}")
+        assert message == f"{words.rstrip('.')}; e.g. --set eval.stride=341 (two thirds of the " \
+            "window).", message
+
+
+def test_builders_refuse_with_the_words_of_the_rule_table(tmp_path):
+    """A builder used without check_config calls the same rule: the same one-line message;
+    the class count of a dataset (known only to its builder) has one format for every dataset."""
+    from cals_seg.tasks import segmentation
+
+    absent = f"data.root={tmp_path / 'absent'}"
+    cfg = load_config(SETUP, ["data.eval_size=512", absent], "ce")
+    with pytest.raises(ConfigError) as built:
+        segmentation.eval_protocol(cfg, None)
+    assert str(built.value) == _refusal("data.eval_size=512", absent)
+    for sets, found in ((["data.name=cityscapes", "data.num_classes=11"], 19),
+                        (["data.synthetic={num_train: 4}", "data.num_classes=5"], 11)):
+        with pytest.raises(ConfigError) as built:
+            segmentation.segmentation_splits(load_config(SETUP, [*sets, absent], "ce"))
+        assert re.fullmatch(rf"data.num_classes: [\w ]+ has {found} classes, but the config says "
+                            rf"\d+; set data.num_classes: {found}\.", str(built.value)), built.value
+    assert not (tmp_path / "absent").exists()  # refused before any data was generated
+
+
+def test_one_flattening_and_one_table_of_key_groups():
+    from cals_seg.config.checks import RESUMABLE_KEYS
+    from cals_seg.config.rules import KEY_GROUPS, changed_keys, flatten_config, keys_of
+    from cals_seg.config.schema import config_to_dict
+
+    keys = config_keys()
+    grouped = [k for group in KEY_GROUPS.values() for k in group]
+    assert len(grouped) == len(set(grouped)) and set(grouped) <= set(keys)
+    assert set(RESUMABLE_KEYS) == set(keys_of("resumable", "neutral"))
+    base = load_config(SETUP, [], "ce")
+    flat = flatten_config(config_to_dict(base))
+    assert flat == {k: getattr(getattr(base, k.split(".")[0]), k.split(".")[1]) if "." in k
+                    else getattr(base, k) for k in keys}  # down to the keys of Config, no deeper
+    other = load_config(SETUP, ["data.synthetic={num_train: 3, image_size: 40}",
+                                "train.threads=2", "optim.lr=0.5"], "ce")
+    assert changed_keys(config_to_dict(base), config_to_dict(other)) == [
+        "data.synthetic", "optim.lr", "train.threads"]
+    old = config_to_dict(base)
+    del old["data"]["palette"]  # a config saved before the key existed: not a change
+    assert changed_keys(old, config_to_dict(base)) == []

@@ -38,9 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported after parsing, so that --help answers without loading torch.
-    from cals_seg.config.checks import check_class_names
+    from cals_seg.config.rules import check_class_names
     from cals_seg.config.schema import ConfigError, load_config
-    from cals_seg.data.check import check_splits
+    from cals_seg.data.checks import check_splits
     from cals_seg.tasks.segmentation import class_names, segmentation_splits
 
     try:

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from cals_seg.commands._cli import USER_ERRORS, report
     from cals_seg.config.rules import check_folder
-    from cals_seg.data.voc_checks import check_voc_data
+    from cals_seg.data.checks import check_voc_data
 
     try:
         if args.out:
@@ -147,7 +147,8 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     """Test metrics before/after temperature scaling, plots and calibration maps of ``run``."""
     import copy
 
-    from cals_seg.config.checks import bounded_input, warn_large_images
+    from cals_seg.config.checks import bounded_input
+    from cals_seg.data.checks import warn_large_images
     from cals_seg.training.engine import make_loader
     from cals_seg.training.trainer import calibrated_test
     from cals_seg.utils.distributed import is_main_process

@@ -1,16 +1,23 @@
-"""One table of rules for every config key, checked by every tool before any work.
+"""One table of rules for every config key, checked by every tool before any work: the one home
+of a config rule.
 
-A key's *type* comes from the config dataclasses (:mod:`cals_seg.config`, checked when the config
-is built); its *range or choices* from :data:`RULES` below (one entry per key, a test keeps the
-table complete); the checks that depend on what consumes a value (a device this machine has, a
-path that must be a folder or a file, a name a registry knows, values that must agree) from the
-functions of :data:`CROSS_RULES`. Every refusal has one format, the key, what is allowed, the value
-and the fix::
+A key's *type* comes from the config dataclasses (:mod:`cals_seg.config.schema`, checked when the
+config is built); its *range or choices* from :data:`RULES` below (one entry per key, a test keeps
+the table complete); the checks that depend on what consumes a value or on other keys (a device
+this machine has, a name a registry knows, values that must agree, a loss's own parameter checks,
+the evaluation protocol's own validation, an installed logger) are the functions of
+:data:`CROSS_RULES`; then the paths (:func:`check_paths`). :func:`check_all` runs the three in that
+order, once per command (``cals_seg.config.checks.check_config``). Every refusal has one format,
+the key, what is allowed, the value and the fix::
 
     train.epochs: expected an integer >= 1, got 0; e.g. --set train.epochs=30.
 
-Sizes that must suit the network (``data.crop_size`` against its output stride, a classifier's
-``data.image_size``) need the built model: :func:`check_model_input`.
+The builders of :mod:`cals_seg.tasks` call the same functions for what they create (the evaluation
+protocol, the class count found in the data, the colour table), so a builder used without
+``check_config`` refuses the same values with the same words. Rules that need the built network
+(``data.crop_size`` against its output stride, a classifier's ``data.image_size``):
+:func:`check_model_input`. Which keys may differ between two configs of one run (a resume, a
+study's reused run): :data:`KEY_GROUPS` and :func:`flatten_config`.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import dataclasses
 import importlib
 import math
 import os
+import re
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,9 +59,9 @@ def _finite(x: Any) -> bool:
 
 
 def _colours(value: Any) -> bool:
-    return all(isinstance(c, list) and len(c) == 3 and all(
-        isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 255 for x in c)
-        for c in value)
+    from cals_seg.data.folder import is_colour  # the colour rule of the colour table itself
+
+    return all(is_colour(c) for c in value)
 
 
 def ints(lo: int, hi: int | None = None, example: Any = None, fix: str | None = None) -> Rule:
@@ -119,7 +127,7 @@ RULES: dict[str, Rule | None] = {
     "data.ignore_index": TYPE_ONLY,  # depends on the task family: cross rule
     "data.crop_size": SIZE,
     "data.scale_range": interval(0, 10),
-    "data.eval_size": optional(SIZE),
+    "data.eval_size": optional(SIZE),  # segmentation refuses it: cross rule
     "data.val_fraction": nums(0, 1, hi_open=True),
     "data.split_seed": ints(0, MAX_SEED),
     "data.num_workers": ints(0, 256),
@@ -134,10 +142,10 @@ RULES: dict[str, Rule | None] = {
     "data.max_len": ints(1, 1_000_000),
     "data.min_freq": ints(1),
     "data.vocab_size": optional(ints(2, 100_000_000)),
-    "data.class_names": TYPE_ONLY,  # num_classes different names: checks.check_class_names
+    "data.class_names": TYPE_ONLY,  # num_classes different names: cross rule
     "data.image_dir": Rule("a folder name (not empty)", lambda v: v.strip() != ""),
     "data.mask_dir": Rule("a folder name (not empty)", lambda v: v.strip() != ""),
-    "data.palette": optional(Rule(
+    "data.palette": optional(Rule(  # one per class: cross rule
         "a list of [r, g, b] colours with values in [0, 255]", lambda v: _colours(v),
         fix="e.g. --set 'data.palette=[[0, 0, 0], [128, 0, 0]]' (one per class)")),
     "data.void_colours": Rule("a list of [r, g, b] colours with values in [0, 255]",
@@ -173,14 +181,15 @@ RULES: dict[str, Rule | None] = {
     "train.device": TYPE_ONLY,  # a device this PyTorch knows and this machine has: cross rule
     "train.amp": choices("auto", "none", "bf16", "fp16"),
     "train.grad_clip": optional(nums(0, lo_open=True), fix="use null for no clipping"),
-    "train.best_metric": TYPE_ONLY,  # a metric of the validation meters: checked on the task
+    "train.best_metric": TYPE_ONLY,  # its direction: cross rule; a metric of the meters:
+    # checks.check_best_metric (needs the task)
     "train.best_mode": choices("max", "min"),
     "train.threads": optional(ints(1, 4096)),
     "train.progress": TYPE_ONLY,
     "train.sync_bn": TYPE_ONLY,
     "train.channels_last": TYPE_ONLY,
     "train.compile": TYPE_ONLY,
-    "train.loggers": TYPE_ONLY,  # known names whose package is installed: loggers.check_loggers
+    "train.loggers": TYPE_ONLY,  # known names whose package is installed: cross rule
     "train.debug_checks": TYPE_ONLY,
     "eval.batch_size": ints(1, example=8),
     "eval.n_bins": ints(1, 10_000, example=15),
@@ -191,9 +200,8 @@ RULES: dict[str, Rule | None] = {
     "eval.resize": optional(SIZE, fix="or null for none"),
     "eval.pad": optional(SIZE, fix="or null for none"),
     "eval.window": ints(1, MAX_SIZE, example=512),
-    "eval.stride": TYPE_ONLY,  # in [1, eval.window]: cross rule
+    "eval.stride": TYPE_ONLY,  # in [1, eval.window]: the protocol's own rule (cross rule)
 }
-
 
 def config_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
     """Every leaf key of the config dataclasses -> its default."""
@@ -240,6 +248,48 @@ def check_rules(cfg: Config) -> None:
             example = rule.example if rule.example is not None else defaults[key]
             fix = rule.fix or f"e.g. --set {key}={yaml_text(example)}"
             raise refuse(key, rule.allowed, value, fix)
+
+
+# Keys by what a difference in their value changes, for two configs of one run. A key in no group
+# changes what the run computes. ``neutral``: where the run is written and how it is shown, never
+# a result (a study reuses a finished run whatever they say); ``resumable``: what a resume may
+# change beside those: names and paths, the device, the live logs, the length of the run (the
+# learning-rate schedule is rebuilt for it) and the evaluation, which is re-run after training.
+KEY_GROUPS: dict[str, tuple[str, ...]] = {
+    "neutral": ("output_dir", "train.progress", "train.threads"),
+    "resumable": (
+        "name", "data.root", "data.num_workers", "train.epochs", "train.device", "train.loggers",
+        "train.debug_checks", "eval.batch_size", "eval.n_bins", "eval.temperature_scaling",
+        "eval.num_maps", "eval.mode", "eval.resize", "eval.pad", "eval.window", "eval.stride",
+        "data.class_names",  # display names only
+    ),
+}
+
+
+def keys_of(*groups: str) -> tuple[str, ...]:
+    """The keys of the named :data:`KEY_GROUPS`, in table order."""
+    return tuple(k for g in groups for k in KEY_GROUPS[g])
+
+
+def flatten_config(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config dict (:func:`cals_seg.config.schema.config_to_dict`) as ``{dotted key: value}``
+    down to the keys of :class:`Config` (sections are opened; a mapping-valued key such as
+    ``loss.params`` or ``data.synthetic`` is one value)."""
+    sections = {f.name for f in dataclasses.fields(Config)}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if not prefix and key in sections and isinstance(value, dict):
+            out.update(flatten_config(value, f"{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys (:func:`flatten_config`) whose values differ between two config dicts (a key
+    only one of them has, from a config saved before the key existed, is not a change)."""
+    a, b = flatten_config(old), flatten_config(new)
+    return sorted(k for k in b if k in a and a[k] != b[k])
 
 
 # ----------------------------------------------------------------------------- cross rules
@@ -311,6 +361,13 @@ def check_names(cfg: Config) -> None:
     if cfg.loss.name not in LOSSES:
         raise refuse("loss.name", f"one of {sorted(LOSSES)}", cfg.loss.name,
                      "e.g. --set loss.name=ce")
+    check_model_names(cfg)
+
+
+def check_model_names(cfg: Config) -> None:
+    """``model.arch`` and ``model.encoder_name`` of the dataset's family (an smp architecture and
+    encoder; ``timm`` and a timm model; ``gpcn``), and ``model.params`` by the model's signature
+    (:func:`check_model_params`). The task builders call it too."""
     m, kind = cfg.model, family(cfg)
     if kind == "segmentation":
         import segmentation_models_pytorch as smp
@@ -353,7 +410,6 @@ def check_names(cfg: Config) -> None:
         check_model_params(params, GlobalPoolingCNN, timm_encoder=False,
                            own=("vocab_size", "embed_dim", "num_classes", "embedding",
                                 "freeze"))
-
 
 MAX_WIDTH = 65536  # largest layer width, kernel or pool a model keyword may ask for
 
@@ -410,17 +466,185 @@ def check_model_params(params: dict[str, Any], model_class: type, timm_encoder: 
             raise refuse(where, rule.allowed, value, f"e.g. remove {where}{shown}")
 
 
-def check_stride(cfg: Config) -> None:
+def check_class_names(cfg: Config) -> None:
+    """``data.class_names``: null, or ``data.num_classes`` different, non-empty names.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    names, k = cfg.data.class_names, cfg.data.num_classes
+    if names is None:
+        return
+    if len(names) != k:
+        raise ConfigError(
+            f"data.class_names: {len(names)} names for data.num_classes={k} classes; give one "
+            "name per class, in class-index order (or null for the dataset's own names)."
+        )
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice or not all(n.strip() for n in names):
+        what = f"the names {twice} occur twice" if twice else "a name is empty"
+        raise ConfigError(f"data.class_names: {what}; each class needs its own name.")
+
+
+def check_eval_protocol(cfg: Config) -> None:
+    """``eval.mode``, ``window``, ``stride``, ``resize``, ``pad`` as
+    :class:`cals_seg.evaluation.inference.EvalProtocol` takes them: the rule is the protocol's own
+    (it validates itself when it is built, e.g. ``1 <= stride <= window``, written there once);
+    here it is reported under the config keys, with a fix.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    from cals_seg.evaluation.inference import EvalProtocol
+
     e = cfg.eval
-    if not 1 <= e.stride <= e.window:
-        raise refuse("eval.stride", f"an integer in [1, eval.window] = [1, {e.window}] (a larger "
-                     "stride leaves pixels no tile covers)", e.stride,
-                     f"e.g. --set eval.stride={max(1, e.window * 2 // 3)} (two thirds of the "
-                     "window)")
+    stride = max(1, e.window * 2 // 3) if isinstance(e.window, int) else 341
+    fixes = {
+        "mode": "e.g. --set eval.mode=slide eval.window=512 eval.stride=341 (tiles), or "
+                "eval.mode=whole with eval.resize=1024",
+        "window": "e.g. --set eval.window=512",
+        "stride": f"e.g. --set eval.stride={stride} (two thirds of the window)",
+        "resize": "or null for none",
+        "pad": "or null for none",
+    }
+    try:
+        EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window, stride=e.stride)
+    except ValueError as err:
+        text = str(err)
+        field = text.split("`")[1] if text.count("`") >= 2 else "mode"
+        message = text.replace("`window`", "eval.window").replace(f"`{field}`", f"eval.{field}")
+        raise ConfigError(f"{message.rstrip('.')}; {fixes.get(field, '')}.") from None
 
 
+def check_eval_size(cfg: Config) -> None:
+    """``data.eval_size`` is for classification: a segmentation split is evaluated at each
+    image's own resolution, its network input chosen by ``eval.*``."""
+    size = cfg.data.eval_size
+    if size is not None and family(cfg) == "segmentation":
+        raise ConfigError(
+            f"data.eval_size: {size} would shrink the masks of a segmentation split; "
+            "metrics are now taken at each image's own resolution. Set data.eval_size: null "
+            f"and choose the network input with eval.pad: {size} (pad, the paper's VOC "
+            f"protocol), eval.resize: {size} (longest side), or eval.mode: slide (tiles)."
+        )
+
+
+def check_palette(cfg: Config) -> None:
+    """``data.palette``: one colour per class; ``data.void_colours`` only beside it (the colours
+    themselves: :data:`RULES`, and the colour table when it is built)."""
+    d = cfg.data
+    if d.palette is None:
+        if d.void_colours:
+            raise ConfigError("data.void_colours is only read with data.palette (colour masks); "
+                              "set data.palette or remove data.void_colours.")
+        return
+    if len(d.palette) != d.num_classes:
+        raise ConfigError(f"data.palette: {len(d.palette)} colours for data.num_classes="
+                          f"{d.num_classes}; give one [r, g, b] per class, in class order.")
+
+
+# The direction of each validation metric a run can select its best epoch by.
+LOWER_BETTER = ("ece", "aece", "mce", "cwce", "nll", "brier", "loss")
+HIGHER_BETTER = ("miou", "acc")
+
+
+def check_best_mode(cfg: Config) -> None:
+    """``train.best_mode`` in the direction of ``train.best_metric`` (else the worst epoch
+    would be kept)."""
+    t = cfg.train
+    direction = ("min" if t.best_metric in LOWER_BETTER
+                 else "max" if t.best_metric in HIGHER_BETTER else None)
+    if direction is not None and direction != t.best_mode:
+        better = "lower" if direction == "min" else "higher"
+        raise ConfigError(
+            f"train.best_metric={t.best_metric!r} is {better}-better, but train.best_mode="
+            f"{t.best_mode!r} would keep its worst epoch; set train.best_mode={direction}."
+        )
+
+
+def check_loss_params(cfg: Config) -> None:
+    """``loss.params``: finite numbers, and the loss's own checks of their types and ranges
+    (the loss is built once, before any data is read), named ``loss.params.<key>``."""
+    from cals_seg.losses import build_loss
+
+    for key, value in cfg.loss.params.items():  # NaN and infinities: refused like everywhere
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"loss.params.{key}: expected a finite number, got {value!r}; "
+                              f"remove it (the loss's default) or set a number.")
+    try:
+        build_loss(cfg.loss.name, cfg.data.num_classes, ignore_index=cfg.data.ignore_index,
+                   **cfg.loss.params)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(_loss_message(str(err), cfg)) from None
+
+
+def _loss_message(message: str, cfg: Config) -> str:
+    """A loss's own refusal (``Expected `alpha` in [0, 1], but got -1.``) as the one format,
+    naming the key: ``loss.params.alpha: expected ... ; set loss.params.alpha=...``."""
+    if message.startswith("loss."):
+        return message
+    named = re.search(r"`(\w+)`", message)
+    if named and named.group(1) in cfg.loss.params:
+        key = f"loss.params.{named.group(1)}"
+        return (f"{key}: {message[0].lower()}{message[1:].rstrip('.')}; set {key} in that "
+                f"range (the loss {cfg.loss.name!r} refuses {cfg.loss.params[named.group(1)]!r}).")
+    if named and named.group(1) != cfg.loss.name:
+        key = f"loss.params.{named.group(1)}"
+        return f"{key} (default): {message} Set {key} to a value the loss takes."
+    return f"loss.params ({cfg.loss.name}): {message}"
+
+
+# logger name -> (module that must import, pip package, extra of cals_seg that installs it)
+LOGGERS: dict[str, tuple[str | None, str | None, str | None]] = {
+    "csv": (None, None, None),
+    "tensorboard": ("tensorboard", "tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb", "wandb"),
+}
+
+
+class LoggerError(ConfigError):
+    """An unknown logger name, or a logger whose package is not installed."""
+
+
+def check_loggers(names: Sequence[str]) -> None:
+    """Refuse unknown names and loggers whose package is missing (before any training).
+
+    Raises:
+        LoggerError: naming ``train.loggers`` and the fix (the valid names, or the ``pip``
+            command that installs the package).
+    """
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise LoggerError(
+            f"train.loggers: expected a list of names, got {names!r}; e.g. [csv, tensorboard]."
+        )
+    for name in names:
+        if name not in LOGGERS:
+            raise LoggerError(
+                f"train.loggers: unknown logger {name!r}; valid names are {sorted(LOGGERS)}."
+            )
+        module, package, extra = LOGGERS[name]
+        if module is None:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise LoggerError(
+                f"train.loggers: {name!r} needs the {package} package, which is not installed; "
+                f'install it with: pip install "cals_seg[{extra}]" (or: pip install {package}).'
+            ) from None
+
+
+def check_train_loggers(cfg: Config) -> None:
+    """``train.loggers``: :func:`check_loggers` (a missing package fails here, with its install
+    command, before any data is read)."""
+    check_loggers(cfg.train.loggers)
+
+
+# Every rule between keys, or of what consumes a value, in the order check_all runs them.
 CROSS_RULES: list[Callable[[Config], None]] = [
-    check_dataset_name, check_ignore_index, check_device, check_names, check_stride,
+    check_dataset_name, check_ignore_index, check_device, check_names, check_eval_protocol,
+    check_eval_size, check_class_names, check_palette, check_best_mode, check_loss_params,
+    check_train_loggers,
 ]
 
 
@@ -506,6 +730,20 @@ def check_all(cfg: Config, reads_data: bool = False, writes_run: bool = False) -
     check_paths(cfg, reads_data, writes_run)
 
 
+# ----------------------------------------------------------------------------- the data's classes
+def check_num_classes(cfg: Config, found: int, what: str) -> None:
+    """``data.num_classes`` against the classes the dataset has (``found``, known once its
+    files are listed or its generator named): the one rule for every dataset.
+
+    Raises:
+        ConfigError: naming both counts and the fix.
+    """
+    if cfg.data.num_classes != found:
+        raise ConfigError(
+            f"data.num_classes: {what} has {found} classes, but the config says "
+            f"{cfg.data.num_classes}; set data.num_classes: {found}."
+        )
+
 # ----------------------------------------------------------------------------- model input
 def check_model_input(cfg: Config, task: Any) -> None:
     """Sizes that must suit the built network: a segmentation crop must be a multiple of the
@@ -538,96 +776,9 @@ def check_model_input(cfg: Config, task: Any) -> None:
     finally:
         model.train(was_training)
 
-
-__all__ = ["CROSS_RULES", "RULES", "Rule", "check_all", "check_model_input", "check_rules",
-           "config_keys"]
-
-
-def check_class_names(cfg: Config) -> None:
-    """Refuse a ``data.class_names`` that is not ``data.num_classes`` different names.
-
-    Raises:
-        ConfigError: naming the key and the fix.
-    """
-    names, k = cfg.data.class_names, cfg.data.num_classes
-    if names is None:
-        return
-    if len(names) != k:
-        raise ConfigError(
-            f"data.class_names: {len(names)} names for data.num_classes={k} classes; give one "
-            "name per class, in class-index order (or null for the dataset's own names)."
-        )
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice or not all(n.strip() for n in names):
-        what = f"the names {twice} occur twice" if twice else "a name is empty"
-        raise ConfigError(f"data.class_names: {what}; each class needs its own name.")
-
-
-def check_eval_protocol(cfg: Config) -> None:
-    """Refuse evaluation-protocol values (``eval.mode``, ``window``, ``stride``, ``resize``,
-    ``pad``) that :class:`cals_seg.evaluation.inference.EvalProtocol` cannot run: the rule is the
-    protocol's own (it validates itself when it is built); here it is reported under the config
-    keys, with a fix.
-
-    Raises:
-        ConfigError: naming the key and the fix.
-    """
-    from cals_seg.evaluation.inference import EvalProtocol
-
-    e = cfg.eval
-    stride = max(1, e.window * 2 // 3) if isinstance(e.window, int) else 341
-    fixes = {
-        "mode": "e.g. --set eval.mode=slide eval.window=512 eval.stride=341 (tiles), or "
-                "eval.mode=whole with eval.resize=1024",
-        "window": "e.g. --set eval.window=512",
-        "stride": f"e.g. --set eval.stride={stride} (two thirds of the window)",
-        "resize": "or null for none",
-        "pad": "or null for none",
-    }
-    try:
-        EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window, stride=e.stride)
-    except ValueError as err:
-        text = str(err)
-        field = text.split("`")[1] if text.count("`") >= 2 else "mode"
-        message = text.replace("`window`", "eval.window").replace(f"`{field}`", f"eval.{field}")
-        raise ConfigError(f"{message.rstrip('.')}; {fixes.get(field, '')}.") from None
-
-
-# logger name -> (module that must import, pip package, extra of cals_seg that installs it)
-LOGGERS: dict[str, tuple[str | None, str | None, str | None]] = {
-    "csv": (None, None, None),
-    "tensorboard": ("tensorboard", "tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb", "wandb"),
-}
-
-
-class LoggerError(ConfigError):
-    """An unknown logger name, or a logger whose package is not installed."""
-
-
-def check_loggers(names: Sequence[str]) -> None:
-    """Refuse unknown names and loggers whose package is missing (before any training).
-
-    Raises:
-        LoggerError: naming ``train.loggers`` and the fix (the valid names, or the ``pip``
-            command that installs the package).
-    """
-    if isinstance(names, str) or not isinstance(names, Sequence):
-        raise LoggerError(
-            f"train.loggers: expected a list of names, got {names!r}; e.g. [csv, tensorboard]."
-        )
-    for name in names:
-        if name not in LOGGERS:
-            raise LoggerError(
-                f"train.loggers: unknown logger {name!r}; valid names are {sorted(LOGGERS)}."
-            )
-        module, package, extra = LOGGERS[name]
-        if module is None:
-            continue
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            raise LoggerError(
-                f"train.loggers: {name!r} needs the {package} package, which is not installed; "
-                f'install it with: pip install "cals_seg[{extra}]" (or: pip install {package}).'
-            ) from None
+__all__ = [
+    "CROSS_RULES", "KEY_GROUPS", "LOGGERS", "RULES", "LoggerError", "Rule", "changed_keys",
+    "check_all", "check_class_names", "check_eval_protocol", "check_eval_size", "check_loggers",
+    "check_model_input", "check_num_classes", "check_rules", "config_keys", "flatten_config",
+    "keys_of",
+]

@@ -23,10 +23,9 @@ import numpy as np
 from cals_seg.data.paired import (
     PairedSegmentation,
     SplitFiles,
-    find_by_stem,
     hold_out,
     index_mask,
-    shown,
+    pair_by_stem,
 )
 from cals_seg.errors import DataError
 
@@ -93,21 +92,8 @@ def ade20k_files(root: str | os.PathLike, split: str) -> SplitFiles:
     annotations without an image.
     """
     root = resolve_ade20k_root(root)
-    images, problems = find_by_stem(root / "images" / split, (".jpg", ".jpeg", ".png"))
-    masks, mask_problems = find_by_stem(root / "annotations" / split, (".png",))
-    files = SplitFiles(problems=problems + mask_problems)
-    if not images:
-        files.problems.append(f"no image under '{root / 'images' / split}'")
-    without = [str(p) for stem, p in images.items() if stem not in masks]
-    if without:
-        files.problems.append(f"{len(without)} image(s) of '{split}' without an annotation "
-                              f"in '{root / 'annotations' / split}': {shown(without)}")
-    orphans = [str(p) for stem, p in masks.items() if stem not in images]
-    if orphans:
-        files.warnings.append(f"{len(orphans)} annotation(s) of '{split}' without an image: "
-                              f"{shown(orphans)}")
-    files.pairs = {stem: (path, masks[stem]) for stem, path in images.items() if stem in masks}
-    return files
+    return pair_by_stem(root / "images" / split, root / "annotations" / split, f"'{split}'",
+                        (".jpg", ".jpeg", ".png"), (".png",), noun="annotation")
 
 
 def ade20k_split(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from cals_seg.data.paired import (
     duplicates,
     find_by_stem,
     hold_out,
+    pair_by_stem,
     read_rgb,
     shown,
 )
@@ -44,6 +46,14 @@ SPLIT_NAMES: dict[str, tuple[str, ...]] = {
     "test": ("test", "testing"),
 }
 UNKNOWN_COLOURS = ("error", "void")
+
+
+def is_colour(value: Any) -> bool:
+    """The colour rule (of ``data.palette`` and ``data.void_colours`` too): ``[r, g, b]``,
+    three integers in ``[0, 255]``."""
+    return (isinstance(value, list | tuple) and len(value) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255
+                    for v in value))
 
 
 class ColourTable:
@@ -89,10 +99,7 @@ class ColourTable:
 
     @staticmethod
     def _code(colour: Sequence[int], key: str) -> int:
-        ok = (isinstance(colour, list | tuple) and len(colour) == 3
-              and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255
-                      for v in colour))
-        if not ok:
+        if not is_colour(colour):
             raise DataError(f"{key}: expected a colour [r, g, b] of integers in [0, 255], got "
                              f"{colour!r}.")
         r, g, b = colour
@@ -133,25 +140,6 @@ def _split_folder(base: Path, split: str) -> Path | None:
         if (base / name).is_dir():
             return base / name
     return None
-
-
-def _pairs(images: Mapping[str, Path], masks: Mapping[str, Path], problems: list[str],
-           where: str, mask_folder: Path) -> SplitFiles:
-    """Pairs of the stems in both tables; images without a mask are problems, masks without an
-    image warnings."""
-    files = SplitFiles(problems=list(problems))
-    without = [str(p) for stem, p in images.items() if stem not in masks]
-    if without:
-        files.problems.append(f"{len(without)} image(s) of {where} without a mask in "
-                              f"'{mask_folder}': {shown(without)}")
-    orphans = [str(p) for stem, p in masks.items() if stem not in images]
-    if orphans:
-        files.warnings.append(f"{len(orphans)} mask(s) of {where} without an image: "
-                              f"{shown(orphans)}")
-    files.pairs = {stem: (path, masks[stem]) for stem, path in images.items() if stem in masks}
-    if not images:
-        files.problems.append(f"no image ({', '.join(IMAGE_SUFFIXES)}) in {where}")
-    return files
 
 
 def read_stem_list(path: Path) -> tuple[list[str], list[str]]:
@@ -237,10 +225,7 @@ def _sub_folders(root: Path, image_dir: str, mask_dir: str) -> dict[str, SplitFi
                 if image_folder is None:
                     continue
                 mask_folder = mask_base / image_folder.name
-            images, problems = find_by_stem(image_folder, IMAGE_SUFFIXES)
-            masks, mask_problems = find_by_stem(mask_folder, MASK_SUFFIXES)
-            out[split] = _pairs(images, masks, problems + mask_problems,
-                                f"'{image_folder}'", mask_folder)
+            out[split] = pair_by_stem(image_folder, mask_folder, f"'{image_folder}'")
         if "train" in out:
             return out
     return None

@@ -140,6 +140,54 @@ def index_mask(path: Path) -> np.ndarray:
     return pixels.astype(np.int64)
 
 
+def check_labels(num_classes: int, ignore_index: int) -> None:
+    """The label rule of every segmentation dataset: ``num_classes >= 1`` classes and a void
+    label in ``[num_classes, 255]`` (masks are 8-bit).
+
+    Raises:
+        ValueError: naming the argument.
+    """
+    if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
+        raise ValueError(
+            f"Expected `num_classes` to be a positive integer, but got {num_classes}."
+        )
+    if not 0 <= ignore_index <= 255 or ignore_index < num_classes:
+        raise ValueError(
+            f"Expected `ignore_index` to be in [num_classes, 255] = [{num_classes}, 255], "
+            f"but got {ignore_index}."
+        )
+
+
+def valid_labels(labels: np.ndarray, path: Path, num_classes: int,
+                 ignore_index: int) -> np.ndarray:
+    """``labels`` as ``uint8 (H, W)`` after refusing values that are neither a class
+    (``[0, num_classes)``) nor the void label: the one mask-value rule.
+
+    Raises:
+        DataError: naming the mask file, the values and the fix.
+    """
+    values = np.unique(labels)
+    bad = values[((values < 0) | (values >= num_classes)) & (values != ignore_index)]
+    if bad.size:
+        raise DataError(
+            f"Mask '{path}' contains values {bad.tolist()} outside [0, {num_classes}) "
+            f"that are not the void label {ignore_index}. Fix the mask, or set "
+            "data.num_classes / data.ignore_index to match the dataset."
+        )
+    return labels.astype(np.uint8)
+
+
+def size_mismatch(image_path: Path | str, image_size: Sequence[int], mask_path: Path | str,
+                  mask_size: Sequence[int]) -> str | None:
+    """The one message for an image and a mask of different sizes (``(width, height)`` each),
+    or None when they match."""
+    (w, h), (mw, mh) = tuple(image_size), tuple(mask_size)
+    if (w, h) == (mw, mh):
+        return None
+    return (f"image '{image_path}' is {w}x{h} but mask '{mask_path}' is {mw}x{mh} (WxH): "
+            "different sizes; re-export the mask at the image size, or remove the pair")
+
+
 class SegmentationSamples(Dataset):
     """What every image/mask dataset shares: ``len``, the sample dict of ``[i]`` and image
     sizes. A subclass sets ``ids`` and ``transform`` and gives ``image_path``, ``mask_path``,
@@ -179,11 +227,8 @@ class SegmentationSamples(Dataset):
         image = self.load_image(sample_id)
         mask = self.load_mask(sample_id)
         if image.shape[:2] != mask.shape:
-            raise DataError(
-                f"Image '{self.image_path(sample_id)}' is {image.shape[1]}x{image.shape[0]} but "
-                f"mask '{self.mask_path(sample_id)}' is {mask.shape[1]}x{mask.shape[0]} (WxH). "
-                "They must match: re-export the mask at the image size, or remove the pair."
-            )
+            raise DataError(size_mismatch(self.image_path(sample_id), image.shape[1::-1],
+                                          self.mask_path(sample_id), mask.shape[::-1]))
         out = self.transform(image=image, mask=mask)
         extras = {k: v for k, v in out.items() if k not in ("image", "mask")}  # e.g. "band"
         return {
@@ -226,15 +271,7 @@ class PairedSegmentation(SegmentationSamples):
         num_classes: int = 2,
         ignore_index: int = 255,
     ) -> None:
-        if not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(
-                f"Expected `num_classes` to be a positive integer, but got {num_classes}."
-            )
-        if not 0 <= ignore_index <= 255 or ignore_index < num_classes:
-            raise ValueError(
-                f"Expected `ignore_index` to be in [num_classes, 255] = [{num_classes}, 255], "
-                f"but got {ignore_index}."
-            )
+        check_labels(num_classes, ignore_index)
         self.files = files
         self.ids = list(files.pairs)
         self.problems = list(files.problems)
@@ -270,17 +307,8 @@ class PairedSegmentation(SegmentationSamples):
             ValueError: a value outside the classes, naming the file and the values.
         """
         path = self.mask_path(sample_id)
-        labels = self.decode_mask(path)
-        values = np.unique(labels)
-        bad = values[((values < 0) | (values >= self.num_classes))
-                     & (values != self.ignore_index)]
-        if bad.size:
-            raise DataError(
-                f"Mask '{path}' contains values {bad.tolist()} outside [0, {self.num_classes}) "
-                f"that are not the void label {self.ignore_index}. Fix the mask, or set "
-                "data.num_classes / data.ignore_index to match the dataset."
-            )
-        return labels.astype(np.uint8)
+        return valid_labels(self.decode_mask(path), path, self.num_classes, self.ignore_index)
+
 
 def duplicates(ids: Iterable[str]) -> list[str]:
     """The ids that occur more than once, in first-occurrence order."""
@@ -309,3 +337,34 @@ def find_by_stem(folder: Path, suffixes: Sequence[str]) -> tuple[dict[str, Path]
     problems = [f"two files for the id '{stem}': {shown([str(p) for p in paths])}"
                 for stem, paths in found.items() if len(paths) > 1]
     return {stem: paths[0] for stem, paths in found.items() if len(paths) == 1}, problems
+
+
+def pair_by_stem(image_folder: Path, mask_folder: Path, where: str,
+                 image_suffixes: Sequence[str] = IMAGE_SUFFIXES,
+                 mask_suffixes: Sequence[str] = MASK_SUFFIXES, noun: str = "mask") -> SplitFiles:
+    """The image/mask pairs of two folders, matched by file stem (:func:`find_by_stem`): the
+    one pairing rule of the ADE20K and folder layouts.
+
+    Problems: no image, images without their ``noun`` (mask, annotation), two files of one stem.
+    Warnings: masks without an image (training does not use them).
+
+    Args:
+        where: the split as messages name it (``'training'``, a folder).
+        noun: what the layout calls a mask.
+    """
+    images, problems = find_by_stem(image_folder, image_suffixes)
+    masks, mask_problems = find_by_stem(mask_folder, mask_suffixes)
+    files = SplitFiles(problems=problems + mask_problems)
+    if not images:
+        files.problems.append(f"no image ({', '.join(image_suffixes)}) in '{image_folder}'")
+    article = "an" if noun[0] in "aeiou" else "a"
+    without = [str(p) for stem, p in images.items() if stem not in masks]
+    if without:
+        files.problems.append(f"{len(without)} image(s) of {where} without {article} {noun} "
+                              f"in '{mask_folder}': {shown(without)}")
+    orphans = [str(p) for stem, p in masks.items() if stem not in images]
+    if orphans:
+        files.warnings.append(f"{len(orphans)} {noun}(s) of {where} without an image: "
+                              f"{shown(orphans)}")
+    files.pairs = {stem: (path, masks[stem]) for stem, path in images.items() if stem in masks}
+    return files

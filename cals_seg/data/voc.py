@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from cals_seg.data.paired import SegmentationSamples, hold_out
+from cals_seg.data.paired import SegmentationSamples, check_labels, hold_out, valid_labels
 from cals_seg.data.transforms import eval_transform
 from cals_seg.errors import DataError
 
@@ -190,15 +190,7 @@ class VOCSegmentation(SegmentationSamples):
         num_classes: int = 21,
         ignore_index: int = 255,
     ) -> None:
-        if not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(
-                f"Expected `num_classes` to be a positive integer, but got {num_classes}."
-            )
-        if not 0 <= ignore_index <= 255 or ignore_index < num_classes:
-            raise ValueError(
-                f"Expected `ignore_index` to be in [num_classes, 255] = [{num_classes}, 255], "
-                f"but got {ignore_index}."
-            )
+        check_labels(num_classes, ignore_index)
         self.root = resolve_voc_root(root)
         self.ids = read_split(self.root, ids) if isinstance(ids, str) else [str(i) for i in ids]
         self.transform = transform if transform is not None else eval_transform(None)
@@ -247,17 +239,9 @@ class VOCSegmentation(SegmentationSamples):
         mode, mask = _read_pixels(path, "mask", sample_id, rgb=False)  # P: indices, not colours
         if mode not in ("P", "L"):
             raise DataError(
-                f"Mask '{path}' has mode {mode}; expected a palette ('P') or grayscale "
-                "('L') PNG whose pixel values are class indices. Convert the colours to indices "
-                "(e.g. with the VOC palette) and save as a palette PNG."
+                f"Mask '{path}' has mode {mode}, not a palette ('P') or grayscale ('L') PNG "
+                "whose pixel values are class indices. Convert the colours to indices (e.g. "
+                "with the VOC palette) and save as a palette PNG."
             )
-        values = np.unique(mask)
-        bad = values[(values >= self.num_classes) & (values != self.ignore_index)]
-        if bad.size:
-            raise DataError(
-                f"Mask '{path}' contains values {bad.tolist()} outside [0, {self.num_classes}) "
-                f"that are not the void label {self.ignore_index}. Fix the mask, or set "
-                "`num_classes` / `ignore_index` to match the dataset."
-            )
-        return mask
+        return valid_labels(mask, path, self.num_classes, self.ignore_index)
 

@@ -77,9 +77,9 @@ class EvalProtocol:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"`{name}`: expected an integer >= 1, got {value!r}.")
         if self.stride > self.window:
-            raise ValueError(
-                f"`stride`: expected an integer in [1, `window`] = [1, {self.window}], got "
-                f"{self.stride}; a stride above the window leaves pixels that no tile covers."
+            raise ValueError(  # the one stride rule: config checks report it under eval.*
+                f"`stride`: expected an integer in [1, `window`] = [1, {self.window}] (a larger "
+                f"stride leaves pixels no tile covers), got {self.stride}."
             )
 
 

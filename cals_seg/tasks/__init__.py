@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
+from cals_seg.config.rules import check_num_classes
 from cals_seg.config.schema import Config
 from cals_seg.data import DATASET_KINDS
 from cals_seg.errors import ConfigError
@@ -149,7 +150,8 @@ def build_task(cfg: Config, family: str | None = None) -> Task:
 
     Check the config with :func:`cals_seg.config.checks.check_config` first (every command does,
     before any data is generated or read); the builders apply the rules of what they create
-    (the evaluation protocol, the class names, the data listing).
+    (the evaluation protocol, the class count, the colour table, the data listing), calling the
+    same functions of :mod:`cals_seg.config.rules`.
     """
     found = task_family(cfg)
     if family is not None and found != family:
@@ -168,14 +170,11 @@ def generate_embedded(cfg: Config, generate: Callable[..., Any], classes: int, w
     arguments of ``data.synthetic``, after checking ``data.num_classes`` against its ``classes``.
 
     Raises:
-        ValueError: a class count or a ``data.synthetic`` key that does not fit, named.
+        ConfigError: a class count (:func:`cals_seg.config.rules.check_num_classes`) or a
+            ``data.synthetic`` key that does not fit, named.
     """
     d = cfg.data
-    if d.num_classes != classes:
-        raise ConfigError(
-            f"data.num_classes: {what} has {classes} classes, but the config says "
-            f"{d.num_classes}."
-        )
+    check_num_classes(cfg, classes, what)
     accepted = [p for p in inspect.signature(generate).parameters if p != "root"]
     unknown = sorted(set(d.synthetic) - set(accepted))
     if unknown:

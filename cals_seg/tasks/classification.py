@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cals_seg.config.rules import check_ignore_index, check_model_names, check_num_classes
 from cals_seg.config.schema import Config
 from cals_seg.data.classification import (
     IMAGENET_LT_FILES,
@@ -22,32 +23,22 @@ from cals_seg.data.classification import (
     tiny_imagenet_paper_split,
 )
 from cals_seg.data.synthetic_cls import IMAGE_CLASSES, generate_synthetic_images
-from cals_seg.errors import ConfigError
 from cals_seg.models.classification import build_classification_model
 from cals_seg.tasks import ClassificationTask, generate_embedded, register_dataset
 
 
 def check_classification_config(cfg: Config, classes: Sequence[str]) -> None:
-    """No class label may be void, and the data must have ``data.num_classes`` classes."""
-    d = cfg.data
-    if d.ignore_index >= 0:
-        raise ConfigError(
-            f"data.ignore_index={d.ignore_index} could be a class label; classification and text "
-            "configs use data.ignore_index: -100 (no sample is ignored)."
-        )
-    if len(classes) != d.num_classes:
-        raise ConfigError(
-            f"data.num_classes={d.num_classes}, but {d.root} has {len(classes)} classes "
-            f"({list(classes)[:5]}...)."
-        )
+    """The rules of :mod:`cals_seg.config.rules` for what a classification builder found: no
+    class label may be void, and the data must have ``data.num_classes`` classes."""
+    check_ignore_index(cfg)
+    check_num_classes(cfg, len(classes), f"{cfg.data.root} ({list(classes)[:5]}...)")
 
 
 def image_task(cfg: Config, splits: dict[str, Any]) -> ClassificationTask:
     """Datasets of ``splits`` (``{"train", "val", "test": [(path, label)], "classes": names}``)
     with albumentations transforms, and the timm model."""
     d, m = cfg.data, cfg.model
-    if m.arch != "timm":
-        raise ConfigError(f"model.arch: image classification uses 'timm', got {m.arch!r}.")
+    check_model_names(cfg)  # model.arch timm, a timm model
     classes = splits["classes"]
     check_classification_config(cfg, classes)
     train_tf = classification_train_transform(

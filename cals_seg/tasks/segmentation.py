@@ -10,22 +10,22 @@ function ``splits(cfg, transforms) -> {"train", "val", "test": Dataset}`` regist
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from torch import nn
 from torch.utils.data import Dataset
 
+from cals_seg.config.rules import check_eval_size, check_folder, check_num_classes, check_palette
 from cals_seg.config.schema import Config
 from cals_seg.data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
+from cals_seg.data.checks import refuse_listing_problems
 from cals_seg.data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
 from cals_seg.data.folder import ColourTable, FolderSegmentation, folder_split
 from cals_seg.data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
 from cals_seg.data.transforms import eval_transform, train_transform
 from cals_seg.data.voc import VOC_CLASSES, VOCSegmentation, paper_split
-from cals_seg.errors import ConfigError, DataError
+from cals_seg.errors import ConfigError
 from cals_seg.evaluation.inference import EvalProtocol, input_multiple
 from cals_seg.models import build_segmentation_model
 from cals_seg.tasks import (
@@ -48,26 +48,6 @@ def split_transforms(cfg: Config) -> dict[str, Transform]:
                                color_jitter=d.color_jitter, ignore_index=d.ignore_index)
     eval_tf = eval_transform(None, ignore_index=d.ignore_index)
     return {"train": train_tf, "val": eval_tf, "test": eval_tf}
-
-
-def refuse_listing_problems(sets: Mapping[str, Dataset]) -> None:
-    """The cheap data check run when a task is built: refuse splits whose listing found files
-    missing, images without masks or ids listed twice (``dataset.problems``); warn about the
-    rest (``dataset.warnings``: masks without images, blank lines in split files).
-
-    Raises:
-        ValueError: every problem, each naming its files, and the full check to run.
-    """
-    notes = dict.fromkeys(w for split in SPLITS for w in getattr(sets[split], "warnings", []))
-    for note in notes:  # files training does not use: said once, not refused
-        warnings.warn(f"data: {note}", stacklevel=3)
-    problems = list(dict.fromkeys(p for split in SPLITS
-                                  for p in getattr(sets[split], "problems", [])))
-    if problems:
-        raise DataError(
-            f"the dataset has {len(problems)} problem(s): " + "; ".join(problems)
-            + ". Fix the files (tools/check_data.py CONFIG lists every problem of the data)."
-        )
 
 
 def segmentation_task(cfg: Config, make_splits: SplitBuilder,
@@ -102,14 +82,8 @@ def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
         ConfigError: a bad ``eval.mode`` / ``window`` / ``stride`` / ``resize`` / ``pad``, or a
             ``data.eval_size`` (a segmentation split is evaluated at its own resolution).
     """
-    d, e = cfg.data, cfg.eval
-    if d.eval_size is not None:
-        raise ConfigError(
-            f"data.eval_size: {d.eval_size} would shrink the masks of a segmentation split; "
-            "metrics are now taken at each image's own resolution. Set data.eval_size: null "
-            f"and choose the network input with eval.pad: {d.eval_size} (pad, the paper's VOC "
-            f"protocol), eval.resize: {d.eval_size} (longest side), or eval.mode: slide (tiles)."
-        )
+    e = cfg.eval
+    check_eval_size(cfg)
     return EvalProtocol(mode=e.mode, resize=e.resize, pad=e.pad, window=e.window,
                         stride=e.stride, multiple=input_multiple(model),
                         tile_batch=max(1, e.batch_size))
@@ -166,18 +140,8 @@ def class_names(cfg: Config) -> list[str]:
     return class_names_or_default(CLASS_NAMES.get(cfg.data.name), cfg.data.num_classes)
 
 
-def _check_num_classes(cfg: Config, expected: int, what: str) -> None:
-    if cfg.data.num_classes != expected:
-        raise ConfigError(
-            f"data.num_classes: {what} has {expected} classes, but the config says "
-            f"{cfg.data.num_classes}; set data.num_classes: {expected}."
-        )
-
-
 def _existing_root(cfg: Config) -> str:
-    if not Path(cfg.data.root).is_dir():
-        raise ConfigError(f"data.root: the folder '{cfg.data.root}' does not exist; point "
-                          f"data.root at the {cfg.data.name} dataset.")
+    check_folder("data.root", cfg.data.root, must_exist=True)
     return cfg.data.root
 
 
@@ -207,7 +171,7 @@ def cityscapes(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Da
     """Cityscapes fine: 19 train ids; a seeded ``data.val_fraction`` of ``train`` is the
     validation split, the official ``val`` the test set."""
     d = cfg.data
-    _check_num_classes(cfg, len(CITYSCAPES_CLASSES), "Cityscapes")
+    check_num_classes(cfg, len(CITYSCAPES_CLASSES), "Cityscapes")
     files = cityscapes_split(_existing_root(cfg), d.val_fraction, d.split_seed)
     return {s: CityscapesSegmentation(files[s], transforms[s], num_classes=d.num_classes,
                                       ignore_index=d.ignore_index) for s in SPLITS}
@@ -218,7 +182,7 @@ def ade20k(cfg: Config, transforms: Mapping[str, Transform]) -> dict[str, Datase
     """ADE20K (ADEChallengeData2016): 150 classes, annotation 0 void; a seeded
     ``data.val_fraction`` of ``training`` is the validation split, ``validation`` the test set."""
     d = cfg.data
-    _check_num_classes(cfg, len(ADE20K_CLASSES), "ADE20K")
+    check_num_classes(cfg, len(ADE20K_CLASSES), "ADE20K")
     files = ade20k_split(_existing_root(cfg), d.val_fraction, d.split_seed)
     return {s: ADE20KSegmentation(files[s], transforms[s], num_classes=d.num_classes,
                                   ignore_index=d.ignore_index) for s in SPLITS}
@@ -231,14 +195,9 @@ def colour_table(cfg: Config) -> ColourTable | None:
         ConfigError: a malformed palette, or colour keys given without ``data.palette``.
     """
     d = cfg.data
+    check_palette(cfg)
     if d.palette is None:
-        if d.void_colours:
-            raise ConfigError("data.void_colours is only read with data.palette (colour masks); "
-                              "set data.palette or remove data.void_colours.")
         return None
-    if len(d.palette) != d.num_classes:
-        raise ConfigError(f"data.palette: {len(d.palette)} colours for data.num_classes="
-                          f"{d.num_classes}; give one [r, g, b] per class, in class order.")
     try:
         return ColourTable(d.palette, d.void_colours, d.ignore_index, d.unknown_colours)
     except ValueError as err:

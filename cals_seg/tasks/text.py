@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from cals_seg.config.rules import check_model_names
 from cals_seg.config.schema import Config
 from cals_seg.data.synthetic_cls import TEXT_GROUPS, generate_synthetic_corpus
 from cals_seg.data.text import (
@@ -25,8 +26,7 @@ def text_task(cfg: Config) -> ClassificationTask:
     keep the rows found in ``model.glove_path`` fixed and train only the others.
     """
     d, m = cfg.data, cfg.model
-    if m.arch != "gpcn":
-        raise ConfigError(f"model.arch: text classification uses 'gpcn', got {m.arch!r}.")
+    check_model_names(cfg)  # model.arch gpcn, model.params of its constructor
     splits = twenty_news_paper_split(d.root, d.val_count, d.split_seed, d.text_strip)
     classes = splits["classes"]
     check_classification_config(cfg, classes)

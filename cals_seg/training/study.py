@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cals_seg.config.rules import changed_keys, keys_of
 from cals_seg.config.schema import Config, config_to_dict, load_config
 from cals_seg.errors import MissingPathError
 from cals_seg.runs.folder import RunDir
@@ -45,20 +46,6 @@ COLUMNS = [
 ]
 
 
-# keys that may differ between a saved run and the requested one without changing its results
-_IGNORED_KEYS = {"output_dir", "train.progress", "train.threads"}
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value and key != "params":
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _resolved_precision(run: RunDir) -> str | None:
     """The precision a run used (``none``/``bf16``/``fp16``), from its files; None if unknown."""
     if run.test_metrics.is_file():
@@ -71,10 +58,9 @@ def config_differences(run_dir: Path, expected: Config) -> list[str]:
     """Dotted keys whose value in ``run_dir/config.yaml`` differs from ``expected``, and
     ``train.amp (resolved)`` when ``amp: auto`` resolved to another precision there (another
     CPU or GPU) than it does here."""
-    saved = _flatten(config_to_dict(load_config(run_dir / "config.yaml")))
-    wanted = _flatten(config_to_dict(expected))
-    keys = (saved.keys() | wanted.keys()) - _IGNORED_KEYS
-    differ = sorted(k for k in keys if saved.get(k) != wanted.get(k))
+    saved = config_to_dict(load_config(run_dir / "config.yaml"))
+    neutral = keys_of("neutral")  # where the run is written, how it is shown
+    differ = [k for k in changed_keys(saved, config_to_dict(expected)) if k not in neutral]
     there = _resolved_precision(RunDir(run_dir))
     here = resolve_amp(expected.train.amp, resolve_device(expected.train.device), warn=False)
     if there is not None and there != here:

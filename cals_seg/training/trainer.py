@@ -27,14 +27,10 @@ from torch.utils.data import DataLoader
 
 from cals_seg.calibrators import Calibrated
 from cals_seg.calibrators.temperature import fit_temperature
-from cals_seg.config.checks import (
-    bounded_input,
-    check_best_metric,
-    check_resume,
-    check_splits,
-)
+from cals_seg.config.checks import bounded_input, check_best_metric, check_resume
 from cals_seg.config.rules import check_model_input
 from cals_seg.config.schema import Config, ConfigError, config_to_dict, save_config
+from cals_seg.data.checks import check_task_data
 from cals_seg.data.extra_inputs import request_extra_inputs
 from cals_seg.errors import RunExistsError
 from cals_seg.evaluation.stream import Scaled, compute, evaluate, predict, scalars
@@ -295,7 +291,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     scheduler = build_scheduler(cfg, optimizer)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
     check_model_input(cfg, task)
-    check_splits(task, t.batch_size, bounded_input(cfg), get_world_size())
+    check_task_data(task, t.batch_size, bounded_input(cfg), get_world_size())
     check_best_metric(task, t.best_metric, cfg.eval.n_bins)
     workers = cfg.data.num_workers
     train_loader = make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed)
