@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import re
 import runpy
@@ -436,3 +437,122 @@ def test_resume_of_a_finished_run_says_so(workspace, capsys):
         code = run_tool("train_seg", [words[2], "runs/synthetic_deeplabv3_cals_alm"])
     err = capsys.readouterr().err
     assert code == 2 and "the run is finished" in err and "train.epochs" in err, err
+
+
+# ----------------------------------------------------------------------------- first-hour defects
+def test_console_line_gives_ece_in_percent_and_epochs_from_1():
+    from cals_seg.training.trainer import _epoch_line
+
+    line = _epoch_line(0, 2, {"loss": 1.0}, {"ece": 0.0151}, "miou", 0.39, {}, True, 1.0, 0.0)
+    assert line.startswith("epoch   1/2") and "val ECE 1.51%" in line, line
+
+
+def test_device_and_amp_arguments_are_named_as_flags(workspace):
+    """load_run(device=..., amp=...) is what --device / --amp give: its errors name the flag."""
+    from cals_seg.errors import UserError
+    from cals_seg.runs.loading import load_run
+
+    run = workspace / "runs" / "synthetic_deeplabv3_cals_alm"
+    with pytest.raises(UserError) as err:
+        load_run(run, device="cpu", amp="fp16")
+    assert str(err.value).startswith("--amp: expected") and "--amp auto" in str(err.value)
+    assert "train.amp" not in str(err.value)
+    with pytest.raises(UserError, match=r"^train\.amp: expected"):  # a --set item stays a key
+        load_run(run, device="cpu", overrides=["train.amp=fp16"])
+
+
+def test_offline_pretrained_weights_fail_before_smp_is_called(monkeypatch):
+    """Not cached and the Hub unreachable: the error comes at once (no download retries), and
+    names the key and the fixes; nothing touches the network here."""
+    import segmentation_models_pytorch as smp
+
+    from cals_seg.errors import WeightsUnavailableError
+    from cals_seg.models import _hub
+    from cals_seg.models.segmentation import build_segmentation_model
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the test touched the network")
+
+    monkeypatch.setattr("socket.create_connection", no_network)
+    monkeypatch.setattr(smp, "create_model", no_network)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert not _hub.hub_reachable()
+    monkeypatch.setattr(_hub, "is_cached", lambda repo: False)
+    with pytest.raises(WeightsUnavailableError) as err:
+        build_segmentation_model("deeplabv3", "resnet34", "imagenet", 3)
+    message = str(err.value)
+    assert message.startswith("model.encoder_weights: 'imagenet' weights of encoder 'resnet34'")
+    assert "--set model.encoder_weights=null" in message
+    # cached: smp reads the cache with huggingface_hub offline (no retries), then it is reset
+    from huggingface_hub import constants
+
+    seen = []
+    monkeypatch.setattr(_hub, "is_cached", lambda repo: repo[0] == "smp-hub/resnet34.imagenet")
+    monkeypatch.setattr(smp, "create_model",
+                        lambda *a, **k: seen.append(constants.HF_HUB_OFFLINE) or "model")
+    saved = constants.HF_HUB_OFFLINE
+    assert build_segmentation_model("deeplabv3", "resnet34", "imagenet", 3) == "model"
+    assert seen == [True] and constants.HF_HUB_OFFLINE == saved
+
+
+def test_check_data_warns_about_large_crops_and_offline_weights(tmp_path, monkeypatch):
+    """configs/folder_deeplabv3.yaml as shipped on small images: crop 512 on 40 x 24 images, and
+    ImageNet weights that this (offline) machine has not cached: two warnings, exit 0."""
+    from cals_seg.models import _hub
+
+    from ._trees import folder_tree
+
+    monkeypatch.setattr(_hub, "is_cached", lambda repo: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root = folder_tree(tmp_path / "data", {"train": 4, "val": 2, "test": 2})
+    argv = [str(ROOT / "configs" / "folder_deeplabv3.yaml"), "--no-progress", "--set",
+            f"data.root={root}", "data.num_classes=3", "data.class_names=[a, b, c]"]
+    with contextlib.redirect_stdout(out := io.StringIO()):
+        assert run_tool("check_data", argv) == 0
+    text = out.getvalue()
+    assert "warning: data.crop_size=512 is much larger than the training images (largest " \
+           "40x24, WxH)" in text and "--set data.crop_size=48" in text, text
+    assert "would be downloaded" in text and "model.encoder_weights=null" in text
+    with contextlib.redirect_stdout(out := io.StringIO()):
+        assert run_tool("check_data", [*argv, "data.crop_size=48",
+                                       "model.encoder_weights=null"]) == 0
+    assert "warning: data.crop_size" not in out.getvalue()
+    assert "would be downloaded" not in out.getvalue()
+
+
+def test_crop_warning_rule():
+    from cals_seg.data.crops import crop_coverage, crop_warning
+
+    assert crop_coverage(64, (64, 32)) == 0.5
+    assert crop_coverage(64, (32, 32), scale=2.0) == 1.0
+    assert crop_warning(64, [(64, 64)], [0.75, 1.25]) is None  # the synthetic setup
+    assert crop_warning(512, [(500, 375)], [0.5, 2.0]) is None  # VOC
+    assert crop_warning(None, [(10, 10)]) is None and crop_warning(512, []) is None
+    message = crop_warning(512, [(100, 80), (200, 150)], [0.5, 2.0])
+    assert "largest 200x150" in message and "89% padding" in message
+    assert "--set data.crop_size=208" in message
+
+
+class _Stop(Exception):  # noqa: N818 (a signal)
+    pass
+
+
+def test_trainer_warns_about_large_crops(tmp_path, monkeypatch, capsys):
+    """The trainer says it before the first epoch (stopped here right after its checks)."""
+    from cals_seg.config.schema import load_config
+    from cals_seg.tasks import build_task
+    from cals_seg.training import trainer
+
+    cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", [
+        *TINY, "data.crop_size=256", f"output_dir={tmp_path / 'runs'}",
+        f"data.root={tmp_path / 'data'}"], "ce")
+
+    def stop(*args, **kwargs):
+        raise _Stop
+
+    monkeypatch.setattr(trainer, "make_loader", stop)
+    with pytest.raises(_Stop):
+        trainer.fit(cfg, build_task(cfg))
+    err = capsys.readouterr().err
+    assert "warning: data.crop_size=256 is much larger than the training images (largest " \
+           "32x32, WxH)" in err, err
