@@ -127,10 +127,12 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     trainer.fit(module, train_loader, val_loader)
     for entry in callback.history:
         lam = ", ".join(f"{v:.3g}" for v in entry["lambda"])
-        print(f"epoch {entry['epoch']}: lambda [{lam}]")
+        print(f"epoch {entry['epoch'] + 1}: lambda [{lam}]")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     shown = ("val_ece", "val_aece", "val_miou", "lambda_mean")
-    print("validation: " + ", ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics))
+    print("validation: " + ", ".join(
+        f"{k} {100 * metrics[k]:.2f}%" if "ece" in k else f"{k} {metrics[k]:.4f}"
+        for k in shown if k in metrics))
     return {
         "lambda": criterion.lambdas.tolist(),
         "history": callback.history,

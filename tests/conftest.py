@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -37,3 +38,8 @@ def recomputed_test_accuracy(run_dir: Path) -> tuple[float, int]:
             x, y = task.test_set[i]
             correct += int(task.model(x[None]).argmax(dim=1).item() == int(y))
     return correct / len(task.test_set), len(task.test_set)
+
+
+# No test touches the network: pretrained weights that are not cached fail at once
+# (cals_seg.models._hub reads this), and huggingface_hub itself stays offline.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")

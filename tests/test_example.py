@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,13 @@ def test_example_one_epoch_updates_multipliers_and_fits_temperature(capsys):
     pytest.importorskip("albumentations")
     out = _load().main(["--epochs", "1", "--device", "cpu", "--margin", "0.5"])
     printed = capsys.readouterr().out
-    assert "epoch 0:" in printed and "post-TS" in printed
+    assert "epoch 1:" in printed and "post-TS" in printed
+    # the penalty prints as a clean number (never -5e-13), epochs count from 1
+    assert re.search(r"\(penalty -?\d+\.\d{4}\)", printed), printed
     # the validation protocol moved the multipliers away from their initial value
     assert out["lambda"] != out["lambda_init"]
     assert all(math.isfinite(v) and v >= 1e-6 for v in out["lambda"])
     assert out["temperature"] > 0 and math.isfinite(out["temperature"])
     for key in ("test_pre_ts", "test_post_ts"):
         assert 0.0 <= out[key]["ece"] <= 1.0
-    assert f"post-TS {out['test_post_ts']['ece']:.4f}" in printed
+    assert f"post-TS {100 * out['test_post_ts']['ece']:.2f}%" in printed

@@ -18,7 +18,7 @@ from cals_seg.evaluation.inference import (
     input_multiple,
     segment_logits,
 )
-from cals_seg.runs.export import export_run
+from cals_seg.runs.export import export_run, written_files
 from cals_seg.tasks import build_task
 from cals_seg.tasks.segmentation import build_model
 from cals_seg.training.engine import seed_everything
@@ -89,8 +89,15 @@ def test_onnx_model_equals_pytorch(run, tmp_path):
     pytest.importorskip("onnxscript")
     run_dir, model, temperature = run
     out = tmp_path / "model.onnx"
+    (tmp_path / "model.onnx.data").write_bytes(b"stale sidecar of an older export")
     export_run(run_dir, out, "onnx")
-    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    # one self-contained file: no sidecar, and the .onnx copied alone elsewhere loads
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.json"]
+    assert written_files(out) == [out, Path(f"{out}.json")]
+    alone = tmp_path / "copy"
+    alone.mkdir()
+    (alone / "model.onnx").write_bytes(out.read_bytes())
+    session = ort.InferenceSession(str(alone / "model.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == ["image"]
     assert [o.name for o in session.get_outputs()] == ["probs"]
     for i, shape in enumerate(SHAPES):
@@ -106,7 +113,8 @@ def test_tool_exports_logits(run, tmp_path, capsys):
     out = tmp_path / "logits.pt2"
     tool = load_tool("export")
     assert tool.main([str(run_dir), "--format", "pt2", "--out", str(out), "--logits"]) == 0
-    assert "logits" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "logits" in printed and f"wrote 2 files: {out}, {out}.json" in printed
     program = torch.export.load(out).module()
     x = _images((2, 3, 40, 48), 20)
     with torch.no_grad():

@@ -49,7 +49,7 @@ def test_csv_holds_the_history(logged_run):
         rows = list(csv.DictReader(f))
     assert len(rows) == len(history) == 2
     for row, h in zip(rows, history, strict=True):
-        assert int(row["epoch"]) == h["epoch"]
+        assert int(row["epoch"]) == h["epoch"] + 1  # counted from 1, as the console does
         assert float(row["val_ece"]) == h["val_ece"]  # exact: written with repr
         assert float(row["train_loss"]) == h["train_loss"]
         assert float(row["lr"]) == h["lr"]
@@ -148,7 +148,7 @@ def test_resume_continues_the_logs(logged_run):
     history = [json.loads(x) for x in (cfg.run_dir / "history.jsonl").read_text().splitlines()]
     with (cfg.run_dir / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [int(r["epoch"]) for r in rows] == [h["epoch"] for h in history] == [0, 1, 2]
+    assert [int(r["epoch"]) for r in rows] == [h["epoch"] + 1 for h in history] == [1, 2, 3]
     assert float(rows[2]["val_ece"]) == history[2]["val_ece"]
     acc = event_accumulator.EventAccumulator(str(cfg.run_dir / "tensorboard"))
     acc.Reload()

@@ -172,7 +172,8 @@ def train_command(
                 continue
             extra = f" (T = {test['temperature']:.3f})" if key == "post_ts" else ""
             print(f"{label} (best epoch {test['epoch'] + 1}): {metric} {m[metric]:.4f}  "
-                  f"ECE {m['ece']:.4f}  AECE {m['aece']:.4f}  NLL {m['nll']:.4f}{extra}")
+                  f"ECE {100 * m['ece']:.2f}%  AECE {100 * m['aece']:.2f}%  "
+                  f"NLL {m['nll']:.4f}{extra}")
         if summary is not None:
             print(summary(test))
         print(f"run directory: {args.resume or cfg.run_dir}")

@@ -56,11 +56,32 @@ def main(argv: list[str] | None = None) -> int:
     d = cfg.data
     report = check_splits(datasets, class_names(cfg), d.num_classes, d.ignore_index,
                           progress=args.progress)
+    report.warnings += _setup_warnings(cfg, report)
     print(f"{d.name} at {d.root}: {d.num_classes} classes, void label {d.ignore_index}")
     print(report.format())
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return 0 if report.ok else 1
+
+
+def _setup_warnings(cfg, report) -> list[str]:
+    """What would make training slow or stop although the data are right: crops much larger
+    than the images, pretrained weights that cannot be downloaded here."""
+    from cals_seg.data.crops import crop_warning
+    from cals_seg.models._hub import weights_problem
+
+    found = []
+    train = report.splits.get("train")
+    sizes = [train.max_size] if train is not None and train.max_size else []
+    crops = crop_warning(cfg.data.crop_size, sizes, cfg.data.scale_range)
+    if crops:
+        found.append(crops)
+    weights = cfg.model.encoder_weights
+    if weights == "imagenet":
+        problem = weights_problem(cfg.model.encoder_name, weights)
+        if problem:
+            found.append(f"{problem} (training would stop at its start)")
+    return found
 
 
 def run() -> None:

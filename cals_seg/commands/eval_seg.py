@@ -233,9 +233,10 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
         amp=run.precision,
     )
     pre, post = result["pre_ts"], result["post_ts"]
-    line = f"{args.split}: ECE {pre['ece']:.4f}  AECE {pre['aece']:.4f}  mIoU {pre['miou']:.4f}"
+    line = (f"{args.split}: ECE {100 * pre['ece']:.2f}%  AECE {100 * pre['aece']:.2f}%  "
+            f"mIoU {pre['miou']:.4f}")
     if post is not None:
-        line += f"  | post-TS ECE {post['ece']:.4f} (T = {result['temperature']:.3f})"
+        line += f"  | post-TS ECE {100 * post['ece']:.2f}% (T = {result['temperature']:.3f})"
     print(line)
     print(f"wrote {out / 'metrics.json'} and {len(maps)} calibration maps in {out / 'maps'}")
     return 0

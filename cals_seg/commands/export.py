@@ -7,7 +7,8 @@ The program maps a float32 RGB batch (N, 3, H, W) with values in [0, 255] to cal
 probabilities (N, K, H, W) at the input's resolution: normalisation, padding to the network's
 stride, the network, and softmax(logits / T) with the run's fitted temperature are inside it.
 N, H and W are dynamic. Next to FILE, FILE.json says what it expects and returns (class names,
-temperature, normalisation). Load a .pt2 with torch.export.load(FILE).module(), an .onnx with
+temperature, normalisation). The .onnx file holds its weights (up to 2 GB; a larger model's go to
+FILE.data, named when written). Load a .pt2 with torch.export.load(FILE).module(), an .onnx with
 onnxruntime.InferenceSession(FILE). ONNX needs pip install "cals_seg[export]".
 """
 
@@ -46,9 +47,14 @@ def main(argv: list[str] | None = None) -> int:
                           args.checkpoint, args.min_size)
     except (*USER_ERRORS, ImportError) as err:
         return report(err)
+    from cals_seg.runs.export import written_files
+
     what = "logits" if args.logits else f"probabilities (T = {info['temperature']:.4g})"
+    files = written_files(args.out)
     print(f"{args.out}: {args.format}, (N, 3, H, W) in [0, 255] -> (N, {info['num_classes']}, "
           f"H, W) {what}; H, W >= {info['input']['min_size']}; metadata in {args.out}.json")
+    keep = " (keep them together)" if len(files) > 2 else ""
+    print(f"wrote {len(files)} files{keep}: {', '.join(str(f) for f in files)}")
     return 0
 
 

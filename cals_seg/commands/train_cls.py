@@ -20,7 +20,7 @@ from cals_seg.commands._cli import launch, train_command
 
 
 def group_report(test: dict[str, Any]) -> str:
-    """One line per group and temperature: ``many  pre_ts  acc 0.812  ece 0.051 (n=...)``."""
+    """One line per group and temperature: ``many  pre_ts  acc 0.812  ece 5.10% (n=...)``."""
     lines = []
     for key in ("pre_ts", "post_ts"):
         block = test.get(key) or {}
@@ -29,7 +29,7 @@ def group_report(test: dict[str, Any]) -> str:
                 continue
             lines.append(
                 f"  {name:6s} {key:7s} classes {g['num_classes']:3d}  n {g['count']:6d}  "
-                f"acc {g['acc']:.4f}  ece {g['ece']:.4f}  aece {g['aece']:.4f}"
+                f"acc {g['acc']:.4f}  ece {100 * g['ece']:.2f}%  aece {100 * g['aece']:.2f}%"
             )
     return "\n".join(lines)
 

@@ -269,7 +269,8 @@ def generate_synthetic_voc(
         split_ids[split] = []
         for i in range(count):
             rng = np.random.default_rng([seed, split_code, i])
-            sample_id = f"syn_{split}_{i:05d}"
+            # named by the toolkit's split, not VOC's file: val.txt holds the test images
+            sample_id = f"syn_{'test' if split == 'val' else split}_{i:05d}"
             image, mask = render_scene(image_size, rng)
             _save_pair(voc, sample_id, image, mask, palette)
             split_ids[split].append(sample_id)

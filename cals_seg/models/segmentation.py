@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from cals_seg.errors import MissingPathError, UserError, WeightsUnavailableError
+from cals_seg.models import _hub
 
 
 def build_segmentation_model(
@@ -30,21 +31,28 @@ def build_segmentation_model(
 
     Raises:
         WeightsUnavailableError: the pretrained weights could not be obtained (offline); the
-            message says how to proceed.
+            message says how to proceed. Offline with the weights not cached, it is raised
+            before smp is called (no download retries).
     """
     local = encoder_weights is not None and (
         Path(encoder_weights).suffix in (".pt", ".pth", ".bin") or Path(encoder_weights).exists()
     )
     hub_weights = None if (encoder_weights is None or local) else encoder_weights
+    offline = False
+    if hub_weights is not None:  # fail at once offline, not after smp's retries
+        offline = not _hub.hub_reachable()
+        if offline and not _hub.is_cached(_hub.hub_repo(encoder_name, hub_weights)):
+            raise WeightsUnavailableError(_hub.unavailable_message(encoder_name, hub_weights))
     try:
-        model = smp.create_model(
-            arch,
-            encoder_name=encoder_name,
-            encoder_weights=hub_weights,
-            classes=num_classes,
-            activation=None,
-            **params,
-        )
+        with _hub.cache_only(offline):
+            model = smp.create_model(
+                arch,
+                encoder_name=encoder_name,
+                encoder_weights=hub_weights,
+                classes=num_classes,
+                activation=None,
+                **params,
+            )
     except (KeyError, ValueError, TypeError, AssertionError) as err:
         raise UserError(
             f"model: cannot build {arch!r} with encoder {encoder_name!r}"

@@ -26,6 +26,10 @@ Loading::
     session = onnxruntime.InferenceSession("model.onnx")      # ONNX
     probs = session.run(None, {"image": images.numpy()})[0]
 
+The ``.onnx`` file holds its weights (one self-contained file to copy) unless they pass
+protobuf's 2 GB limit; then they are written to ``FILE.data``, which must stay next to it
+(:func:`written_files` names every file an export wrote).
+
 The ONNX export needs the ``onnx`` and ``onnxscript`` packages, checking it ``onnxruntime``
 (``pip install "cals_seg[export]"``).
 """
@@ -131,6 +135,7 @@ def export_program(module: CalibratedSegmenter, path: str | Path, fmt: str,
         raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{path}.data").unlink(missing_ok=True)  # a sidecar of an earlier export
     module = module.eval().to("cpu", torch.float32)
     min_size = min_size or max(2 * module.multiple, 16)
     # Two images whose sides are no multiple of the stride: nothing gets specialised on them.
@@ -149,12 +154,34 @@ def export_program(module: CalibratedSegmenter, path: str | Path, fmt: str,
                 f"--format onnx needs the {package} package; install it with: "
                 f'pip install "cals_seg[export]" (or: pip install onnx onnxscript onnxruntime).'
             ) from None
+    # One self-contained file (weights inside), unless they pass protobuf's 2 GB limit: then
+    # the weights go to FILE.data next to it, and written_files() names both.
+    external = _weight_bytes(module) > ONNX_SINGLE_FILE_LIMIT
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, example, str(path), dynamo=True, dynamic_shapes=dynamic,
                           input_names=[INPUT_NAME], output_names=[OUTPUT_NAMES[module.logits]],
-                          verbose=False)
+                          verbose=False, external_data=external)
     return path
+
+
+# Weights above this many bytes make an ONNX file that protobuf cannot hold (2 GiB), so they go
+# to a sidecar FILE.data; below it the export is one file.
+ONNX_SINGLE_FILE_LIMIT = 1_800_000_000
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def written_files(path: str | Path) -> list[Path]:
+    """Every file an export to ``path`` wrote: the program, its weights sidecar when there is
+    one (``FILE.data``, ONNX over 2 GB only; it must stay next to the ``.onnx``), and
+    ``FILE.json``."""
+    path = Path(path)
+    sidecars = [Path(f"{path}.data")] if Path(f"{path}.data").is_file() else []
+    return [path, *sidecars, Path(f"{path}.json")]
 
 
 def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: str = "ts",
@@ -220,4 +247,5 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     return info
 
 
-__all__ = ["CALIBRATORS", "FORMATS", "CalibratedSegmenter", "export_program", "export_run"]
+__all__ = ["CALIBRATORS", "FORMATS", "CalibratedSegmenter", "export_program", "export_run",
+           "written_files"]

@@ -169,7 +169,10 @@ def load_run(
     given = [f"train.{key}={value}" for key, value in (("device", device), ("amp", amp))
              if value is not None]  # checked by the rules of the keys they replace
     cfg = load_config(config_file, [*overrides, *given], method)
-    check_config(cfg, reads_data=with_data, writes_run=False)  # every key, before any work
+    try:
+        check_config(cfg, reads_data=with_data, writes_run=False)  # every key, before any work
+    except UserError as err:  # a value given as device= / amp= is named as the tools' flag
+        raise _as_flag(err, device, amp) from None
     found = task_family(cfg)
     if family is not None and found != family:
         raise UserError(f"{folder} is a {found} run ({cfg.data.name!r}); this command needs a "
@@ -197,6 +200,18 @@ def load_run(
         class_names=list(names), protocol=protocol,
         temperature=RunDir(folder).read_temperature(), epoch=state.get("epoch"), task=task,
     )
+
+
+def _as_flag(err: UserError, device: str | None, amp: str | None) -> UserError:
+    """``err`` about ``train.device`` / ``train.amp`` when the value came from the ``device`` /
+    ``amp`` argument: the message names ``--device`` / ``--amp`` (what the user typed, e.g.
+    ``predict_seg RUN IMAGES --device cuda``), not a config key they never wrote."""
+    message = str(err)
+    for key, flag, given in (("train.device", "--device", device), ("train.amp", "--amp", amp)):
+        if given is not None and message.startswith(f"{key}:"):
+            message = message.replace(f"--set {key}=", f"{flag} ").replace(key, flag)
+            return type(err)(message)
+    return err
 
 
 __all__ = ["LoadedRun", "load_run", "load_weights", "resolve_run"]

@@ -4,7 +4,8 @@
 
 - ``csv``: ``<run>/metrics.csv``, the history as a table, rewritten after every epoch (so after
   a resume it holds exactly the history's lines). Lists of K values (``lambda``, ``rho``) become
-  one column per class, ``lambda/<class name>``.
+  one column per class, ``lambda/<class name>``. Its ``epoch`` column counts from 1, as the
+  console and TensorBoard do (``history.jsonl`` keeps the 0-based index).
 - ``tensorboard``: event files in ``<run>/tensorboard`` (``tensorboard --logdir runs``).
 - ``wandb``: a Weights & Biases run (project ``$WANDB_PROJECT`` or ``cals_seg``, named after the
   run, the resolved config as its config), its files under ``<run>/wandb``. ``WANDB_MODE=offline``
@@ -118,7 +119,9 @@ class CSVLogger:
         self.class_names = list(class_names)
 
     def log_history(self, history: Sequence[Mapping[str, Any]]) -> None:
-        rows = [flatten_record(h, self.class_names) for h in history]
+        # epochs counted from 1, as the console and TensorBoard count them
+        rows = [{**flatten_record(h, self.class_names), "epoch": int(h["epoch"]) + 1}
+                for h in history]
         columns: list[str] = []
         for row in rows:
             columns.extend(k for k in row if k not in columns)

@@ -15,6 +15,7 @@ The task (data, model, meters) is built from the config by :func:`cals_seg.tasks
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -31,8 +32,9 @@ from cals_seg.config.checks import bounded_input, check_best_metric, check_resum
 from cals_seg.config.rules import check_model_input
 from cals_seg.config.schema import Config, ConfigError, config_to_dict, save_config
 from cals_seg.data.checks import check_task_data
+from cals_seg.data.crops import crop_warning, sample_sizes
 from cals_seg.data.extra_inputs import request_extra_inputs
-from cals_seg.errors import RunExistsError
+from cals_seg.errors import RunExistsError, UserError
 from cals_seg.evaluation.stream import Scaled, compute, evaluate, predict, scalars
 from cals_seg.losses import AdaptiveLoss, build_loss
 from cals_seg.runs.folder import RunDir
@@ -253,8 +255,9 @@ def _epoch_line(epoch: int, epochs: int, train: dict, val: dict, metric: str, sc
         lam += f"  margin {multipliers['margin']:.2f}"
     eta = f"  ~{remaining / 60:.1f} min left" if remaining > 0 else ""
     return (
-        f"epoch {epoch + 1:3d}/{epochs}  loss {train['loss']:.4f}  val ece {val['ece']:.4f}  "
-        f"{metric} {score:.4f}{lam}  {'*' if improved else ' '} {seconds:.1f}s{eta}"
+        f"epoch {epoch + 1:3d}/{epochs}  loss {train['loss']:.4f}  "
+        f"val ECE {100 * val['ece']:.2f}%  {metric} {score:.4f}{lam}  "
+        f"{'*' if improved else ' '} {seconds:.1f}s{eta}"
     )
 
 
@@ -293,6 +296,11 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     check_model_input(cfg, task)
     check_task_data(task, t.batch_size, bounded_input(cfg), get_world_size())
     check_best_metric(task, t.best_metric, cfg.eval.n_bins)
+    if main and task.family == "segmentation":  # crops of mostly padding: slow, say so
+        crops = crop_warning(cfg.data.crop_size, sample_sizes(task.train_set),
+                             cfg.data.scale_range)
+        if crops:
+            print(f"warning: {crops}", file=sys.stderr, flush=True)
     workers = cfg.data.num_workers
     train_loader = make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed)
     val_loader = make_loader(task.val_set, cfg.eval.batch_size, False, workers)
@@ -303,10 +311,13 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     if resume is not None:
         start_epoch, best_score, best_epoch, scheduler = _resume(
             cfg, run, device, model, optimizer, scheduler, criterion, scaler, k)
+        _refuse_finished(run, start_epoch, t.epochs)
     if main:
         save_config(cfg, run.config)
+        todo = (f"epochs {start_epoch + 1}..{t.epochs}" if start_epoch < t.epochs else
+                f"all {t.epochs} epochs trained, testing the best checkpoint")
         print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
-              f"epochs {start_epoch + 1}..{t.epochs}", flush=True)
+              f"{todo}", flush=True)
     loggers = RunLoggers(t.loggers if main else [], run.path, config_to_dict(cfg),
                          task.class_names, start_epoch)
 
@@ -394,6 +405,17 @@ def _resume(cfg: Config, run: RunDir, device: torch.device, model: nn.Module, op
         run.trim_history(start_epoch)
         run.repair_best(state)
     return start_epoch, best_score, best_epoch, scheduler
+
+
+def _refuse_finished(run: RunDir, start_epoch: int, epochs: int) -> None:
+    """``--resume`` of a run whose every epoch is trained and tested: nothing to continue (one
+    stopped between its last epoch and the test is tested, as a resume of it should)."""
+    if start_epoch >= epochs and run.test_metrics.is_file():
+        raise UserError(
+            f"--resume {run.path}: the run is finished (all {epochs} epochs trained and tested, "
+            f"{run.test_metrics.name} written); to train it longer, add --set train.epochs=N "
+            f"with N > {epochs}; to evaluate it again, use tools/eval_seg.py {run.path}."
+        )
 
 
 def _validate_and_update(epoch: int, model: nn.Module, task: Task, loader: DataLoader,
