@@ -122,7 +122,7 @@ def test_predict_image_uses_the_evaluation_normalisation_and_path():
 def test_large_or_tiled_batches_are_evaluated_one_image_at_a_time(monkeypatch):
     from torch.utils.data import DataLoader, TensorDataset
 
-    from cals_seg.evaluation.stream import stream as evaluation
+    from cals_seg.evaluation import stream as evaluation
 
     net = _net()
     data = TensorDataset(torch.randn(4, 3, 20, 30), torch.randint(0, 5, (4, 20, 30)))
