@@ -427,3 +427,85 @@ def test_meter_against_loops():
         vals = [1 - cov[i][valid[i] & (gr[i] == k)].mean() for i in range(3)
                 if (valid[i] & (gr[i] == k)).any()]
         assert out["risk_group"][k] == pytest.approx(np.mean(vals), abs=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# The commands.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:.*temperature.json", "ignore:The validation NLL is minimal")
+def test_eval_seg_and_predict_seg_conformal(tmp_path):
+    """eval_seg --conformal writes metrics.json["conformal"][MODE] and conformal.md, saves the
+    fit; predict_seg --conformal reuses it and writes the set-size PNG and the sets."""
+    from pathlib import Path
+
+    import cv2
+    from PIL import Image
+
+    from cals_seg.commands._conformal import load_conformal, parse_conformal
+    from cals_seg.config.schema import load_config, save_config
+    from cals_seg.errors import UserError
+    from cals_seg.tasks.segmentation import build_model
+
+    from .conftest import load_tool
+
+    setup = Path(__file__).resolve().parents[1] / "configs" / "synthetic_deeplabv3.yaml"
+    sets = [f"data.root={tmp_path / 'data'}",
+            "data.synthetic={num_train: 30, num_test: 4, image_size: 32}",
+            "train.amp=none", "train.threads=1", "train.progress=false", "eval.num_maps=0",
+            "train.device=cpu", "model.encoder_name=tu-mobilenetv3_small_050",
+            "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
+    cfg = load_config(setup, sets, "ce")
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(cfg, run / "config.yaml")
+    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
+               run / "checkpoint_best.pt")
+    modes = ["risk", "image:0.5", "class", "band"]
+    args = [str(run), "--out", str(tmp_path / "eval"), "--conformal", "alpha=0.3",
+            f"mode={','.join(modes)}", "score=aps"]
+    assert load_tool("eval_seg").main(args) == 0
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert list(metrics["conformal"]) == modes
+    for mode, r in metrics["conformal"].items():
+        for key in ("alpha", "threshold", "calibration_images", "risk", "coverage", "set_size",
+                    "coverage_band", "calibration_ids"):
+            assert key in r, (mode, key)
+        assert r["calibration_images"] == len(r["calibration_ids"]) >= 1
+        assert len(r["coverage_band"]) == 3
+        assert sum(r["count_band"]) == r["pixels"]
+        assert 1 <= r["set_size"] <= 11 and 0 <= r["risk"] <= 1
+    assert isinstance(metrics["conformal"]["class"]["threshold"], list)
+    assert "| band |" in (tmp_path / "eval" / "conformal.md").read_text()
+    saved = run / "calibrators" / "conformal_risk_aps_a0.3.json"
+    assert load_conformal(saved).thresholds() == metrics["conformal"]["risk"]["threshold"]
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    pixels = np.random.default_rng(0).integers(0, 256, (37, 45, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(folder / "a.png")
+    out = tmp_path / "pred"
+    assert load_tool("predict_seg").main([str(run), str(folder), "--out", str(out),
+                                          "--conformal", "0.3", "score=aps", "--no-progress"]) == 0
+    s = np.load(out / "a_sets.npz")["sets"]
+    assert s.dtype == bool and s.shape == (11, 37, 45)
+    size = cv2.imread(str(out / "a_set_size.png"), cv2.IMREAD_UNCHANGED)
+    assert np.array_equal(size, s.sum(axis=0))
+    assert (out / "a_ambiguous.png").is_file()
+    line = json.loads((out / "predictions.jsonl").read_text().splitlines()[0])
+    assert line["conformal"]["threshold"] == metrics["conformal"]["risk"]["threshold"]
+    # No saved fit for mode=class with LAC: predict_seg fits it on the held-out images.
+    assert load_tool("predict_seg").main([str(run), str(folder), "--out", str(out),
+                                          "--conformal", "alpha=0.3", "mode=class",
+                                          "--no-progress"]) == 0
+    assert (run / "calibrators" / "conformal_class_lac_a0.3.json").is_file()
+    # After a calibrator fitted on the other validation images.
+    assert load_tool("eval_seg").main([*args[:-2], "mode=risk", "calibrator=ts"]) == 0
+    after = json.loads((tmp_path / "eval" / "metrics.json").read_text())["conformal"]["risk"]
+    assert after["calibrator"] == "ts" and after["calibrator_fit"]["temperature"] > 0
+    assert after["calibration_ids"] == metrics["conformal"]["risk"]["calibration_ids"]
+    for bad in (["alpha=2"], ["mode=wide"], ["alpha=0.1", "colour=red"], ["score=raps"]):
+        with pytest.raises(UserError, match="--conformal"):
+            parse_conformal(bad)
