@@ -285,8 +285,9 @@ class ConformalSets(nn.Module):
 
     State (int64, fixed size): ``risk_sum (G, grid + 1)`` and ``images (G,)`` for the modes
     ``risk`` (``G = 1``), ``class`` (``G = K``) and ``band`` (``G = len(bands) + 1``), or
-    ``image_hist (grid + 1,)`` for ``image:TAU``: ``8 (grid + 2) G`` bytes, 32 KiB for one
-    group at the default grid, whatever the number of pixels.
+    ``image_hist (grid + 1,)`` for ``image:TAU``, plus the image count and the fitted
+    indices: about ``8 (grid + 2) G`` bytes, 32 KiB for one group at the default grid,
+    whatever the number of pixels.
 
     Args:
         num_classes: K >= 2.
@@ -333,6 +334,7 @@ class ConformalSets(nn.Module):
             self.register_buffer("risk_sum",
                                  torch.zeros(self.num_groups, grid + 1, dtype=torch.int64))
             self.register_buffer("images", torch.zeros(self.num_groups, dtype=torch.int64))
+        self.register_buffer("seen", torch.zeros(1, dtype=torch.int64))  # images with pixels
         self.register_buffer("threshold_index",
                              torch.full((self.num_groups,), grid, dtype=torch.int64))
         self.calibration_images = 0
@@ -343,7 +345,7 @@ class ConformalSets(nn.Module):
 
     def reset(self) -> None:
         """Zero the calibration state (the fitted threshold stays until the next ``fit``)."""
-        for name in ("image_hist", "risk_sum", "images"):
+        for name in ("image_hist", "risk_sum", "images", "seen"):
             if hasattr(self, name):
                 getattr(self, name).zero_()
 
@@ -380,6 +382,7 @@ class ConformalSets(nn.Module):
             raise ValueError(f"Expected `logits` of shape (N, K, H, W), but got {shape}.")
         cells, y, valid = self.cells(logits, target)
         true_cell = cells.gather(1, y.unsqueeze(1)).squeeze(1)
+        self.seen += valid.any(dim=1).sum()
         if self.kind == "image":
             s = image_scores(true_cell, valid, self.tau, self.grid)
             self.image_hist.add_(torch.bincount(s[s >= 0], minlength=self.grid + 1))
@@ -393,20 +396,21 @@ class ConformalSets(nn.Module):
     def fit(self) -> dict[str, Any]:
         """Threshold(s) from the calibration state summed over ranks (a collective).
 
-        Returns ``{"alpha", "mode", "score", "threshold", "calibration_images"}``:
+        Returns ``{"alpha", "mode", "score", "threshold", "calibration_images"}`` (and
+        ``calibration_images_group``, the images holding each class / band):
         ``threshold`` a number (``risk``, ``image``) or a list per class / band, each
-        ``g / grid`` (1.0 means every class)."""
+        ``g / grid`` (1.0 means every class). Images without a valid pixel are not counted
+        (they have no coverage; the test meter skips them too)."""
         if self.kind == "image":
-            (hist,) = sum_over_ranks([self.image_hist])
+            hist, seen = sum_over_ranks([self.image_hist, self.seen])
             idx = [quantile_threshold(hist.tolist(), self.alpha)]
-            n = int(hist.sum())
-            per_group = [n]
+            per_group = [int(hist.sum())]
         else:
-            risk, images = sum_over_ranks([self.risk_sum, self.images])
+            risk, images, seen = sum_over_ranks([self.risk_sum, self.images, self.seen])
             per_group = images.tolist()
             idx = [crc_threshold(risk[g].tolist(), per_group[g], self.alpha)
                    for g in range(self.num_groups)]
-            n = max(per_group)
+        n = int(seen[0])
         self.threshold_index.copy_(torch.tensor(idx, dtype=torch.int64))
         self.calibration_images = n
         out: dict[str, Any] = {"alpha": self.alpha, "mode": self.mode, "score": self.score,
