@@ -521,3 +521,10 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
     for bad in (["alpha=2"], ["mode=wide"], ["alpha=0.1", "colour=red"], ["score=raps"]):
         with pytest.raises(UserError, match="--conformal"):
             parse_conformal(bad)
+
+
+def test_conformal_calibrator_names_are_the_calibrators():
+    from cals_seg.calibrators import CALIBRATORS
+    from cals_seg.commands._conformal import CALIBRATOR_NAMES
+
+    assert list(CALIBRATOR_NAMES) == list(CALIBRATORS)
