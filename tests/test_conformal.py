@@ -465,7 +465,7 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
     setup = Path(__file__).resolve().parents[1] / "configs" / "synthetic_deeplabv3.yaml"
     sets = [f"data.root={tmp_path / 'data'}",
             "data.synthetic={num_train: 30, num_test: 4, image_size: 32}",
-            "train.amp=none", "train.threads=1", "train.progress=false", "eval.num_maps=0",
+            "train.amp=none", "train.threads=1", "train.progress=false", "eval.num_maps=1",
             "train.device=cpu", "model.encoder_name=tu-mobilenetv3_small_050",
             "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
     cfg = load_config(setup, sets, "ce")
@@ -491,6 +491,7 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
         assert 1 <= r["set_size"] <= 11 and 0 <= r["risk"] <= 1
     assert isinstance(metrics["conformal"]["class"]["threshold"], list)
     assert "| band |" in (tmp_path / "eval" / "conformal.md").read_text()
+    assert len(list((tmp_path / "eval" / "maps").glob("*_set_size_image-0.5.png"))) == 1
     saved = run / "calibrators" / "conformal_risk_aps_a0.3.json"
     assert load_conformal(saved).thresholds() == metrics["conformal"]["risk"]["threshold"]
 

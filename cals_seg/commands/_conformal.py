@@ -151,12 +151,14 @@ def fit_conformal(run, spec: dict[str, Any], val_set) -> tuple[dict, dict, Any, 
     return fits, results, calibrator, ids
 
 
-def conformal_evaluation(run, spec: dict[str, Any], val_set, test_set,
-                         progress: bool = False) -> dict[str, Any]:
+def conformal_evaluation(run, spec: dict[str, Any], val_set, test_set, progress: bool = False,
+                         maps_dir: Path | None = None, num_maps: int = 0) -> dict[str, Any]:
     """:func:`fit_conformal`, then the sets of every mode on ``test_set`` measured by
     :class:`~cals_seg.metrics.conformal.PredictionSetMeter`; returns ``{MODE: dict}``: the
     fit's ``alpha``, ``threshold``, ``calibration_images``, ``calibration_ids``, ... and the
-    meter's ``risk``, ``coverage``, ``set_size``, ``coverage_band``, ..."""
+    meter's ``risk``, ``coverage``, ``set_size``, ``coverage_band``, ... With ``maps_dir``,
+    the set-size map of each mode for the first ``num_maps`` test images:
+    ``maps_dir/<id>_set_size_<mode>.png`` (:func:`write_size_map`)."""
     from cals_seg.evaluation.stream import predict
     from cals_seg.metrics.conformal import PredictionSetMeter
     from cals_seg.metrics.regions import boundary_bands
@@ -169,11 +171,20 @@ def conformal_evaluation(run, spec: dict[str, Any], val_set, test_set,
               for m, cs in fits.items()}
     test_loader = make_loader(test_set, run.config.eval.batch_size, False,
                               run.config.data.num_workers)
+    ids = getattr(test_set, "ids", None)
+    seen = 0
     for logits, target, image in predict(run.model, test_loader, device, run.precision,
                                          progress, desc="conformal", protocol=task.protocol,
                                          with_inputs=True):
         out = _calibrate(calibrator, logits, image)
+        first, seen = seen, seen + len(logits)
         for m, cs in fits.items():
+            if maps_dir is not None and first < num_maps:
+                sets = cs.sets(out)
+                for i in range(min(len(logits), num_maps - first)):
+                    name = ids[first + i] if ids is not None else str(first + i)
+                    write_size_map(maps_dir / f"{name}_set_size_{m.replace(':', '-')}.png",
+                                   sets[i], cs.num_classes)
             group = None
             if cs.kind == "class":
                 group = target
@@ -260,6 +271,17 @@ def write_set_outputs(out: Path, name: str, image: np.ndarray, sets: torch.Tenso
     overlay[mark] = (0.4 * overlay[mark] + 0.6 * np.array([255, 0, 255])).astype(np.uint8)
     cv2.imwrite(str(paths["ambiguous"]), cv2.cvtColor(overlay, cv2.COLOR_RGB2BGR))
     return {k: str(v) for k, v in paths.items()}
+
+
+def write_size_map(path: Path, sets: torch.Tensor, num_classes: int) -> None:
+    """A colour picture of one image's set sizes ``(K, H, W)`` bool: viridis from 0 classes
+    (dark) to ``K`` (bright), each pixel's size scaled by ``255 / K``."""
+    import cv2
+
+    size = sets.sum(dim=0).cpu().numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grey = np.rint(size * (255 / num_classes)).astype(np.uint8)
+    cv2.imwrite(str(path), cv2.applyColorMap(grey, cv2.COLORMAP_VIRIDIS))
 
 
 def conformal_table(results: dict[str, Any]) -> str:

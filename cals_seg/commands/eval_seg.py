@@ -34,7 +34,7 @@ per-band diagrams include every calibrator.
 With --conformal, per-pixel prediction sets with a guarantee (docs/conformal.md) are fitted on
 the held-out validation images and measured on the split: metrics.json["conformal"][MODE]
 (alpha, threshold, calibration_images and their ids, risk, coverage, set_size, coverage_band,
-...) and the table DIR/conformal.md.
+...), the table DIR/conformal.md and DIR/maps/<id>_set_size_<mode>.png (classes per pixel).
 """
 
 from __future__ import annotations
@@ -205,8 +205,12 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.commands._conformal import conformal_evaluation
 
         try:
+            out = Path(args.out) if args.out else run.checkpoint.resolve().parent / \
+                f"eval_{args.split}"
+            num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
             result["conformal"] = conformal_evaluation(run, args.conformal, task.val_set,
-                                                       split_set, cfg.train.progress)
+                                                       split_set, cfg.train.progress,
+                                                       out / "maps", num_maps)
         except USER_ERRORS as err:
             return report(err)
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
