@@ -164,6 +164,12 @@ def conformal_evaluation(run, spec: dict[str, Any], val_set, test_set, progress:
     from cals_seg.metrics.regions import boundary_bands
     from cals_seg.training.engine import make_loader
 
+    if test_set is val_set:
+        import warnings
+
+        warnings.warn("--conformal on the validation split: its calibration images are among "
+                      "the evaluated ones, so the numbers are not those of new images.",
+                      stacklevel=2)
     fits, results, calibrator, _ = fit_conformal(run, spec, val_set)
     task, device = run.task, run.device
     meters = {m: PredictionSetMeter(task.num_classes, num_groups=cs.num_groups, tau=cs.tau,
