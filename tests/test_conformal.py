@@ -21,7 +21,6 @@ import torch
 
 from cals_seg.evaluation.conformal import (
     ConformalSets,
-    DilationMargin,
     aps_scores,
     coverage_needed,
     crc_threshold,
@@ -33,6 +32,7 @@ from cals_seg.evaluation.conformal import (
     quantile_threshold,
     score_cells,
 )
+from cals_seg.evaluation.conformal_margin import DilationMargin
 from cals_seg.metrics.conformal import PredictionSetMeter
 from cals_seg.metrics.regions import boundary_bands
 

@@ -35,9 +35,10 @@ for the true one), summed in int64. The state is therefore integers of a fixed s
 curve per group, or one histogram of image scores), whatever the number of pixels, and its
 DDP sum is exact: N processes give bit for bit the threshold of one.
 
-Binary masks: :class:`DilationMargin` chooses a radius ``r`` such that the true mask lies in
-the prediction dilated by ``r`` with probability ``>= 1 - alpha`` (split conformal on the
-per-image score ``max_{p in true mask} dist(p, predicted mask)``).
+Binary masks: :class:`cals_seg.evaluation.conformal_margin.DilationMargin` chooses a radius
+``r`` such that the true mask lies in the prediction dilated by ``r`` with probability
+``>= 1 - alpha`` (split conformal on the per-image score
+``max_{p in true mask} dist(p, predicted mask)``).
 """
 
 from __future__ import annotations
@@ -51,98 +52,20 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from cals_seg.evaluation._scores import (  # noqa: F401 (re-exported here)
+    GRID,
+    SCORES,
+    aps_scores,
+    class_scores,
+    lac_scores,
+    pixel_uniforms,
+    score_cells,
+)
 from cals_seg.metrics._functional import prepare_logits, sum_over_ranks
-from cals_seg.metrics.regions import boundary_bands, squared_boundary_distance
+from cals_seg.metrics.regions import boundary_bands
 
-SCORES = ("lac", "aps")
 MODES = ("risk", "image", "class", "band")
-GRID = 2**12
 FIXED_POINT = 2**32  # a per-image loss L is stored as ceil(L * FIXED_POINT)
-_MASK32 = 0xFFFFFFFF
-
-# --------------------------------------------------------------------------------------------
-# Scores.
-# --------------------------------------------------------------------------------------------
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """``x * c mod 2^32`` for int64 ``x`` in ``[0, 2^32)`` without int64 overflow."""
-    lo = (x * (c & 0xFFFF)) & _MASK32
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _MASK32
-
-
-def _hash32(x: Tensor) -> Tensor:
-    """A 32-bit integer mixer (xor-shift / multiply rounds) on int64 values in ``[0, 2^32)``."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def pixel_uniforms(probs: Tensor, seed: int = 0) -> Tensor:
-    """A number in ``(0, 1)`` per pixel, a fixed function of the seed, the pixel's position
-    and the bits of its probability vector (no random state).
-
-    The same pixel gets the same number in any batch, on any process and in any order, so
-    the randomised APS score is a deterministic function of the image and streaming / DDP
-    results equal one-shot ones. Conformal validity needs the score to be the same function
-    for calibration and test images, which a hash is; it does not need fresh randomness.
-
-    Shape:
-        - probs: ``(N, K, P)`` float32; returns ``(N, P)`` float64.
-    """
-    n, k, p = probs.shape
-    bits = probs.contiguous().view(torch.int32).to(torch.int64) & _MASK32
-    pos = torch.arange(p, device=probs.device, dtype=torch.int64)
-    x = _hash32(pos ^ ((seed * 0x9E3779B1) & _MASK32)).expand(n, p)
-    for j in range(k):
-        x = _hash32(x ^ bits[:, j])
-    return (x.to(torch.float64) + 0.5) / 2.0**32
-
-
-def lac_scores(probs: Tensor) -> Tensor:
-    """LAC score ``s_k = 1 - p_k`` (Sadinle et al. 2019).
-
-    Shape:
-        - probs: ``(N, K, P)``; returns the same shape and dtype, in ``[0, 1]``.
-    """
-    return (1.0 - probs).clamp_(0.0, 1.0)
-
-
-def aps_scores(probs: Tensor, u: Tensor) -> Tensor:
-    """Randomised APS score (Romano et al. 2020): with the classes sorted by decreasing
-    probability (ties by index), ``s_k = sum_{j ranked before k} p_j + u p_k``.
-
-    Shape:
-        - probs: ``(N, K, P)``; u: ``(N, P)`` in ``(0, 1)``; returns ``(N, K, P)`` in ``[0, 1]``.
-    """
-    p, order = probs.to(torch.float64).sort(dim=1, descending=True, stable=True)
-    before = p.cumsum(dim=1) - p
-    sorted_scores = before + u.unsqueeze(1) * p
-    out = torch.empty_like(sorted_scores).scatter_(1, order, sorted_scores)
-    return out.to(probs.dtype).clamp_(0.0, 1.0)
-
-
-def class_scores(probs: Tensor, score: str = "lac", seed: int = 0) -> Tensor:
-    """Scores of every class (``"lac"`` or ``"aps"``, seeded by ``seed``).
-
-    Shape:
-        - probs: ``(N, K, P)`` float32; returns ``(N, K, P)`` float32.
-    """
-    if score == "lac":
-        return lac_scores(probs)
-    if score == "aps":
-        return aps_scores(probs, pixel_uniforms(probs, seed))
-    raise ValueError(f"Expected `score` to be one of {list(SCORES)}, but got {score!r}.")
-
-
-def score_cells(scores: Tensor, grid: int = GRID) -> Tensor:
-    """Grid cell ``ceil(s * grid)`` of each score (exact: ``grid`` is a power of two), so that
-    ``s <= g / grid`` iff the cell is ``<= g``. Returns int64 in ``[0, grid]``."""
-    return torch.ceil(scores.to(torch.float64) * grid).to(torch.int64).clamp_(0, grid)
-
 
 # --------------------------------------------------------------------------------------------
 # Threshold rules on summed integer states.
@@ -441,74 +364,3 @@ class ConformalSets(nn.Module):
             group = self.pixel_groups(logits, cells, cells[:, 0])
             return cells <= idx[group].unsqueeze(1)
         return cells <= idx[0]
-
-
-class DilationMargin(nn.Module):
-    """A dilation radius ``r`` such that the true mask lies in the predicted mask dilated by
-    ``r`` (every pixel within Euclidean distance ``r`` of it) with probability ``>= 1 - alpha``.
-
-    The score of an image is ``S_i = ceil(max_{p in T_i} d(p, M_i))``: ``T_i`` its valid true
-    pixels of ``foreground``, ``M_i`` its predicted ones (argmax), ``d`` the exact Euclidean
-    distance (0 when ``T_i`` is empty, the overflow cell when ``M_i`` is empty and ``T_i`` is
-    not). ``T ⊆ dilate(M, r)`` iff ``S <= r``, so the split-conformal quantile of the ``S_i``
-    (:func:`quantile_threshold`) gives ``P(T_test ⊆ dilate(M_test, r)) >= 1 - alpha`` for
-    exchangeable images. State: a histogram of radii ``0..max_radius`` plus an overflow cell
-    (int64), one count per image.
-
-    Shape:
-        - logits: ``(N, K, H, W)``; target: ``(N, H, W)``.
-    """
-
-    def __init__(self, num_classes: int, alpha: float, foreground: int = 1,
-                 ignore_index: int = -100, max_radius: int = 1024) -> None:
-        super().__init__()
-        if not 0 < alpha < 1:
-            raise ValueError(f"Expected `alpha` in (0, 1), but got {alpha!r}.")
-        if not 0 <= foreground < num_classes:
-            raise ValueError(f"Expected `foreground` in [0, {num_classes}), got {foreground}.")
-        self.num_classes, self.alpha, self.foreground = num_classes, float(alpha), foreground
-        self.ignore_index, self.max_radius = ignore_index, max_radius
-        self.register_buffer("radius_hist", torch.zeros(max_radius + 2, dtype=torch.int64))
-        self.radius: int | None = None
-
-    def image_radii(self, logits: Tensor, target: Tensor) -> Tensor:
-        """``S_i`` per image ``(N,)`` int64, ``max_radius + 1`` for anything larger."""
-        pred = (logits.argmax(dim=1) == self.foreground).cpu().numpy()
-        t = target.cpu().numpy()
-        true = (t == self.foreground) & (t != self.ignore_index)
-        d2 = squared_boundary_distance(pred)  # squared distance to the predicted mask
-        out = []
-        for i in range(len(t)):
-            if not true[i].any():
-                out.append(0)
-                continue
-            worst = float(d2[i][true[i]].max())
-            r = math.isqrt(int(worst)) if math.isfinite(worst) else self.max_radius + 1
-            r += 0 if math.isfinite(worst) and r * r == int(worst) else 1
-            out.append(min(r, self.max_radius + 1))
-        return torch.tensor(out, dtype=torch.int64)
-
-    @torch.no_grad()
-    def update(self, logits: Tensor, target: Tensor) -> None:
-        """Add calibration images."""
-        r = self.image_radii(logits, target)
-        self.radius_hist.add_(torch.bincount(r, minlength=self.max_radius + 2).to(
-            self.radius_hist.device))
-
-    @torch.no_grad()
-    def fit(self) -> dict[str, Any]:
-        """``{"alpha", "radius" (None: no finite radius qualifies), "calibration_images"}``."""
-        (hist,) = sum_over_ranks([self.radius_hist])
-        g = quantile_threshold(hist.tolist(), self.alpha)
-        self.radius = None if g > self.max_radius else g
-        return {"alpha": self.alpha, "radius": self.radius,
-                "calibration_images": int(hist.sum())}
-
-    @torch.no_grad()
-    def dilate(self, logits: Tensor) -> Tensor:
-        """The predicted mask dilated by the fitted radius ``(N, H, W)`` bool (all pixels when
-        no finite radius qualified)."""
-        pred = (logits.argmax(dim=1) == self.foreground).cpu().numpy()
-        if self.radius is None:
-            return torch.ones(pred.shape, dtype=torch.bool)
-        return torch.from_numpy(squared_boundary_distance(pred) <= self.radius**2)
