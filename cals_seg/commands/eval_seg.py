@@ -8,6 +8,8 @@ per-image calibration maps.
         [--resize S] [--pad P] [--set key=value ...]
         [--calibrators ts vector dirichlet lts selective boundary_ts] [--refit-calibrators]
         [--calibrator-param lts.epochs=20 ...]
+        [--conformal alpha=0.1 [mode=risk|image:0.9|class|band] [score=lac|aps]
+                     [calibrator=NAME]]
     python tools/eval_seg.py CONFIG --checkpoint FILE ...     (older form: another config)
 
 Every metric is taken at each image's own resolution against its unmodified mask; the network
@@ -28,6 +30,11 @@ metrics.json["calibrator_fits"][NAME] the fit's summary (held-out images, passes
 DIR/calibrators.md is the table (ECE, band-weighted ECE, boundary and interior ECE, NLL, AURC,
 mIoU), DIR/reliability_<name>.png each calibrator's diagram, and the band / size plots and
 per-band diagrams include every calibrator.
+
+With --conformal, per-pixel prediction sets with a guarantee (docs/conformal.md) are fitted on
+the held-out validation images and measured on the split: metrics.json["conformal"][MODE]
+(alpha, threshold, calibration_images and their ids, risk, coverage, set_size, coverage_band,
+...), the table DIR/conformal.md and DIR/maps/<id>_set_size_<mode>.png (classes per pixel).
 """
 
 from __future__ import annotations
@@ -79,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calibrator-param", nargs="+", action="extend", default=[],
                         metavar="NAME.KEY=VALUE", help="a calibrator's parameter, e.g. "
                         "lts.epochs=20 or boundary_ts.bands=[2,5,10] (YAML values)")
+    parser.add_argument("--conformal", nargs="+", default=None, metavar="KEY=VALUE",
+                        help="prediction sets with a guarantee: alpha=0.1 [mode=risk|image:0.9|"
+                        "class|band (comma-separated)] [score=lac|aps] [calibrator=NAME]")
     add_protocol_arguments(parser)
     add_method_argument(parser)
     add_set_argument(parser)
@@ -136,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             check_folder("--out", args.out, must_exist=False, writable=True)
         args.calibrator_params = calibrator_params(args.calibrator_param)
+        if args.conformal is not None:
+            from cals_seg.commands._conformal import parse_conformal
+
+            args.conformal = parse_conformal(args.conformal)
         run = open_run(args)
         check_voc_data(run.task, tuple(dict.fromkeys(("val", args.split))))  # files named
     except USER_ERRORS as err:
@@ -187,6 +201,19 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
                   precision=amp, family=run.family, score_metric=run.score_metric)
     if fits:
         result["calibrator_fits"] = fits
+    if getattr(args, "conformal", None):
+        from cals_seg.commands._cli import USER_ERRORS, report
+        from cals_seg.commands._conformal import conformal_evaluation
+
+        try:
+            out = Path(args.out) if args.out else run.checkpoint.resolve().parent / \
+                f"eval_{args.split}"
+            num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
+            result["conformal"] = conformal_evaluation(run, args.conformal, task.val_set,
+                                                       split_set, cfg.train.progress,
+                                                       out / "maps", num_maps)
+        except USER_ERRORS as err:
+            return report(err)
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
@@ -217,6 +244,13 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
                 ece=result[key]["ece"],
             )
     write_calibrator_outputs(result, out, f"{cfg.name}, {args.split} split")
+    if result.get("conformal"):
+        from cals_seg.commands._conformal import conformal_table
+
+        table = conformal_table(result["conformal"])
+        (out / "conformal.md").write_text(f"{cfg.name}, {args.split} split: conformal sets "
+                                          "(docs/conformal.md).\n\n" + table)
+        print(table)
     plot_regions(result, out, f"{cfg.name} {args.split}")
     history = RunDir(run.checkpoint.resolve().parent).history()
     plotting.plot_multiplier_curves(history, out / "lambda_curves.png", task.class_names)

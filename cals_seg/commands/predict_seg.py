@@ -3,7 +3,7 @@
     python tools/predict_seg.py runs/<name> photos/ extra.jpg --out predictions/ \\
         [--threshold 0.5] [--temperature T] [--mode slide --window 512 --stride 341] \\
         [--resize S] [--pad P] [--device auto|cpu|cuda] [--strict] [--set key=value ...]
-        [--calibrator NAME]
+        [--calibrator NAME] [--conformal ALPHA [mode=risk|image:0.9|class|band] [score=lac|aps]]
 
 RUN_DIR_OR_CHECKPOINT is a run directory (its checkpoint_best.pt, else checkpoint_last.pt) or a
 checkpoint inside one; the run's resolved config.yaml rebuilds the model and the normalisation,
@@ -22,7 +22,14 @@ Per image, named after the input file, in DIR:
 
 and one JSON line per input in DIR/predictions.jsonl: size, temperature, mean confidence, the
 fraction of pixels under the threshold, mean entropy (nats), predicted class areas, seconds, and
-the output files (or the error of an unreadable input). Outputs are at the image's own
+the output files (or the error of an unreadable input).
+
+With --conformal ALPHA, per image also (docs/conformal.md): <name>_set_size.png (classes in each
+pixel's prediction set), <name>_sets.npz (bool array ``sets`` (K, H, W)) and
+<name>_ambiguous.png (pixels whose set is not one class, in magenta). The threshold is read from
+<run>/calibrators/conformal_<mode>_<score>_a<ALPHA>.json (written by tools/eval_seg.py
+--conformal), or fitted on the run's held-out validation images when missing; the sets come
+from the network's logits. Outputs are at the image's own
 resolution whatever the network input (see cals_seg.evaluation.inference).
 
 Exit status: 0, or 1 when some inputs could not be read (each is named, the rest are written),
@@ -94,6 +101,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calibrator", default=None, metavar="NAME",
                         choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts"],
                         help="a post-hoc calibrator saved in <run>/calibrators/ (instead of T)")
+    parser.add_argument("--conformal", nargs="+", default=None, metavar="ALPHA",
+                        help="prediction sets with miscoverage ALPHA (then optional mode=..., "
+                        "score=lac|aps; docs/conformal.md)")
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first unreadable input (default: name it, go on)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
@@ -126,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_folder("--out", args.out, must_exist=False, writable=True)
         run, temperature = open_run(args)
+        conformal = None
+        if args.conformal is not None:
+            from cals_seg.commands._conformal import load_or_fit_conformal, parse_conformal
+
+            conformal = load_or_fit_conformal(run, parse_conformal(args.conformal))
     except USER_ERRORS as err:
         return report(err)
     cfg, model, protocol, device, amp = run.config, run.model, run.protocol, run.device, \
@@ -161,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
                 **summary(pred, args.threshold, names),
                 "outputs": write_outputs(out, name, image, pred, k, args.threshold, palette),
             }
+            if conformal is not None:
+                from cals_seg.commands._conformal import image_sets, set_summary, write_set_outputs
+
+                sets = image_sets(run, conformal, image)
+                record["conformal"] = set_summary(conformal, sets)
+                record["outputs"].update(write_set_outputs(out, name, image, sets))
             record["seconds"] = time.perf_counter() - start
             log.write(json.dumps(record) + "\n")
             log.flush()

@@ -7,8 +7,10 @@ means and reliability-diagram data. ``SegmentationMeter``: confusion matrix, IoU
 accuracies. ``BoundaryCalibrationMeter`` / ``ObjectSizeCalibrationMeter``: ECE, its
 over / under-confident split, accuracy and reliability data per distance band around the class
 boundaries / per object-size bucket. ``ShotGroupMeter``: per-class accuracy and many / medium /
-few-shot calibration of a long-tailed classifier. All are ``nn.Module`` s with
-``reset / update / compute`` and give the same numbers on one process or N DDP processes.
+few-shot calibration of a long-tailed classifier. ``PredictionSetMeter`` (in
+:mod:`cals_seg.metrics.conformal`): risk, coverage and size of prediction sets, by region. All
+are ``nn.Module`` s with ``reset / update / compute`` and give the same numbers on one process
+or N DDP processes.
 """
 
 from cals_seg.metrics.calibration import CalibrationMeter
