@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.losses._functional import blocks
+from cals_seg.utils.validation import check_int
 
 BIN_WIDTH = 0.05  # nats of m_eff per histogram bin
 NUM_BINS = 800  # covers m_eff in [0, 40); larger values fall in the last bin
@@ -237,10 +238,7 @@ def check_auto_margin(margin_min: float, margin_init: float, margin_max: float,
     if not 0 < margin_min <= margin_init <= margin_max:
         raise ValueError("Expected 0 < margin_min <= margin_init <= margin_max, but got "
                          f"{margin_min}, {margin_init}, {margin_max}.")
-    if not isinstance(margin_warmup, int) or isinstance(margin_warmup, bool) or margin_warmup < 0:
-        raise ValueError(
-            f"Expected `margin_warmup` to be an integer >= 0, but got {margin_warmup!r}."
-        )
+    check_int("margin_warmup", margin_warmup, 0)
     if not margin_rate > 1:
         raise ValueError(
             "Expected `margin_rate` > 1 (the largest factor of one epoch's margin change; inf "

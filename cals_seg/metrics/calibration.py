@@ -16,15 +16,13 @@ from torch import Tensor, nn
 from cals_seg.metrics._functional import (
     NUM_FINE_CELLS,
     bin_index,
-    check_ignore_index,
     check_inputs_arg,
-    check_int_arg,
     fine_cell,
     max_argmax,
     prepare_logits,
     sum_over_ranks,
 )
-from cals_seg.utils.validation import check_finite
+from cals_seg.utils.validation import check_finite, check_ignore_index, check_int
 
 # Per-image values whose sums over images are kept (``<name>_image_mean`` in ``compute``).
 IMAGE_KEYS = ("ece", "mce", "acc", "nll", "brier", "cwce")
@@ -428,10 +426,10 @@ class CalibrationMeter(nn.Module):
         inputs: Literal["logits", "probs"] = "logits",
     ) -> None:
         super().__init__()
-        check_int_arg("num_classes", num_classes, 2)
+        check_int("num_classes", num_classes, 2)
         check_inputs_arg(inputs)
         self.inputs = inputs
-        check_int_arg("n_bins", n_bins, 1)
+        check_int("n_bins", n_bins, 1)
         check_ignore_index(ignore_index)
         if not isinstance(classwise, bool):
             raise ValueError(f"Expected `classwise` to be a bool, but got {classwise!r}.")

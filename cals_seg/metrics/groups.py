@@ -8,8 +8,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from cals_seg.metrics._functional import check_ignore_index, sum_over_ranks
+from cals_seg.metrics._functional import sum_over_ranks
 from cals_seg.metrics.calibration import CalibrationMeter
+from cals_seg.utils.validation import check_ignore_index
 
 # Groups by number of TRAINING samples of a class (the ImageNet-LT convention).
 SHOT_GROUPS: dict[str, tuple[int, int | None]] = {

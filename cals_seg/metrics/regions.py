@@ -24,15 +24,13 @@ from torch import Tensor, nn
 
 from cals_seg.metrics._functional import (
     bin_index,
-    check_ignore_index,
     check_inputs_arg,
-    check_int_arg,
     max_argmax,
     prepare_logits,
     sum_over_ranks,
 )
 from cals_seg.metrics.calibration import ece_split, reliability_data
-from cals_seg.utils.validation import check_finite
+from cals_seg.utils.validation import check_finite, check_ignore_index, check_int
 
 # --------------------------------------------------------------------------------------------
 # Groups from the target masks (numpy, CPU).
@@ -178,10 +176,10 @@ class _RegionCalibrationMeter(nn.Module):
         self, num_classes: int, num_groups: int, n_bins: int, ignore_index: int, inputs: str
     ) -> None:
         super().__init__()
-        check_int_arg("num_classes", num_classes, 2)
+        check_int("num_classes", num_classes, 2)
         check_inputs_arg(inputs)
         self.inputs = inputs
-        check_int_arg("n_bins", n_bins, 1)
+        check_int("n_bins", n_bins, 1)
         check_ignore_index(ignore_index)
         self.num_classes, self.n_bins, self.ignore_index = num_classes, n_bins, ignore_index
         self.num_groups = num_groups
@@ -384,7 +382,7 @@ class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
                 f"Expected `areas` to be increasing positive integers, but got {areas!r}."
             )
         if background_index is not None:
-            check_int_arg("background_index", background_index, 0)
+            check_int("background_index", background_index, 0)
         super().__init__(num_classes, len(areas) + 1, n_bins, ignore_index, inputs)
         self.areas, self.background_index = areas, background_index
 

@@ -13,15 +13,13 @@ import torch
 from torch import Tensor, nn
 
 from cals_seg.metrics._functional import (
-    check_ignore_index,
     check_inputs_arg,
-    check_int_arg,
     max_argmax,
     prepare_logits,
     prepare_predictions,
     sum_over_ranks,
 )
-from cals_seg.utils.validation import check_finite
+from cals_seg.utils.validation import check_finite, check_ignore_index, check_int
 
 
 def _confusion_update(
@@ -121,7 +119,7 @@ class SegmentationMeter(nn.Module):
         inputs: Literal["logits", "probs"] = "logits",
     ) -> None:
         super().__init__()
-        check_int_arg("num_classes", num_classes, 2)
+        check_int("num_classes", num_classes, 2)
         check_ignore_index(ignore_index)
         check_inputs_arg(inputs)
         self.num_classes, self.ignore_index, self.inputs = num_classes, ignore_index, inputs
