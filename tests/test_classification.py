@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from cals_seg.calibrators.ts import TemperatureScaler
 from cals_seg.config.schema import load_config
 from cals_seg.data.classification import (
     ImageClassification,
@@ -234,7 +235,7 @@ def test_group_metrics_equal_meters_on_the_group_subsets():
     counts = [500, 150, 50, 10, 3]
     meters = {"pre_ts": ShotGroupMeter(counts, 15, -100), "post_ts": ShotGroupMeter(counts, 15)}
     evaluate(model, loader, torch.device("cpu"),
-             [meters["pre_ts"], Scaled(2.0, [meters["post_ts"]])])
+             [meters["pre_ts"], Scaled(TemperatureScaler(2.0), [meters["post_ts"]])])
     out = {key: meter.compute() for key, meter in meters.items()}
     with torch.no_grad():
         logits = model(x)

@@ -54,7 +54,7 @@ class Calibrator(nn.Module):
     implement :meth:`fit` and :meth:`forward`. A new calibrator is the identity until fitted.
 
     Args:
-        num_classes: K >= 2.
+        num_classes: K >= 2; None only for a map that works for any K (a single temperature).
 
     Shape:
         - logits: ``(N, K, *S)``; image: ``(N, C, *S)`` or None; output: ``(N, K, *S)``.
@@ -64,9 +64,10 @@ class Calibrator(nn.Module):
     changes_argmax: ClassVar[bool] = True
     needs_image: ClassVar[bool] = False
 
-    def __init__(self, num_classes: int, **params: Any) -> None:
+    def __init__(self, num_classes: int | None, **params: Any) -> None:
         super().__init__()
-        check_int("num_classes", num_classes, 2)
+        if num_classes is not None:
+            check_int("num_classes", num_classes, 2)
         self.num_classes = num_classes
         self.params: dict[str, Any] = dict(params)
         self.fit_info: dict[str, Any] = {}
@@ -81,7 +82,7 @@ class Calibrator(nn.Module):
         if not isinstance(logits, Tensor) or logits.dim() < 2 or not logits.is_floating_point():
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(f"Expected floating `logits` of shape (N, K, *S), but got {shape}.")
-        if logits.shape[1] != self.num_classes:
+        if self.num_classes is not None and logits.shape[1] != self.num_classes:
             raise ValueError(
                 f"Expected logits with {self.num_classes} classes (dim 1), but got "
                 f"{logits.shape[1]} (shape {tuple(logits.shape)})."

@@ -37,30 +37,49 @@ from cals_seg.utils.validation import check_finite, check_ignore_index, check_in
 # --------------------------------------------------------------------------------------------
 
 
-def boundary_pixels(target: np.ndarray, ignore_index: int) -> np.ndarray:
+def boundary_pixels(
+    target: np.ndarray, ignore_index: int, inside: np.ndarray | None = None
+) -> np.ndarray:
     """Valid pixels with at least one of their 8 neighbours inside the image of another value.
 
-    A void neighbour counts as different (its value ``ignore_index`` differs from a valid
-    label); neighbours outside the image do not count. Each of the four neighbour directions
-    compares the overlapping slices once and marks both pixels of a differing pair.
+    The one boundary rule of the toolkit (the region meters, ``boundary_ts`` and the band
+    losses). A void neighbour counts as different (its value ``ignore_index`` differs from a
+    valid label); neighbours outside the image do not count. ``inside`` marks the pixels of the
+    image proper (``False`` on padding added by an augmentation: neither a boundary pixel nor a
+    neighbour); ``None``: every pixel. Each of the four neighbour directions compares the
+    overlapping slices once and marks both pixels of a differing pair.
 
     Shape:
-        - target: ``(N, H, W)`` integer; returns ``(N, H, W)`` bool.
+        - target: ``(N, H, W)`` integer; inside: ``(N, H, W)`` bool or None; returns
+          ``(N, H, W)`` bool.
     """
     t = target
+    ok = None if inside is None else inside.astype(bool)
     out = np.zeros(t.shape, dtype=bool)
+    whole, head, tail = slice(None), slice(1, None), slice(None, -1)
     for a, b in (
-        ((slice(None), slice(1, None), slice(None)), (slice(None), slice(None, -1), slice(None))),
-        ((slice(None), slice(None), slice(1, None)), (slice(None), slice(None), slice(None, -1))),
-        ((slice(None), slice(1, None), slice(1, None)),
-         (slice(None), slice(None, -1), slice(None, -1))),
-        ((slice(None), slice(1, None), slice(None, -1)),
-         (slice(None), slice(None, -1), slice(1, None))),
-    ):  # fmt: skip
+        ((whole, head, whole), (whole, tail, whole)),
+        ((whole, whole, head), (whole, whole, tail)),
+        ((whole, head, head), (whole, tail, tail)),
+        ((whole, head, tail), (whole, tail, head)),
+    ):
         diff = t[a] != t[b]
+        if ok is not None:
+            diff &= ok[a] & ok[b]
         out[a] |= diff
         out[b] |= diff
-    return out & (t != ignore_index)
+    out &= t != ignore_index
+    return out if ok is None else out & ok
+
+
+def band_thresholds(bands: Sequence[float]) -> np.ndarray:
+    """Integer thresholds on squared distances: ``d < b  <=>  D < ceil(b^2)`` for an integer
+    ``D = d^2``, with ``ceil`` of the exact rational ``b^2``.
+
+    Shape:
+        - returns ``(len(bands),)`` float64 holding integers.
+    """
+    return np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
 
 
 def squared_boundary_distance(boundary: np.ndarray) -> np.ndarray:
@@ -87,25 +106,27 @@ def squared_boundary_distance(boundary: np.ndarray) -> np.ndarray:
 
 
 def boundary_bands(
-    label_map: np.ndarray, bands: Sequence[float], ignore_index: int | None = None
+    label_map: np.ndarray,
+    bands: Sequence[float],
+    ignore_index: int | None = None,
+    inside: np.ndarray | None = None,
 ) -> np.ndarray:
     """Distance band of every pixel from the class boundaries of ``label_map``.
 
     The boundary rule of :func:`boundary_pixels` and the exact distances of
     :func:`squared_boundary_distance`; with ``edges = [0, *bands, inf]`` a pixel is in band
-    ``i`` when ``edges[i] <= d < edges[i + 1]``, decided on integers (``d < b`` iff
-    ``d^2 < ceil(b^2)``, ``ceil`` of the exact rational ``b^2``). ``label_map`` may be a ground
-    truth (void pixels: ``ignore_index``) or a predicted map (``ignore_index=None``: no void).
+    ``i`` when ``edges[i] <= d < edges[i + 1]``, decided on integers (:func:`band_thresholds`).
+    ``label_map`` may be a ground truth (void pixels: ``ignore_index``) or a predicted map
+    (``ignore_index=None``: no void). ``inside`` as in :func:`boundary_pixels`.
 
     Shape:
         - label_map: ``(N, H, W)`` integer; returns ``(N, H, W)`` int64 in ``[0, len(bands)]``.
     """
-    thresholds = np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
     void = -1 if ignore_index is None else ignore_index
     if ignore_index is None and label_map.size and int(label_map.min()) < 0:
         raise ValueError("Expected a predicted `label_map` of class indices >= 0.")
-    dist2 = squared_boundary_distance(boundary_pixels(label_map, void))
-    return np.searchsorted(thresholds, dist2, side="right").astype(np.int64)
+    dist2 = squared_boundary_distance(boundary_pixels(label_map, void, inside))
+    return np.searchsorted(band_thresholds(bands), dist2, side="right").astype(np.int64)
 
 
 def component_areas(
@@ -306,8 +327,7 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
             )
         super().__init__(num_classes, len(bands) + 1, n_bins, ignore_index, inputs)
         self.bands = tuple(float(b) for b in bands)
-        # d < b  <=>  D < ceil(b^2) for an integer D = d^2 (exact rational arithmetic).
-        self.thresholds = np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
+        self.thresholds = band_thresholds(bands)  # d < b  <=>  D < ceil(b^2), D = d^2
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, bands={self.bands}, n_bins={self.n_bins}, "
