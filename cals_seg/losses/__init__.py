@@ -62,6 +62,8 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
     if unknown:
         raise ValueError(f"Unknown parameter(s) {unknown} for loss {name!r}; it takes {accepted}.")
     hints = typing.get_type_hints(cls.__init__)
+    for settings_type in getattr(cls, "settings_types", ()):  # keywords declared by dataclasses
+        hints.update(typing.get_type_hints(settings_type))
     for key, value in params.items():
         _check_number(value, hints.get(key), f"loss.params.{key}")
     return cls(num_classes=num_classes, ignore_index=ignore_index, **params)

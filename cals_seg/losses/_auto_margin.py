@@ -35,6 +35,7 @@ solve) and deterministic.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -249,3 +250,33 @@ def check_auto_margin(margin_min: float, margin_init: float, margin_max: float,
             "Expected 0 <= `margin_skill` < 1 (the validation skill above chance needed to move "
             f"the margin), but got {margin_skill!r}."
         )
+
+
+@dataclass
+class MarginSettings:
+    """The ``margin: auto`` settings (the constructor keywords of the losses with that rule;
+    defaults of :class:`~cals_seg.losses.CALSALMLoss`). Checked by :meth:`start`, only when the
+    margin is ``"auto"``."""
+
+    margin_init: float = 10.0
+    margin_min: float = 1.0
+    margin_max: float = 20.0
+    margin_warmup: int = 0
+    margin_rate: float = MARGIN_RATE
+    margin_skill: float = MARGIN_SKILL
+
+    def start(self, margin: object) -> tuple[bool, float]:
+        """``(auto, m0)`` of :func:`starting_margin`, with the settings checked
+        (:func:`check_auto_margin`) when ``margin`` is ``"auto"``."""
+        auto, m0 = starting_margin(margin, self.margin_init)
+        if auto:
+            check_auto_margin(self.margin_min, self.margin_init, self.margin_max,
+                              self.margin_warmup, self.margin_rate, self.margin_skill)
+        return auto, m0
+
+    def keep(self, loss: object) -> None:
+        """Keep the rule's settings on ``loss`` as attributes: ``margin_min``, ``margin_max``,
+        ``margin_rate``, ``margin_skill`` (floats) and ``margin_warmup`` (an int)."""
+        for name, value in vars(self).items():
+            if name != "margin_init":
+                setattr(loss, name, value if name == "margin_warmup" else float(value))

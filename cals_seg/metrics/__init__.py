@@ -7,18 +7,34 @@ means and reliability-diagram data. ``SegmentationMeter``: confusion matrix, IoU
 accuracies. ``BoundaryCalibrationMeter`` / ``ObjectSizeCalibrationMeter``: ECE, its
 over / under-confident split, accuracy and reliability data per distance band around the class
 boundaries / per object-size bucket. ``ShotGroupMeter``: per-class accuracy and many / medium /
-few-shot calibration of a long-tailed classifier. All are ``nn.Module`` s with
-``reset / update / compute`` and give the same numbers on one process or N DDP processes.
+few-shot calibration of a long-tailed classifier. All are :class:`Meter` s (``nn.Module`` s
+with declared states and ``reset / update / compute``) and give the same numbers on one process
+or N DDP processes. ``METERS`` names them (the keys of a task's meters).
 """
 
+from cals_seg.metrics._base import Meter, MeterState
 from cals_seg.metrics.calibration import CalibrationMeter
 from cals_seg.metrics.groups import ShotGroupMeter
 from cals_seg.metrics.regions import BoundaryCalibrationMeter, ObjectSizeCalibrationMeter
 from cals_seg.metrics.segmentation import SegmentationMeter
+from cals_seg.utils.registry import Registry
+
+METERS: Registry[type[Meter]] = Registry("meter")
+for _name, _cls in (
+    ("calibration", CalibrationMeter),
+    ("segmentation", SegmentationMeter),
+    ("boundary", BoundaryCalibrationMeter),
+    ("size", ObjectSizeCalibrationMeter),
+    ("groups", ShotGroupMeter),
+):
+    METERS.register(_name, _cls)
 
 __all__ = [
+    "METERS",
     "BoundaryCalibrationMeter",
     "CalibrationMeter",
+    "Meter",
+    "MeterState",
     "ObjectSizeCalibrationMeter",
     "SegmentationMeter",
     "ShotGroupMeter",

@@ -20,17 +20,16 @@ from typing import Any, Literal
 import cv2
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
     bin_index,
-    check_inputs_arg,
     max_argmax,
     prepare_logits,
-    sum_over_ranks,
 )
 from cals_seg.metrics.calibration import ece_split, reliability_data
-from cals_seg.utils.validation import check_finite, check_ignore_index, check_int
+from cals_seg.utils.validation import check_finite, check_int
 
 # --------------------------------------------------------------------------------------------
 # Groups from the target masks (numpy, CPU).
@@ -188,7 +187,7 @@ def _grouped_update(
     return hits.sum(dim=2), hits[..., 1].clone(), conf_sum.view(num_groups, n_bins)
 
 
-class _RegionCalibrationMeter(nn.Module):
+class _RegionCalibrationMeter(Meter):
     """Top-label calibration per group of pixels; subclasses define the groups."""
 
     suffix = "group"  # metric keys are "<stat>_<suffix>"
@@ -196,17 +195,11 @@ class _RegionCalibrationMeter(nn.Module):
     def __init__(
         self, num_classes: int, num_groups: int, n_bins: int, ignore_index: int, inputs: str
     ) -> None:
-        super().__init__()
-        check_int("num_classes", num_classes, 2)
-        check_inputs_arg(inputs)
-        self.inputs = inputs
-        check_int("n_bins", n_bins, 1)
-        check_ignore_index(ignore_index)
-        self.num_classes, self.n_bins, self.ignore_index = num_classes, n_bins, ignore_index
+        super().__init__(num_classes, ignore_index, inputs, n_bins)
         self.num_groups = num_groups
         for name, dtype in (("bin_count", torch.int64), ("bin_correct", torch.int64),
                             ("bin_conf", torch.float64)):  # fmt: skip
-            self.register_buffer(name, torch.zeros(num_groups, n_bins, dtype=dtype))
+            self.add_state(name, torch.zeros(num_groups, n_bins, dtype=dtype))
 
     def _groups(self, target: np.ndarray) -> np.ndarray:
         """Group of every pixel ``(N, H, W)`` int64; ``num_groups`` drops a pixel."""
@@ -215,16 +208,10 @@ class _RegionCalibrationMeter(nn.Module):
     def _edges(self) -> list[float | None]:
         raise NotImplementedError
 
-    def reset(self) -> None:
-        """Zero every state."""
-        for t in (self.bin_count, self.bin_correct, self.bin_conf):
-            t.zero_()
-
-    @torch.no_grad()
-    def update(self, logits: Tensor, target: Tensor) -> None:
-        """Add one batch: logits ``(N, K, H, W)``, target ``(N, H, W)``; raises ``ValueError``
-        on bad input. Pass logits (the softmax is applied here), or probabilities to a meter
-        built with ``inputs="probs"``."""
+    def batch_stats(self, logits: Tensor, target: Tensor) -> dict[str, Tensor]:
+        """The sums of one batch: logits ``(N, K, H, W)``, target ``(N, H, W)``; raises
+        ``ValueError`` on bad input. Pass logits (the softmax is applied here), or
+        probabilities to a meter built with ``inputs="probs"``."""
         if not isinstance(logits, Tensor) or logits.dim() != 4:
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(f"Expected `logits` of shape (N, K, H, W), but got {shape}.")
@@ -233,21 +220,13 @@ class _RegionCalibrationMeter(nn.Module):
         )
         group = torch.from_numpy(self._groups(target.detach().cpu().numpy().astype(np.int64)))
         count, correct, conf = _grouped_update(x, y, valid, group, self.num_groups, self.n_bins)
-        self.bin_count.add_(count)
-        self.bin_correct.add_(correct)
-        self.bin_conf.add_(conf)
+        return {"bin_count": count, "bin_correct": correct, "bin_conf": conf}
 
-    def synced_states(self) -> dict[str, Tensor]:
-        """Copies of the states summed over all DDP ranks (plain copies without DDP)."""
-        names = ("bin_count", "bin_correct", "bin_conf")
-        return dict(zip(names, sum_over_ranks([getattr(self, n) for n in names]), strict=True))
-
-    @torch.no_grad()
-    def compute(self) -> dict[str, Any]:
+    def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
         """Per group (lists of ``G``): ``count``, ``ece``, ``ece_over``, ``ece_under``,
         ``acc``, ``conf`` (None for an empty group) and ``reliability`` (the dict of
         ``CalibrationMeter``), under the keys ``<stat>_<suffix>``, plus ``<suffix>_edges``."""
-        s = {k: v.cpu() for k, v in self.synced_states().items()}
+        s = {k: v.cpu() for k, v in states.items()}
         rows: dict[str, list] = {k: [] for k in
                                  ("count", "ece", "ece_over", "ece_under", "acc", "conf",
                                   "reliability")}  # fmt: skip
@@ -339,15 +318,14 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
     def _groups(self, target: np.ndarray) -> np.ndarray:
         return boundary_bands(target, self.bands, self.ignore_index)
 
-    @torch.no_grad()
-    def compute(self) -> dict[str, Any]:
-        """The per-band dict of :meth:`_RegionCalibrationMeter.compute` plus
+    def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
+        """The per-band dict of :meth:`_RegionCalibrationMeter.compute_states` plus
         ``ece_band_weighted`` (None without a valid pixel): the band ECEs averaged with their
         pixel counts as weights, ``sum_b n_b ECE_b / sum_b n_b`` over the non-empty bands.
 
         It equals the ECE of bins split by band as well as by confidence, so it is never below
         the pooled ECE: an over-confident band and an under-confident one do not cancel."""
-        out = super().compute()
+        out = super().compute_states(states)
         counts = out["count_band"]
         total = sum(counts)
         out["ece_band_weighted"] = (
