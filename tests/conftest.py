@@ -1,10 +1,16 @@
-"""Shared test helpers: the command-line tools loaded as modules, and the ``cuda`` marker."""
+"""Shared test helpers: the command-line tools loaded as modules, the ``cuda`` marker, nested
+results compared within a tolerance, and the single-thread fixture."""
 
 from __future__ import annotations
 
 import importlib
+import math
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +43,36 @@ def recomputed_test_accuracy(run_dir: Path) -> tuple[float, int]:
             x, y = task.test_set[i]
             correct += int(task.model(x[None]).argmax(dim=1).item() == int(y))
     return correct / len(task.test_set), len(task.test_set)
+
+
+def assert_tree_close(got: Any, want: Any, rel: float = 1e-12, abs_: float = 1e-15,
+                      path: str = "") -> None:
+    """``got`` has the structure of ``want`` (dicts with the same keys, lists and tuples of the
+    same length) and the same leaves: floats within ``math.isclose(rel_tol=rel, abs_tol=abs_)``,
+    anything else (ints, None, strings) equal. ``path`` names the leaf that differs."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for key in want:
+            assert_tree_close(got[key], want[key], rel, abs_, f"{path}.{key}")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_tree_close(a, b, rel, abs_, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert math.isclose(got, want, rel_tol=rel, abs_tol=abs_), (path, got, want)
+    else:
+        assert got == want, (path, got, want)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Run a module's tests (and its module fixtures) on one torch thread: on a shared machine
+    the many small ops of the meters and losses are faster without OpenMP hand-offs. Use it
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``; the distributed workers of
+    ``tests/_dist.py`` run on one thread themselves."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -417,7 +417,6 @@ def _ddp_data():
 
 
 def _ddp_fit(rank: int, world: int, want: dict) -> None:
-    torch.set_num_threads(1)
     logits, target = _ddp_data()
     shard = batches_of(logits[rank::world], target[rank::world])
     for name, state in want.items():

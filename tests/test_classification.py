@@ -35,7 +35,7 @@ from cals_seg.tasks import build_task
 from .conftest import load_tool, recomputed_test_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(1)  # the machine is shared: 2 threads spin under contention
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _png(path: Path, value: int = 0, size: int = 8) -> None:
