@@ -64,15 +64,41 @@ def assert_tree_close(got: Any, want: Any, rel: float = 1e-12, abs_: float = 1e-
         assert got == want, (path, got, want)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_thread() -> Iterator[None]:
-    """Run a module's tests (and its module fixtures) on one torch thread: on a shared machine
-    the many small ops of the meters and losses are faster without OpenMP hand-offs. Use it
-    with ``pytestmark = pytest.mark.usefixtures("one_thread")``; the distributed workers of
-    ``tests/_dist.py`` run on one thread themselves."""
+    """Every test on one torch thread: on a shared machine the many small ops of the meters and
+    losses are faster without OpenMP hand-offs, and float64 sums that a test compares to
+    1e-12 (streamed against one-shot) do not depend on how a parallel reduction splits them.
+    The distributed workers of ``tests/_dist.py`` set one thread themselves."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def fake_run(run: Path, cfg: Any, epoch: int | None = 0, model: Any = None,
+             config: bool = False, temperature: float | None = None) -> Path:
+    """A run folder without training: ``checkpoint_best.pt`` of ``model`` (default: the
+    random-weight model of ``cfg`` after ``torch.manual_seed(0)``), with ``epoch`` unless None;
+    ``config``: also ``config.yaml``; ``temperature``: also ``temperature.json``."""
+    import torch
+
+    from cals_seg.config.schema import save_config
+    from cals_seg.runs.folder import RunDir
+    from cals_seg.tasks.segmentation import build_model
+
+    run.mkdir(parents=True, exist_ok=True)
+    if config:
+        save_config(cfg, run / "config.yaml")
+    if model is None:
+        torch.manual_seed(0)
+        model = build_model(cfg)
+    state = {"model": model.state_dict(), "num_classes": cfg.data.num_classes}
+    if epoch is not None:
+        state["epoch"] = epoch
+    torch.save(state, run / "checkpoint_best.pt")
+    if temperature is not None:
+        RunDir(run).write_temperature(temperature)
+    return run

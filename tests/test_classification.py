@@ -35,9 +35,6 @@ from cals_seg.tasks import build_task
 from .conftest import load_tool, recomputed_test_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def _png(path: Path, value: int = 0, size: int = 8) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(np.full((size, size, 3), value, dtype=np.uint8)).save(path)

@@ -136,9 +136,6 @@ def assert_close(got: dict, want: dict, rel: float = 1e-9, abs_: float = 0.0) ->
             assert got[key] == pytest.approx(value, rel=rel, abs=abs_ or None), key
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 # ------------------------------------------------------------------------------------ data
 
 

@@ -35,9 +35,6 @@ VOID = 255
 NEIGHBOURS = [(di, dj) for di in (-1, 0, 1) for dj in (-1, 0, 1) if (di, dj) != (0, 0)]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 # ------------------------------------------------------------------------------- references
 
 

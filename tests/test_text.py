@@ -26,7 +26,6 @@ from cals_seg.tasks import build_task
 from .conftest import load_tool, recomputed_test_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 POST = (
     "From: someone@example.edu\nSubject: Re: engines\nLines: 6\n\n"
