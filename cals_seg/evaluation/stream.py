@@ -72,8 +72,8 @@ class Scaled:
     calibrator, :mod:`cals_seg.calibrators.ts`) the post-temperature-scaling view.
 
     Args:
-        scaler: logits ``(N, K, *S)`` -> logits of the same shape (an ``nn.Module`` is moved to
-            the logits' device on first use).
+        scaler: logits ``(N, K, *S)`` -> logits of the same shape. A ``TemperatureScaler`` left
+            on the CPU divides logits on any device by its 0-dim temperature as by a scalar.
         consumers: what it feeds.
     """
 
@@ -83,8 +83,6 @@ class Scaled:
 
     @torch.no_grad()
     def update(self, logits: Tensor, target: Tensor) -> None:
-        if isinstance(self.scaler, nn.Module):
-            self.scaler.to(logits.device)
         _feed(self.consumers, self.scaler(logits), target)
 
 
