@@ -50,7 +50,8 @@ class TemperatureScaling(Calibrator):
         return self.fit_info
 
     def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
-        self.check_input(logits, image)
+        if self.num_classes is not None:  # a TemperatureScaler divides any tensor, as always
+            self.check_input(logits, image)
         return logits / self.temperature.to(logits.dtype)
 
     def extra_repr(self) -> str:
