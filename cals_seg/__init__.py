@@ -41,7 +41,7 @@ _EXPORTS = {
     "resolve_amp": "cals_seg.utils.precision",
     "fit_temperature": "cals_seg.calibrators.temperature",
     "nll_at_temperature": "cals_seg.calibrators.temperature",
-    "TemperatureScaler": "cals_seg.calibrators.temperature",
+    "TemperatureScaler": "cals_seg.calibrators.ts",
     "EvalProtocol": "cals_seg.evaluation.inference",
     "Prediction": "cals_seg.evaluation.inference",
     "predict_image": "cals_seg.evaluation.inference",
@@ -81,11 +81,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects
-    from cals_seg.calibrators.temperature import (
-        TemperatureScaler,
-        fit_temperature,
-        nll_at_temperature,
-    )
+    from cals_seg.calibrators.temperature import fit_temperature, nll_at_temperature
+    from cals_seg.calibrators.ts import TemperatureScaler
     from cals_seg.evaluation.inference import (
         EvalProtocol,
         Prediction,

@@ -8,6 +8,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -21,6 +22,7 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
     faulthandler.enable()  # a C++ abort in a worker prints the Python stack of every thread
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # the machine is shared: every worker on one thread
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:

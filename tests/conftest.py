@@ -1,11 +1,17 @@
-"""Shared test helpers: the command-line tools loaded as modules, and the ``cuda`` marker."""
+"""Shared test helpers: the command-line tools loaded as modules, the ``cuda`` marker, nested
+results compared within a tolerance, and the single-thread fixture."""
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,3 +49,60 @@ def recomputed_test_accuracy(run_dir: Path) -> tuple[float, int]:
 # No test touches the network: pretrained weights that are not cached fail at once
 # (cals_seg.models._hub reads this), and huggingface_hub itself stays offline.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def assert_tree_close(got: Any, want: Any, rel: float = 1e-12, abs_: float = 1e-15,
+                      path: str = "") -> None:
+    """``got`` has the structure of ``want`` (dicts with the same keys, lists and tuples of the
+    same length) and the same leaves: floats within ``math.isclose(rel_tol=rel, abs_tol=abs_)``,
+    anything else (ints, None, strings) equal. ``path`` names the leaf that differs."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for key in want:
+            assert_tree_close(got[key], want[key], rel, abs_, f"{path}.{key}")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), path
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_tree_close(a, b, rel, abs_, f"{path}[{i}]")
+    elif isinstance(want, float):
+        assert math.isclose(got, want, rel_tol=rel, abs_tol=abs_), (path, got, want)
+    else:
+        assert got == want, (path, got, want)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Every test on one torch thread: on a shared machine the many small ops of the meters and
+    losses are faster without OpenMP hand-offs, and float64 sums that a test compares to
+    1e-12 (streamed against one-shot) do not depend on how a parallel reduction splits them.
+    The distributed workers of ``tests/_dist.py`` set one thread themselves."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fake_run(run: Path, cfg: Any, epoch: int | None = 0, model: Any = None,
+             config: bool = False, temperature: float | None = None) -> Path:
+    """A run folder without training: ``checkpoint_best.pt`` of ``model`` (default: the
+    random-weight model of ``cfg`` after ``torch.manual_seed(0)``), with ``epoch`` unless None;
+    ``config``: also ``config.yaml``; ``temperature``: also ``temperature.json``."""
+    import torch
+
+    from cals_seg.config.schema import save_config
+    from cals_seg.runs.folder import RunDir
+    from cals_seg.tasks.segmentation import build_model
+
+    run.mkdir(parents=True, exist_ok=True)
+    if config:
+        save_config(cfg, run / "config.yaml")
+    if model is None:
+        torch.manual_seed(0)
+        model = build_model(cfg)
+    state = {"model": model.state_dict(), "num_classes": cfg.data.num_classes}
+    if epoch is not None:
+        state["epoch"] = epoch
+    torch.save(state, run / "checkpoint_best.pt")
+    if temperature is not None:
+        RunDir(run).write_temperature(temperature)
+    return run

@@ -347,9 +347,8 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path):
     from pathlib import Path
 
     from cals_seg.config.schema import load_config
-    from cals_seg.tasks.segmentation import build_model
 
-    from .conftest import load_tool
+    from .conftest import fake_run, load_tool
 
     setup = Path(__file__).resolve().parents[1] / "configs" / "synthetic_deeplabv3.yaml"
     sets = [f"data.root={tmp_path / 'data'}",
@@ -358,11 +357,7 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path):
             "model.encoder_name=tu-mobilenetv3_small_050",
             "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
     cfg = load_config(setup, sets, "ce")
-    torch.manual_seed(0)
-    run = tmp_path / "run"
-    run.mkdir()
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
-               run / "checkpoint_best.pt")
+    run = fake_run(tmp_path / "run", cfg)
     names = ["ts", "boundary_ts", "dirichlet", "selective"]
     base = [str(setup), "--method", "ce", "--checkpoint", str(run / "checkpoint_best.pt"),
             "--out", str(tmp_path / "eval"), "--calibrators", *names, "--set", *sets]
@@ -417,7 +412,6 @@ def _ddp_data():
 
 
 def _ddp_fit(rank: int, world: int, want: dict) -> None:
-    torch.set_num_threads(1)
     logits, target = _ddp_data()
     shard = batches_of(logits[rank::world], target[rank::world])
     for name, state in want.items():

@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from cals_seg.calibrators.ts import TemperatureScaler
 from cals_seg.config.schema import load_config
 from cals_seg.data.classification import (
     ImageClassification,
@@ -34,9 +35,6 @@ from cals_seg.tasks import build_task
 from .conftest import load_tool, recomputed_test_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(1)  # the machine is shared: 2 threads spin under contention
-
-
 def _png(path: Path, value: int = 0, size: int = 8) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(np.full((size, size, 3), value, dtype=np.uint8)).save(path)
@@ -234,7 +232,7 @@ def test_group_metrics_equal_meters_on_the_group_subsets():
     counts = [500, 150, 50, 10, 3]
     meters = {"pre_ts": ShotGroupMeter(counts, 15, -100), "post_ts": ShotGroupMeter(counts, 15)}
     evaluate(model, loader, torch.device("cpu"),
-             [meters["pre_ts"], Scaled(2.0, [meters["post_ts"]])])
+             [meters["pre_ts"], Scaled(TemperatureScaler(2.0), [meters["post_ts"]])])
     out = {key: meter.compute() for key, meter in meters.items()}
     with torch.no_grad():
         logits = model(x)

@@ -22,9 +22,12 @@ import os
 import pytest
 import torch
 
-from cals_seg.calibrators.temperature import TemperatureScaler, fit_temperature, nll_at_temperature
+from cals_seg.calibrators.temperature import fit_temperature, nll_at_temperature
+from cals_seg.calibrators.ts import TemperatureScaler
 from cals_seg.losses import LOSSES, build_loss
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
+
+from .conftest import assert_tree_close
 
 DEVICE = os.environ.get("CALS_TEST_DEVICE", "cuda")
 K, VOID = 11, 255
@@ -203,21 +206,6 @@ def _assert_states_equal(got: dict, ref: dict, rtol: float) -> None:
             assert torch.equal(g, r), f"{key}: counts differ"
 
 
-def _assert_results_close(got, ref, rtol: float, atol: float, path: str = "") -> None:
-    if isinstance(ref, dict):
-        assert got.keys() == ref.keys(), path
-        for key in ref:
-            _assert_results_close(got[key], ref[key], rtol, atol, f"{path}.{key}")
-    elif isinstance(ref, list | tuple):
-        assert len(got) == len(ref), path
-        for i, (g, r) in enumerate(zip(got, ref, strict=True)):
-            _assert_results_close(g, r, rtol, atol, f"{path}[{i}]")
-    elif isinstance(ref, float):
-        assert got == pytest.approx(ref, rel=rtol, abs=atol), path
-    else:
-        assert got == ref, path
-
-
 def test_meters_match_cpu_float64_logits():
     """float64 logits: the same softmax on both sides, so every count is exact."""
     batches = [_batch(7, n=3, h=40, w=36), _batch(8, n=2, h=40, w=36)]
@@ -227,7 +215,7 @@ def test_meters_match_cpu_float64_logits():
     for r, d in zip(ref, dev, strict=True):
         assert next(iter(d.buffers())).device.type == torch.device(DEVICE).type
         _assert_states_equal(d.state_dict(), r.state_dict(), rtol=1e-6)
-        _assert_results_close(d.compute(), r.compute(), rtol=1e-6, atol=1e-12)
+        assert_tree_close(d.compute(), r.compute(), rel=1e-6, abs_=1e-12)
 
 
 def test_meters_match_cpu_float32_logits():
@@ -243,7 +231,7 @@ def test_meters_match_cpu_float32_logits():
     assert cal_d["count"] == cal_r["count"] and cal_d["num_images"] == cal_r["num_images"]
     assert int(dev[0].bin_count.sum()) == int(ref[0].bin_count.sum())
     assert int(dev[0].bin_correct.sum()) == int(ref[0].bin_correct.sum())
-    _assert_results_close(cal_d, cal_r, rtol=1e-5, atol=1e-6)
+    assert_tree_close(cal_d, cal_r, rel=1e-5, abs_=1e-6)
 
 
 def test_meters_accept_half_logits_on_device():
@@ -255,7 +243,7 @@ def test_meters_accept_half_logits_on_device():
         _feed(ref, [(half.float(), target)], "cpu", torch.float32)
         _feed(dev, [(half, target)], DEVICE, dtype)
         assert dev[1].compute() == ref[1].compute()
-        _assert_results_close(dev[0].compute(), ref[0].compute(), rtol=1e-5, atol=1e-6)
+        assert_tree_close(dev[0].compute(), ref[0].compute(), rel=1e-5, abs_=1e-6)
 
 
 # ---------------------------------------------------------------------------- temperature

@@ -23,9 +23,9 @@ from cals_seg.evaluation.inference import (
     segment_logits,
 )
 from cals_seg.tasks import build_task
-from cals_seg.tasks.segmentation import build_model, eval_protocol
+from cals_seg.tasks.segmentation import eval_protocol
 
-from .conftest import load_tool
+from .conftest import fake_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
@@ -230,11 +230,7 @@ def test_eval_seg_on_mixed_sizes_is_batch_size_invariant_on_original_pixels(tmp_
             "model.encoder_name=tu-mobilenetv3_small_050",
             "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
     cfg = load_config(SETUP, sets, "ce")
-    torch.manual_seed(0)
-    run = tmp_path / "run"
-    run.mkdir()
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
-               run / "checkpoint_best.pt")
+    run = fake_run(tmp_path / "run", cfg)
     results = []
     for batch in (1, 4):
         out = tmp_path / f"eval_b{batch}"

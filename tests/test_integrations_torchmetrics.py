@@ -101,7 +101,6 @@ _SHARDS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 6)]}
 
 
 def _rank_fn(rank: int, world: int, want: dict) -> None:
-    torch.set_num_threads(1)
     logits, target = _data(5)
     metrics = _metrics()
     for sl in _SHARDS[rank]:

@@ -7,8 +7,6 @@ gives the numbers of the logits meter on ``softmax(logits)``.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -20,6 +18,8 @@ from cals_seg.metrics import (
     ShotGroupMeter,
 )
 from cals_seg.metrics._functional import PROBE_POSITIONS, looks_like_probabilities
+
+from .conftest import assert_tree_close
 
 VOID = 255
 
@@ -123,24 +123,9 @@ def test_probs_meters_give_the_logits_numbers(seed, shape, k):
             by_probs[name].update(logits[half].softmax(dim=1), target[half])
     for name in by_logits:
         a, b = by_logits[name].compute(), by_probs[name].compute()
-        _assert_close(a, b, name)
-
-
-def _assert_close(a, b, where: str) -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_close(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_close(x, y, f"{where}[{i}]")
-    elif isinstance(a, float):
         # log(p) round trip: confidences move by float32 rounding; a position may change fine
         # cell (adaptive ECE / AURC), which moves those by far less than 1e-4.
-        assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4), (where, a, b)
-    else:
-        assert a == b, (where, a, b)
+        assert_tree_close(a, b, rel=1e-4, abs_=1e-4, path=name)
 
 
 def test_probs_meter_refuses_logits_and_bad_inputs_names_the_choices():

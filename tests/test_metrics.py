@@ -136,16 +136,6 @@ def assert_close(got: dict, want: dict, rel: float = 1e-9, abs_: float = 0.0) ->
             assert got[key] == pytest.approx(value, rel=rel, abs=abs_ or None), key
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Run these tests single-threaded: on a shared 2-core machine the many small per-position
-    ops of an update are several times faster without OpenMP hand-offs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------------------ data
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 
 from ._dist import run_distributed
+from .conftest import assert_tree_close
 
 VOID = 255
 K = 5
@@ -29,23 +28,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 _SHARDS = {0: [slice(0, 1), slice(1, 3)], 1: [slice(3, 6)]}
 
 
-def _assert_close(got, want, path: str = "") -> None:
-    if isinstance(want, dict):
-        assert set(got) == set(want), path
-        for key in want:
-            _assert_close(got[key], want[key], f"{path}.{key}")
-    elif isinstance(want, list):
-        assert len(got) == len(want), path
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            _assert_close(a, b, f"{path}[{i}]")
-    elif isinstance(want, float):
-        assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-15), (path, got, want)
-    else:
-        assert got == want, (path, got, want)
-
-
 def _rank_fn(rank: int, world: int, expected: dict, expected_more: dict) -> None:
-    torch.set_num_threads(1)
     logits, target = _data()
     cal = CalibrationMeter(K, n_bins=10, ignore_index=VOID)
     seg = SegmentationMeter(K, ignore_index=VOID)
@@ -54,7 +37,7 @@ def _rank_fn(rank: int, world: int, expected: dict, expected_more: dict) -> None
         seg.update(logits[sl], target[sl])
     local = {name: t.clone() for name, t in cal.state_dict().items()}
     first = {"cal": cal.compute(), "seg": seg.compute()}
-    _assert_close(first, expected)
+    assert_tree_close(first, expected)
     # compute() reduced copies: the local states are untouched, a second call is identical.
     for name, t in cal.state_dict().items():
         assert torch.equal(t, local[name]), name
@@ -62,7 +45,7 @@ def _rank_fn(rank: int, world: int, expected: dict, expected_more: dict) -> None
     # update continues after compute: both ranks add image 0 once more.
     cal.update(logits[:1], target[:1])
     seg.update(logits[:1], target[:1])
-    _assert_close({"cal": cal.compute(), "seg": seg.compute()}, expected_more)
+    assert_tree_close({"cal": cal.compute(), "seg": seg.compute()}, expected_more)
 
 
 def _one_process(extra: int) -> dict:

@@ -35,14 +35,6 @@ VOID = 255
 NEIGHBOURS = [(di, dj) for di in (-1, 0, 1) for dj in (-1, 0, 1) if (di, dj) != (0, 0)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------------- references
 
 
@@ -485,7 +477,6 @@ def test_state_bytes_do_not_depend_on_the_pixels():
 
 
 def _rank_fn(rank: int, world: int, expected: list) -> None:
-    torch.set_num_threads(1)
     k = 4
     target = make_maps(n=4, k=k, seed=10)
     logits = make_logits(target, k, seed=11)

@@ -12,11 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from cals_seg.config.schema import load_config, save_config
-from cals_seg.runs.folder import RunDir
+from cals_seg.config.schema import load_config
 from cals_seg.tasks.segmentation import build_model
 
-from .conftest import load_tool
+from .conftest import fake_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
@@ -28,18 +27,12 @@ STEP = 1 / 65535  # the storage precision of the 16-bit PNGs
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     """A run directory with a random-weight model, its config.yaml and a fitted temperature."""
-    run = tmp_path_factory.mktemp("predict") / "run"
-    run.mkdir()
     cfg = load_config(SETUP, ["train.amp=none", "train.threads=1", "train.device=cpu",
                               "model.encoder_name=tu-mobilenetv3_small_050",
                               "model.params={encoder_output_stride: 16, decoder_channels: 16}"],
                       "ce")
-    save_config(cfg, run / "config.yaml")
-    torch.manual_seed(0)
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 3},
-               run / "checkpoint_best.pt")
-    RunDir(run).write_temperature(T_RUN)
-    return run
+    return fake_run(tmp_path_factory.mktemp("predict") / "run", cfg, epoch=3, config=True,
+                    temperature=T_RUN)
 
 
 @pytest.fixture()
@@ -137,7 +130,7 @@ def test_calibrator_boundary_ts_gives_the_confidence_maps(run_dir, tmp_path, cap
         torch.manual_seed(0)
         model.segmentation_head[0].weight.normal_(0, 3)
         model.segmentation_head[0].bias.zero_()
-    torch.save({"model": model.state_dict(), "num_classes": 11}, run / "checkpoint_best.pt")
+    fake_run(run, cfg, epoch=None, model=model)
     pixels = np.zeros((96, 96, 3), dtype=np.uint8)
     pixels[30:70, 20:60] = 230
     pixels[:, 80:] = 120

@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from cals_seg.calibrators.temperature import TemperatureScaler, fit_temperature, nll_at_temperature
+from cals_seg.calibrators.temperature import fit_temperature, nll_at_temperature
+from cals_seg.calibrators.ts import TemperatureScaler
 
 
 def _synthetic(n: int, k: int, scale: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,3 +166,10 @@ def test_scaler_module():
     restored = TemperatureScaler()
     restored.load_state_dict(scaler.state_dict())
     assert float(restored.temperature) == 2.5
+    # one temperature scaling: the scaler is the ts calibrator, which loads the same state
+    from cals_seg.calibrators import build_calibrator
+    from cals_seg.calibrators.ts import TemperatureScaling
+
+    ts = build_calibrator("ts", 4)
+    ts.load_state_dict(scaler.state_dict())
+    assert isinstance(scaler, TemperatureScaling) and torch.equal(ts(x), scaler(x))

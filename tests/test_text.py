@@ -26,7 +26,6 @@ from cals_seg.tasks import build_task
 from .conftest import load_tool, recomputed_test_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
-torch.set_num_threads(1)  # the machine is shared: 2 threads spin under contention
 
 POST = (
     "From: someone@example.edu\nSubject: Re: engines\nLines: 6\n\n"

@@ -49,15 +49,12 @@ from cals_seg.calibrators.selective import SelectiveScaling
 from cals_seg.calibrators.ts import TemperatureScaling
 from cals_seg.calibrators.vector import VectorScaling
 from cals_seg.errors import MissingPathError, UserError
+from cals_seg.utils.registry import Registry
 
-CALIBRATORS: dict[str, type[Calibrator]] = {
-    "ts": TemperatureScaling,
-    "vector": VectorScaling,
-    "dirichlet": DirichletCalibration,
-    "lts": LocalTemperatureScaling,
-    "selective": SelectiveScaling,
-    "boundary_ts": BoundaryTemperatureScaling,
-}
+CALIBRATORS: Registry[type[Calibrator]] = Registry("calibrator")
+for _cls in (TemperatureScaling, VectorScaling, DirichletCalibration, LocalTemperatureScaling,
+             SelectiveScaling, BoundaryTemperatureScaling):
+    CALIBRATORS.register(_cls.name, _cls)
 
 
 def build_calibrator(name: str, num_classes: int, **params: Any) -> Calibrator:
@@ -66,9 +63,7 @@ def build_calibrator(name: str, num_classes: int, **params: Any) -> Calibrator:
     Raises:
         ValueError: unknown name or parameter (the valid ones are listed), or a bad value.
     """
-    if name not in CALIBRATORS:
-        raise UserError(f"Unknown calibrator {name!r}; valid names are {sorted(CALIBRATORS)}.")
-    cls = CALIBRATORS[name]
+    cls = CALIBRATORS.lookup(name)
     valid = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self",
                                                                                 "num_classes")]
     unknown = sorted(set(params) - set(valid))

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from cals_seg.calibrators.temperature import _valid_rows
-from cals_seg.errors import UserError
 from cals_seg.utils.distributed import all_reduce_sum_
+from cals_seg.utils.validation import check_int, check_positive_float
 
 Batch = tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor | None]
 Batches = Callable[[], Iterable[Batch]]
@@ -54,7 +54,7 @@ class Calibrator(nn.Module):
     implement :meth:`fit` and :meth:`forward`. A new calibrator is the identity until fitted.
 
     Args:
-        num_classes: K >= 2.
+        num_classes: K >= 2; None only for a map that works for any K (a single temperature).
 
     Shape:
         - logits: ``(N, K, *S)``; image: ``(N, C, *S)`` or None; output: ``(N, K, *S)``.
@@ -64,9 +64,10 @@ class Calibrator(nn.Module):
     changes_argmax: ClassVar[bool] = True
     needs_image: ClassVar[bool] = False
 
-    def __init__(self, num_classes: int, **params: Any) -> None:
+    def __init__(self, num_classes: int | None, **params: Any) -> None:
         super().__init__()
-        check_positive_int("num_classes", num_classes, 2)
+        if num_classes is not None:
+            check_int("num_classes", num_classes, 2)
         self.num_classes = num_classes
         self.params: dict[str, Any] = dict(params)
         self.fit_info: dict[str, Any] = {}
@@ -81,7 +82,7 @@ class Calibrator(nn.Module):
         if not isinstance(logits, Tensor) or logits.dim() < 2 or not logits.is_floating_point():
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(f"Expected floating `logits` of shape (N, K, *S), but got {shape}.")
-        if logits.shape[1] != self.num_classes:
+        if self.num_classes is not None and logits.shape[1] != self.num_classes:
             raise ValueError(
                 f"Expected logits with {self.num_classes} classes (dim 1), but got "
                 f"{logits.shape[1]} (shape {tuple(logits.shape)})."
@@ -189,17 +190,6 @@ def holdout_mask(n: int, first_index: int, every: int) -> Tensor:
     return j % every == every - 1
 
 
-def check_positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
-        raise UserError(f"Expected `{name}` to be an integer >= {minimum}, but got {value!r}.")
-
-
-def check_positive_float(name: str, value: Any) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (ok and value > 0 and math.isfinite(value)):
-        raise UserError(f"Expected `{name}` to be a positive finite number, but got {value!r}.")
-
-
 LossFn = Callable[[nn.Module, Tensor, Tensor, "Tensor | None", int], "tuple[Tensor, int] | None"]
 
 
@@ -244,9 +234,9 @@ def fit_with_holdout(
     """
     import copy
 
-    check_positive_int("epochs", epochs)
-    check_positive_int("patience", patience)
-    check_positive_int("holdout_every", holdout_every, 2)
+    check_int("epochs", epochs)
+    check_int("patience", patience)
+    check_int("holdout_every", holdout_every, 2)
     check_positive_float("lr", lr)
     optimizer = torch.optim.Adam(net.parameters(), lr=lr)
     scores: list[float] = []

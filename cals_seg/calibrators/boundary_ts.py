@@ -31,11 +31,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.calibrators._base import Batches, Calibrator, check_positive_int, iterate, valid_rows
+from cals_seg.calibrators._base import Batches, Calibrator, iterate, valid_rows
 from cals_seg.calibrators.temperature import _grid_nll, _parabola_vertex, fit_temperature
 from cals_seg.errors import UserError
 from cals_seg.metrics.regions import boundary_bands
 from cals_seg.utils.distributed import all_reduce_sum_
+from cals_seg.utils.validation import check_int
 
 
 def predicted_bands(logits: Tensor, bands: Sequence[float]) -> Tensor:
@@ -81,8 +82,8 @@ class BoundaryTemperatureScaling(Calibrator):
             )
         if not (0 < t_min < t_max < math.inf):
             raise UserError(f"Expected 0 < t_min < t_max, but got t_min={t_min}, t_max={t_max}.")
-        check_positive_int("num_grid", num_grid, 3)
-        check_positive_int("passes", passes)
+        check_int("num_grid", num_grid, 3)
+        check_int("passes", passes)
         super().__init__(num_classes, bands=[float(b) for b in bands], t_min=float(t_min),
                          t_max=float(t_max), num_grid=num_grid, passes=passes)
         self.register_buffer("temperatures", torch.ones(len(bands) + 1))

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cals_seg.calibrators._base import Batches, Calibrator, check_positive_int, lbfgs_fit
+from cals_seg.calibrators._base import Batches, Calibrator, lbfgs_fit
 from cals_seg.errors import UserError
+from cals_seg.utils.validation import check_int
 
 
 def dirichlet_logits(rows: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
@@ -55,7 +56,7 @@ class DirichletCalibration(Calibrator):
         for key, value in (("lam", lam), ("mu", mu)):
             if not (isinstance(value, int | float) and value >= 0):
                 raise UserError(f"Expected `{key}` to be a number >= 0, but got {value!r}.")
-        check_positive_int("max_iter", max_iter)
+        check_int("max_iter", max_iter)
         super().__init__(num_classes, lam=float(lam), mu=float(mu), max_iter=max_iter)
         self.weight = nn.Parameter(torch.eye(num_classes), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(num_classes), requires_grad=False)

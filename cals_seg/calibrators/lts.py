@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cals_seg.calibrators._base import Batches, Calibrator, check_positive_int, fit_with_holdout
+from cals_seg.calibrators._base import Batches, Calibrator, fit_with_holdout
 from cals_seg.errors import UserError
+from cals_seg.utils.validation import check_int
 
 LOG_T_MAX = math.log(100.0)
 
@@ -72,9 +73,9 @@ class LocalTemperatureScaling(Calibrator):
     def __init__(self, num_classes: int, use_image: bool = True, image_channels: int = 3,
                  kernel_size: int = 5, dilation: int = 2, epochs: int = 10, patience: int = 3,
                  lr: float = 1e-3, holdout_every: int = 5) -> None:
-        check_positive_int("image_channels", image_channels)
-        check_positive_int("kernel_size", kernel_size)
-        check_positive_int("dilation", dilation)
+        check_int("image_channels", image_channels)
+        check_int("kernel_size", kernel_size)
+        check_int("dilation", dilation)
         if kernel_size % 2 == 0:
             raise UserError(f"Expected an odd `kernel_size`, but got {kernel_size}.")
         super().__init__(num_classes, use_image=bool(use_image), image_channels=image_channels,

@@ -31,8 +31,6 @@ from torch import Tensor, nn
 from cals_seg.calibrators._base import (
     Batches,
     Calibrator,
-    check_positive_float,
-    check_positive_int,
     fit_with_holdout,
     holdout_mask,
     iterate,
@@ -40,6 +38,7 @@ from cals_seg.calibrators._base import (
 )
 from cals_seg.calibrators.temperature import _grid_nll
 from cals_seg.errors import UserError
+from cals_seg.utils.validation import check_int, check_positive_float
 
 # Rows per forward pass of the classifier at inference (bounds its hidden activations).
 _ROWS = 2**18
@@ -111,8 +110,8 @@ class SelectiveScaling(Calibrator):
         if t_max <= 1:
             raise UserError(f"Expected `t_max` > 1, but got {t_max!r}.")
         check_positive_float("mispredicted_weight", mispredicted_weight)
-        check_positive_int("pixels_per_step", pixels_per_step, 2)
-        check_positive_int("steps_per_batch", steps_per_batch)
+        check_int("pixels_per_step", pixels_per_step, 2)
+        check_int("steps_per_batch", steps_per_batch)
         super().__init__(num_classes, threshold=float(threshold), temperature=temperature,
                          t_max=float(t_max), mispredicted_weight=float(mispredicted_weight),
                          pixels_per_step=pixels_per_step, steps_per_batch=steps_per_batch,

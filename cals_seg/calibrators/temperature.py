@@ -24,6 +24,9 @@ Typical use::
 
     T = fit_temperature(val_batches, ignore_index=255)
     calibrated = torch.nn.Sequential(model, TemperatureScaler(T))
+
+The module that applies ``T`` is the ``ts`` calibrator (:mod:`cals_seg.calibrators.ts`;
+``TemperatureScaler(T)`` builds it from a known ``T``).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import warnings
 from collections.abc import Callable, Iterable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from cals_seg.utils.distributed import all_reduce_sum_
+from cals_seg.utils.validation import check_int
 
 Batches = Callable[[], Iterable[tuple[Tensor, Tensor]]]
 
@@ -131,10 +135,8 @@ def _check_fit_args(t_min: float, t_max: float, num_grid: int, passes: int) -> N
         raise ValueError(f"Expected `t_min` to be a positive finite float, but got {t_min}.")
     if not (t_max > t_min and math.isfinite(t_max)):
         raise ValueError(f"Expected `t_max` to be finite and > t_min={t_min}, but got {t_max}.")
-    if not (isinstance(num_grid, int) and num_grid >= 3):
-        raise ValueError(f"Expected `num_grid` to be an integer >= 3, but got {num_grid}.")
-    if not (isinstance(passes, int) and passes >= 1):
-        raise ValueError(f"Expected `passes` to be a positive integer, but got {passes}.")
+    check_int("num_grid", num_grid, 3)
+    check_int("passes", passes)
 
 
 def _parabola_vertex(x: list[float], f: list[float]) -> float:
@@ -275,34 +277,3 @@ def nll_at_temperature(batches: Batches, temperature: float, ignore_index: int =
             "but `batches()` yielded none."
         )
     return float(total[0]) / count
-
-
-class TemperatureScaler(nn.Module):
-    """Divides logits by a fixed temperature: ``forward(l) = l / T``.
-
-    ``T`` is a buffer (saved in ``state_dict``, moved by ``.to``), not a parameter: it is fitted
-    by :func:`fit_temperature`, not by the optimiser. ``nn.Sequential(model, TemperatureScaler(T))``
-    is the calibrated model; argmax predictions are unchanged.
-
-    Args:
-        temperature: ``T > 0``.
-
-    Shape:
-        logits: ``(N, K, *S)`` -> same shape.
-    """
-
-    temperature: Tensor
-
-    def __init__(self, temperature: float = 1.0) -> None:
-        super().__init__()
-        if not (temperature > 0 and math.isfinite(temperature)):
-            raise ValueError(
-                f"Expected `temperature` to be a positive finite float, but got {temperature}."
-            )
-        self.register_buffer("temperature", torch.tensor(float(temperature)))
-
-    def forward(self, logits: Tensor) -> Tensor:
-        return logits / self.temperature.to(logits.dtype)
-
-    def extra_repr(self) -> str:
-        return f"temperature={float(self.temperature):.4f}"

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cals_seg.calibrators._base import Batches, Calibrator, check_positive_int, lbfgs_fit
+from cals_seg.calibrators._base import Batches, Calibrator, lbfgs_fit
+from cals_seg.utils.validation import check_int
 
 
 def vector_nll(rows: Tensor, labels: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
@@ -38,7 +39,7 @@ class VectorScaling(Calibrator):
     changes_argmax = True
 
     def __init__(self, num_classes: int, max_iter: int = 100) -> None:
-        check_positive_int("max_iter", max_iter)
+        check_int("max_iter", max_iter)
         super().__init__(num_classes, max_iter=max_iter)
         self.scale = nn.Parameter(torch.ones(num_classes), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(num_classes), requires_grad=False)

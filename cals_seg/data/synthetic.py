@@ -42,6 +42,7 @@ from PIL import Image
 
 from cals_seg.data.voc import IMAGE_DIR, MASK_DIR, SPLIT_DIR, voc_palette
 from cals_seg.errors import DataError
+from cals_seg.utils.validation import check_int
 
 GENERATOR_VERSION = 2  # bump whenever the same arguments would give different files
 META_FILE = "synthetic.json"
@@ -235,8 +236,7 @@ def generate_synthetic_voc(
     """
     for name, value, low in (("num_train", num_train, 1), ("num_test", num_test, 1),
                              ("image_size", image_size, 32)):
-        if not isinstance(value, int) or value < low:
-            raise DataError(f"Expected `{name}` to be an integer >= {low}, but got {value}.")
+        check_int(name, value, low)
     root = Path(root)
     voc = root / "VOCdevkit" / "VOC2012"
     meta = {"generator_version": GENERATOR_VERSION, "num_train": num_train, "num_test": num_test,

@@ -46,6 +46,7 @@ import numpy as np
 from PIL import Image
 
 from cals_seg.errors import DataError
+from cals_seg.utils.validation import check_int
 
 GENERATOR_VERSION = 1
 IMAGE_META = "synthetic_cls.json"
@@ -104,11 +105,6 @@ def _check_meta(root: Path, meta_name: str, meta: dict[str, Any], overwrite: boo
             "Choose another root."
         )
     return False
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise DataError(f"Expected `{name}` to be an integer >= {low}, but got {value!r}.")
 
 
 # ----------------------------------------------------------------------------- images
@@ -193,7 +189,7 @@ def generate_synthetic_images(
     for name, value, low in (("max_train", max_train, 1), ("min_train", min_train, 1),
                              ("num_val", num_val, 1), ("num_test", num_test, 1),
                              ("image_size", image_size, 16)):
-        _check_int(name, value, low)
+        check_int(name, value, low)
     if min_train > max_train:
         raise DataError(f"Expected min_train <= max_train, but got {min_train} > {max_train}.")
     root = Path(root)
@@ -325,8 +321,8 @@ def generate_synthetic_corpus(
     Returns:
         ``Path(root)``.
     """
-    _check_int("num_train", num_train, 1)
-    _check_int("num_test", num_test, 1)
+    check_int("num_train", num_train, 1)
+    check_int("num_test", num_test, 1)
     root = Path(root)
     meta = {"generator_version": GENERATOR_VERSION, "num_train": num_train,
             "num_test": num_test, "seed": seed, "groups": list(TEXT_GROUPS)}

@@ -7,7 +7,8 @@ One pass of the model over a loader feeds a list of *consumers*: objects with
 
     pre = task.meters(n_bins=15)
     post = task.meters(n_bins=15)
-    evaluate(model, test_loader, device, [*pre.values(), Scaled(T, post.values())])
+    post_ts = Scaled(TemperatureScaler(T), post.values())
+    evaluate(model, test_loader, device, [*pre.values(), post_ts])
     metrics = compute(pre)
 """
 
@@ -67,17 +68,22 @@ def eval_collate(samples: list[Any]) -> Any:
 
 
 class Scaled:
-    """Consumers fed ``logits / temperature`` (the post-temperature-scaling view)."""
+    """Consumers fed ``scaler(logits)``: with ``scaler = TemperatureScaler(T)`` (the ``ts``
+    calibrator, :mod:`cals_seg.calibrators.ts`) the post-temperature-scaling view.
 
-    def __init__(self, temperature: float, consumers: Iterable[Consumer]) -> None:
-        if not temperature > 0:
-            raise ValueError(f"Expected a positive temperature, got {temperature}.")
-        self.temperature = float(temperature)
+    Args:
+        scaler: logits ``(N, K, *S)`` -> logits of the same shape. A ``TemperatureScaler`` left
+            on the CPU divides logits on any device by its 0-dim temperature as by a scalar.
+        consumers: what it feeds.
+    """
+
+    def __init__(self, scaler: Callable[[Tensor], Tensor], consumers: Iterable[Consumer]) -> None:
+        self.scaler = scaler
         self.consumers = list(consumers)
 
+    @torch.no_grad()
     def update(self, logits: Tensor, target: Tensor) -> None:
-        scaled = logits / self.temperature if self.temperature != 1.0 else logits
-        _feed(self.consumers, scaled, target)
+        _feed(self.consumers, self.scaler(logits), target)
 
 
 def _feed(consumers: Sequence[Consumer], logits: Tensor, target: Tensor) -> None:

@@ -34,16 +34,8 @@ except ImportError:  # pragma: no cover - exercised by the missing-package test
         'pip install "cals_seg[lightning]" (or: pip install torchmetrics).'
     ) from None
 
-from cals_seg.metrics.calibration import (
-    CalibrationMeter,
-    _calibration_compute,
-    _calibration_update,
-)
-from cals_seg.metrics.segmentation import (
-    SegmentationMeter,
-    _confusion_update,
-    _segmentation_compute,
-)
+from cals_seg.metrics import CalibrationMeter, SegmentationMeter
+from cals_seg.metrics._base import Meter
 
 
 def _value(x: float | None) -> Tensor:
@@ -51,7 +43,36 @@ def _value(x: float | None) -> Tensor:
     return torch.tensor(math.nan if x is None else float(x), dtype=torch.float64)
 
 
-class CalibrationMetrics(Metric):
+class _MeterMetric(Metric):
+    """A torchmetrics ``Metric`` around a :class:`~cals_seg.metrics._base.Meter`: the meter
+    checks the arguments and declares the states (each becomes a torchmetrics state with its
+    default and ``dist_reduce_fx``); ``update`` adds the meter's ``batch_stats`` and ``compute``
+    is the meter's ``compute_states`` of the (synced) states. The meter keeps only its
+    settings here: it is not a sub-module, so ``state_dict`` holds the torchmetrics states
+    alone."""
+
+    is_differentiable = False
+    full_state_update = False
+
+    def __init__(self, meter: Meter, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.__dict__["meter"] = meter  # not registered: its buffers are not this metric's
+        for state in meter.states:
+            self.add_state(state.name, default=state.default.clone(),
+                           dist_reduce_fx=state.reduction)
+
+    def update(self, preds: Tensor, target: Tensor) -> None:
+        for name, value in self.meter.batch_stats(preds.detach(), target).items():
+            getattr(self, name).add_(value)
+
+    def _metrics(self) -> dict[str, Any]:
+        return self.meter.compute_states({s.name: getattr(self, s.name) for s in self.meter.states})
+
+    def compute(self) -> Any:
+        return self._metrics()
+
+
+class CalibrationMetrics(_MeterMetric):
     """Every metric of :class:`~cals_seg.metrics.CalibrationMeter` as one torchmetrics
     ``Metric``; ``compute`` returns the meter's dict (floats, lists, the reliability data).
 
@@ -69,9 +90,6 @@ class CalibrationMetrics(Metric):
         - target: ``(N, *S)`` integer.
     """
 
-    is_differentiable = False
-    full_state_update = False
-
     def __init__(
         self,
         num_classes: int,
@@ -81,26 +99,8 @@ class CalibrationMetrics(Metric):
         inputs: Literal["logits", "probs"] = "logits",
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
-        # The meter validates the arguments and defines the states (names, shapes, dtypes).
-        meter = CalibrationMeter(num_classes, n_bins, ignore_index, classwise, inputs)
-        self.num_classes, self.n_bins, self.ignore_index = num_classes, n_bins, ignore_index
-        self.classwise, self.inputs = classwise, inputs
-        self._names = meter._state_names
-        for name in self._names:
-            self.add_state(name, default=getattr(meter, name).clone(), dist_reduce_fx="sum")
-
-    def update(self, preds: Tensor, target: Tensor) -> None:
-        stats = _calibration_update(preds.detach(), target, self.num_classes, self.n_bins,
-                                    self.ignore_index, self.classwise, self.inputs)
-        for name, value in stats.items():
-            getattr(self, name).add_(value)
-
-    def _metrics(self) -> dict[str, Any]:
-        return _calibration_compute({n: getattr(self, n) for n in self._names}, self.n_bins)
-
-    def compute(self) -> Any:
-        return self._metrics()
+        super().__init__(CalibrationMeter(num_classes, n_bins, ignore_index, classwise, inputs),
+                         **kwargs)
 
 
 class ECE(CalibrationMetrics):
@@ -141,7 +141,7 @@ class ClasswiseECE(CalibrationMetrics):
         return _value(self._metrics()["cwce"])
 
 
-class SegmentationMetrics(Metric):
+class SegmentationMetrics(_MeterMetric):
     """Every metric of :class:`~cals_seg.metrics.SegmentationMeter` (an int64 ``(K, K)``
     confusion matrix, summed over processes); ``compute`` returns the meter's dict.
 
@@ -150,22 +150,9 @@ class SegmentationMetrics(Metric):
         - target: ``(N, *S)`` integer.
     """
 
-    is_differentiable = False
-    full_state_update = False
-
     def __init__(self, num_classes: int, ignore_index: int = -100,
                  inputs: Literal["logits", "probs"] = "logits", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        meter = SegmentationMeter(num_classes, ignore_index, inputs)
-        self.num_classes, self.ignore_index, self.inputs = num_classes, ignore_index, inputs
-        self.add_state("confusion", default=meter.confusion.clone(), dist_reduce_fx="sum")
-
-    def update(self, preds: Tensor, target: Tensor) -> None:
-        self.confusion.add_(_confusion_update(preds.detach(), target, self.num_classes,
-                                              self.ignore_index, self.inputs))
-
-    def compute(self) -> Any:
-        return _segmentation_compute(self.confusion)
+        super().__init__(SegmentationMeter(num_classes, ignore_index, inputs), **kwargs)
 
 
 class MeanIoU(SegmentationMetrics):
@@ -175,7 +162,7 @@ class MeanIoU(SegmentationMetrics):
     higher_is_better = True
 
     def compute(self) -> Tensor:
-        return _value(_segmentation_compute(self.confusion)["miou"])
+        return _value(self._metrics()["miou"])
 
 
 __all__ = [

@@ -13,6 +13,7 @@ import inspect
 import typing
 from typing import Any
 
+from cals_seg.errors import UserError
 from cals_seg.losses._adaptive import AdaptiveLoss
 from cals_seg.losses._base import SegLoss
 from cals_seg.losses.cals import CALSALMLoss, CALSHRLoss
@@ -26,21 +27,24 @@ from cals_seg.losses.mbls import MbLSLoss
 from cals_seg.losses.nacl import NACLLoss
 from cals_seg.losses.penalties import PENALTIES, Penalty, get_penalty
 from cals_seg.losses.svls import SVLSLoss
+from cals_seg.utils.registry import Registry
 
-LOSSES: dict[str, type[SegLoss]] = {
-    "ce": CrossEntropyLoss,
-    "ls": LabelSmoothingLoss,
-    "fl": FocalLoss,
-    "flsd": FocalLossSD,
-    "ecp": ConfidencePenaltyLoss,
-    "mbls": MbLSLoss,
-    "cals_hr": CALSHRLoss,
-    "cals_alm": CALSALMLoss,
-    "svls": SVLSLoss,
-    "nacl": NACLLoss,
-    "crac": CRaCLoss,
-    "cals_alm_bands": BandCALSALMLoss,
-}
+LOSSES: Registry[type[SegLoss]] = Registry("loss", error=UserError)
+for _name, _cls in (
+    ("ce", CrossEntropyLoss),
+    ("ls", LabelSmoothingLoss),
+    ("fl", FocalLoss),
+    ("flsd", FocalLossSD),
+    ("ecp", ConfidencePenaltyLoss),
+    ("mbls", MbLSLoss),
+    ("cals_hr", CALSHRLoss),
+    ("cals_alm", CALSALMLoss),
+    ("svls", SVLSLoss),
+    ("nacl", NACLLoss),
+    ("crac", CRaCLoss),
+    ("cals_alm_bands", BandCALSALMLoss),
+):
+    LOSSES.register(_name, _cls)
 
 
 def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: Any) -> SegLoss:
@@ -49,9 +53,7 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
     Raises:
         ValueError: unknown name (the valid names are listed) or unknown parameter.
     """
-    if name not in LOSSES:
-        raise ValueError(f"Unknown loss {name!r}; valid names are {sorted(LOSSES)}.")
-    cls = LOSSES[name]
+    cls = LOSSES.lookup(name)
 
     accepted = [
         p for p in inspect.signature(cls).parameters if p not in ("num_classes", "ignore_index")
@@ -60,6 +62,8 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
     if unknown:
         raise ValueError(f"Unknown parameter(s) {unknown} for loss {name!r}; it takes {accepted}.")
     hints = typing.get_type_hints(cls.__init__)
+    for settings_type in getattr(cls, "settings_types", ()):  # keywords declared by dataclasses
+        hints.update(typing.get_type_hints(settings_type))
     for key, value in params.items():
         _check_number(value, hints.get(key), f"loss.params.{key}")
     return cls(num_classes=num_classes, ignore_index=ignore_index, **params)

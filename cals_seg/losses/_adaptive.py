@@ -25,6 +25,7 @@ message, instead of failing later, for example only under torchrun.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, ClassVar
 
@@ -47,6 +48,12 @@ class _BuiltChecked(type):
     def __init__(cls, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
+        if cls.settings_types and params and params[-1].kind is inspect.Parameter.VAR_KEYWORD:
+            params = params[:-1] + [
+                inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                  annotation=f.type)
+                for f in cls.settings_fields()
+            ]
         cls.__signature__ = inspect.Signature(params, return_annotation=None)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -82,6 +89,28 @@ class AdaptiveLoss(SegLoss, metaclass=_BuiltChecked):
     """
 
     log_keys: ClassVar[tuple[str, ...]] = ()
+    # Dataclasses of settings whose fields are keyword arguments of ``__init__`` (taken by its
+    # ``**settings``, split by :meth:`settings`); ``inspect.signature(cls)`` lists them.
+    settings_types: ClassVar[tuple[type, ...]] = ()
+
+    @classmethod
+    def settings_fields(cls) -> list[dataclasses.Field]:
+        """The fields of :attr:`settings_types`, in order."""
+        return [f for t in cls.settings_types for f in dataclasses.fields(t)]
+
+    @classmethod
+    def settings(cls, keywords: dict[str, Any]) -> list[Any]:
+        """One instance of each of :attr:`settings_types` from ``keywords`` (the defaults for
+        the fields not given; each checks its values).
+
+        Raises:
+            TypeError: a keyword that is no field, as for any unexpected keyword argument.
+        """
+        unknown = sorted(set(keywords) - {f.name for f in cls.settings_fields()})
+        if unknown:
+            raise TypeError(f"{cls.__name__}() got unexpected keyword argument(s) {unknown}.")
+        return [t(**{f.name: keywords[f.name] for f in dataclasses.fields(t) if f.name in keywords})
+                for t in cls.settings_types]
 
     def __init__(self, num_classes: int, ignore_index: int = -100) -> None:
         super().__init__(num_classes, ignore_index)

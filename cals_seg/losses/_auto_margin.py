@@ -35,11 +35,13 @@ solve) and deterministic.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from cals_seg.losses._functional import blocks
+from cals_seg.utils.validation import check_int
 
 BIN_WIDTH = 0.05  # nats of m_eff per histogram bin
 NUM_BINS = 800  # covers m_eff in [0, 40); larger values fall in the last bin
@@ -237,10 +239,7 @@ def check_auto_margin(margin_min: float, margin_init: float, margin_max: float,
     if not 0 < margin_min <= margin_init <= margin_max:
         raise ValueError("Expected 0 < margin_min <= margin_init <= margin_max, but got "
                          f"{margin_min}, {margin_init}, {margin_max}.")
-    if not isinstance(margin_warmup, int) or isinstance(margin_warmup, bool) or margin_warmup < 0:
-        raise ValueError(
-            f"Expected `margin_warmup` to be an integer >= 0, but got {margin_warmup!r}."
-        )
+    check_int("margin_warmup", margin_warmup, 0)
     if not margin_rate > 1:
         raise ValueError(
             "Expected `margin_rate` > 1 (the largest factor of one epoch's margin change; inf "
@@ -251,3 +250,33 @@ def check_auto_margin(margin_min: float, margin_init: float, margin_max: float,
             "Expected 0 <= `margin_skill` < 1 (the validation skill above chance needed to move "
             f"the margin), but got {margin_skill!r}."
         )
+
+
+@dataclass
+class MarginSettings:
+    """The ``margin: auto`` settings (the constructor keywords of the losses with that rule;
+    defaults of :class:`~cals_seg.losses.CALSALMLoss`). Checked by :meth:`start`, only when the
+    margin is ``"auto"``."""
+
+    margin_init: float = 10.0
+    margin_min: float = 1.0
+    margin_max: float = 20.0
+    margin_warmup: int = 0
+    margin_rate: float = MARGIN_RATE
+    margin_skill: float = MARGIN_SKILL
+
+    def start(self, margin: object) -> tuple[bool, float]:
+        """``(auto, m0)`` of :func:`starting_margin`, with the settings checked
+        (:func:`check_auto_margin`) when ``margin`` is ``"auto"``."""
+        auto, m0 = starting_margin(margin, self.margin_init)
+        if auto:
+            check_auto_margin(self.margin_min, self.margin_init, self.margin_max,
+                              self.margin_warmup, self.margin_rate, self.margin_skill)
+        return auto, m0
+
+    def keep(self, loss: object) -> None:
+        """Keep the rule's settings on ``loss`` as attributes: ``margin_min``, ``margin_max``,
+        ``margin_rate``, ``margin_skill`` (floats) and ``margin_warmup`` (an int)."""
+        for name, value in vars(self).items():
+            if name != "margin_init":
+                setattr(loss, name, value if name == "margin_warmup" else float(value))

@@ -22,22 +22,18 @@ import torch
 from torch import Tensor
 
 from cals_seg.losses._adaptive import AdaptiveLoss
-from cals_seg.losses._alm import ALMRules
+from cals_seg.losses._alm import ALMRules, ALMSettings
 from cals_seg.losses._auto_margin import (
-    MARGIN_RATE,
-    MARGIN_SKILL,
     NUM_BINS,
+    MarginSettings,
     beyond_chance,
-    check_auto_margin,
     class_counts,
     effective_margin_sums,
     largest_gap_bound,
     next_margin,
     solve_temperature,
-    starting_margin,
 )
 from cals_seg.losses._functional import ce_sum, class_penalty, class_sums
-from cals_seg.losses.penalties import Penalty, PenaltyFn
 from cals_seg.utils.validation import check_finite
 
 
@@ -47,27 +43,12 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
 
     MARGIN_LOGS = ("margin", "margin_temperature", "margin_ceiling", "margin_skill")
 
-    def __init__(
-        self,
-        num_classes: int,
-        margin: float | Literal["auto"],
-        lambda_init: float,
-        ignore_index: int,
-        margin_init: float = 10.0,
-        margin_min: float = 1.0,
-        margin_max: float = 20.0,
-        margin_warmup: int = 0,
-        margin_rate: float = MARGIN_RATE,
-        margin_skill: float = MARGIN_SKILL,
-    ) -> None:
+    def __init__(self, num_classes: int, margin: float | Literal["auto"], lambda_init: float,
+                 ignore_index: int, auto: MarginSettings) -> None:
         super().__init__(num_classes, ignore_index)
-        self.auto_margin, margin = starting_margin(margin, margin_init)
+        self.auto_margin, margin = auto.start(margin)
         if self.auto_margin:
-            check_auto_margin(margin_min, margin_init, margin_max, margin_warmup, margin_rate,
-                              margin_skill)
-            self.margin_min, self.margin_max = float(margin_min), float(margin_max)
-            self.margin_warmup = margin_warmup
-            self.margin_rate, self.margin_skill = float(margin_rate), float(margin_skill)
+            auto.keep(self)
         if lambda_init < 0:
             raise ValueError(f"Expected `lambda_init` >= 0, but got {lambda_init}.")
         self.margin = float(margin)  # the margin in force (a Python float: no device sync)
@@ -216,36 +197,20 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
 
     log_keys = ("lambda", "rho", "constraint", *_ClassAdaptiveLoss.MARGIN_LOGS)
 
+    settings_types = (ALMSettings, MarginSettings)
+
     def __init__(
         self,
         num_classes: int,
         margin: float | Literal["auto"] = 10.0,
-        penalty: str | Penalty | PenaltyFn = "phr",
-        lambda_init: float = 1e-6,
-        rho_init: float = 1.0,
-        gamma: float = 1.2,
-        tau: float = 0.9,
-        rho_period: int = 10,
-        lambda_min: float = 1e-6,
-        lambda_max: float = 1e6,
-        rho_min: float = 1.0,
-        rho_max: float = 10.0,
         ignore_index: int = -100,
-        margin_init: float = 10.0,
-        margin_min: float = 1.0,
-        margin_max: float = 20.0,
-        margin_warmup: int = 0,
-        margin_rate: float = MARGIN_RATE,
-        margin_skill: float = MARGIN_SKILL,
+        **settings: Any,
     ) -> None:
-        super().__init__(
-            num_classes, margin, lambda_init, ignore_index,
-            margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill,
-        )  # fmt: skip
-        self._set_alm_rules(penalty, lambda_init, rho_init, gamma, tau, rho_period,
-                            lambda_min, lambda_max, rho_min, rho_max)
+        alm, auto = self.settings(settings)
+        super().__init__(num_classes, margin, alm.lambda_init, ignore_index, auto)
+        self._set_alm_rules(alm)
         k = num_classes
-        self.add_state("rhos", torch.full((k,), float(rho_init), dtype=torch.float64))
+        self.add_state("rhos", torch.full((k,), float(alm.rho_init), dtype=torch.float64))
         self.add_state("zbar_prev", torch.zeros(k, dtype=torch.float64))
         self.add_state("has_prev", torch.zeros((), dtype=torch.bool))
         self.add_statistic("_sum_grad", k)
@@ -358,6 +323,7 @@ class CALSHRLoss(_ClassAdaptiveLoss):
     """
 
     log_keys = ("lambda", "penalty", "score", *_ClassAdaptiveLoss.MARGIN_LOGS)
+    settings_types = (MarginSettings,)
 
     def __init__(
         self,
@@ -370,17 +336,10 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         lambda_max: float = 1e6,
         score: str = "weighted",
         ignore_index: int = -100,
-        margin_init: float = 10.0,
-        margin_min: float = 1.0,
-        margin_max: float = 20.0,
-        margin_warmup: int = 0,
-        margin_rate: float = MARGIN_RATE,
-        margin_skill: float = MARGIN_SKILL,
+        **settings: Any,
     ) -> None:
-        super().__init__(
-            num_classes, margin, lambda_init, ignore_index,
-            margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill,
-        )  # fmt: skip
+        (auto,) = self.settings(settings)
+        super().__init__(num_classes, margin, lambda_init, ignore_index, auto)
         if mu <= 1 or tau <= 0:
             raise ValueError(f"Expected `mu` > 1 and `tau` > 0, but got mu={mu}, tau={tau}.")
         if score not in SCORE_RULES:

@@ -17,26 +17,22 @@ import torch
 from torch import Tensor
 
 from cals_seg.losses._adaptive import AdaptiveLoss
-from cals_seg.losses._alm import ALMRules
+from cals_seg.losses._alm import ALMRules, ALMSettings
 from cals_seg.losses._auto_margin import (
-    MARGIN_RATE,
-    MARGIN_SKILL,
     NUM_BINS,
+    MarginSettings,
     beyond_chance,
-    check_auto_margin,
     class_counts,
     effective_margin_sums,
     largest_gap_bound,
     next_margin,
     solve_temperature,
-    starting_margin,
 )
 from cals_seg.losses._band_penalty import band_penalty
 from cals_seg.losses._bands import BandMap, distance_bands
 from cals_seg.losses._base import as_float32, autocast_off
 from cals_seg.losses._functional import ce_sum, class_sums
 from cals_seg.losses._spatial import SpatialLoss
-from cals_seg.losses.penalties import Penalty, PenaltyFn
 from cals_seg.utils.validation import check_finite
 
 MARGIN_STEERS = ("band", "adjacent", "pooled_gate")
@@ -103,32 +99,19 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
 
     loss_name = "cals_alm_bands"
     extra_inputs = ("band",)
+    settings_types = (ALMSettings, MarginSettings)
 
     def __init__(
         self,
         num_classes: int,
         bands: Sequence[float] = (3.0, 8.0),
         margin: float | Literal["auto"] = "auto",
-        penalty: str | Penalty | PenaltyFn = "phr",
-        lambda_init: float = 1e-6,
-        rho_init: float = 1.0,
-        gamma: float = 1.2,
-        tau: float = 0.9,
-        rho_period: int = 10,
-        lambda_min: float = 1e-6,
-        lambda_max: float = 1e6,
-        rho_min: float = 1.0,
-        rho_max: float = 10.0,
         ignore_index: int = -100,
-        margin_init: float = 10.0,
-        margin_min: float = 1.0,
-        margin_max: float = 20.0,
-        margin_warmup: int = 0,
-        margin_rate: float = MARGIN_RATE,
-        margin_skill: float = MARGIN_SKILL,
         margin_steer: Literal["band", "adjacent", "pooled_gate"] = "pooled_gate",
+        **settings: Any,
     ) -> None:
         super().__init__(num_classes, ignore_index)
+        alm, auto = self.settings(settings)
         bands = tuple(bands) if isinstance(bands, list | tuple) else bands
         if not isinstance(bands, tuple) or not all(
             isinstance(b, int | float) and not isinstance(b, bool) and 0 < b < math.inf
@@ -138,23 +121,17 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
                 f"Expected `bands` to be increasing positive finite distances, but got {bands!r}."
             )
         self.bands = tuple(float(b) for b in bands)
-        self.auto_margin, margin = starting_margin(margin, margin_init)
-        if self.auto_margin:
-            check_auto_margin(margin_min, margin_init, margin_max, margin_warmup, margin_rate,
-                              margin_skill)
-        self._set_alm_rules(penalty, lambda_init, rho_init, gamma, tau, rho_period,
-                            lambda_min, lambda_max, rho_min, rho_max)
-        self.margin_min, self.margin_max = float(margin_min), float(margin_max)
-        self.margin_warmup = margin_warmup
-        self.margin_rate, self.margin_skill = float(margin_rate), float(margin_skill)
+        self.auto_margin, margin = auto.start(margin)
+        self._set_alm_rules(alm)
+        auto.keep(self)
         if margin_steer not in MARGIN_STEERS:
             raise ValueError(f"Expected `margin_steer` to be one of {MARGIN_STEERS}, but got "
                              f"{margin_steer!r}.")
         self.margin_steer = margin_steer
         nb, k = len(self.bands) + 1, num_classes
         self.num_bands = nb
-        self.add_state("lambdas", torch.full((nb, k), float(lambda_init), dtype=torch.float64))
-        self.add_state("rhos", torch.full((nb, k), float(rho_init), dtype=torch.float64))
+        self.add_state("lambdas", torch.full((nb, k), float(alm.lambda_init), dtype=torch.float64))
+        self.add_state("rhos", torch.full((nb, k), float(alm.rho_init), dtype=torch.float64))
         self.add_state("zbar_prev", torch.zeros((nb, k), dtype=torch.float64))
         self.add_state("has_prev", torch.zeros(nb, dtype=torch.bool))
         self.add_state("margins", torch.full((nb,), float(margin), dtype=torch.float64))

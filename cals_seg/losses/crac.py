@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.losses._adaptive import AdaptiveLoss
-from cals_seg.losses._alm import ALMRules
+from cals_seg.losses._alm import ALMRules, ALMSettings
 from cals_seg.losses._functional import ce_sum
 from cals_seg.losses._spatial import (
     SpatialLoss,
@@ -22,7 +22,7 @@ from cals_seg.losses._spatial import (
     mixed_windows,
     neighbourhood_distribution,
 )
-from cals_seg.losses.penalties import Penalty, PenaltyFn
+from cals_seg.losses.penalties import Penalty
 from cals_seg.utils.validation import check_finite
 
 REGIONS = ("boundary", "interior")
@@ -111,6 +111,7 @@ class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     """
 
     loss_name = "crac"
+    settings_types = (ALMSettings,)
     log_keys = tuple(f"{key}_{region}" for key in ("lambda", "rho", "constraint")
                      for region in REGIONS)
 
@@ -118,27 +119,18 @@ class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
         self,
         num_classes: int,
         margin: float = 1.0,
-        penalty: str | Penalty | PenaltyFn = "phr",
-        lambda_init: float = 1e-6,
-        rho_init: float = 1.0,
-        gamma: float = 1.2,
-        tau: float = 0.9,
-        rho_period: int = 10,
-        lambda_min: float = 1e-6,
-        lambda_max: float = 1e6,
-        rho_min: float = 1.0,
-        rho_max: float = 10.0,
         ignore_index: int = -100,
+        **settings: Any,
     ) -> None:
         super().__init__(num_classes, ignore_index)
+        (alm,) = self.settings(settings)
         if isinstance(margin, bool) or not isinstance(margin, int | float) or margin <= 0:
             raise ValueError(f"Expected `margin` > 0 (a number), but got {margin!r}.")
-        self._set_alm_rules(penalty, lambda_init, rho_init, gamma, tau, rho_period,
-                            lambda_min, lambda_max, rho_min, rho_max)
+        self._set_alm_rules(alm)
         self.margin = float(margin)
         shape = (len(REGIONS), num_classes)
-        self.add_state("lambdas", torch.full(shape, float(lambda_init), dtype=torch.float64))
-        self.add_state("rhos", torch.full(shape, float(rho_init), dtype=torch.float64))
+        self.add_state("lambdas", torch.full(shape, float(alm.lambda_init), dtype=torch.float64))
+        self.add_state("rhos", torch.full(shape, float(alm.rho_init), dtype=torch.float64))
         self.add_state("hbar_prev", torch.zeros(shape, dtype=torch.float64))
         self.add_state("has_prev", torch.zeros((), dtype=torch.bool))
         self.add_statistic("_sum_grad", shape)

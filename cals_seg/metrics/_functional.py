@@ -28,24 +28,6 @@ _NUM_TAIL = 2 ** (FINE_ULP_LOG2 - FINE_TAIL_LOG2)  # one cell per 2^-24 step in 
 NUM_FINE_CELLS = _NUM_UNIFORM + _NUM_TAIL + 1  # + one cell for a confidence of exactly 1.0
 
 
-# --------------------------------------------------------------------------------------------
-# Argument checks (one message formula: "Expected `x` to be ..., but got ...").
-# --------------------------------------------------------------------------------------------
-
-
-def check_int_arg(name: str, value: object, minimum: int) -> None:
-    """Raise ``ValueError`` unless ``value`` is a Python ``int`` (not bool) >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"Expected `{name}` to be {what}, but got {value!r}.")
-
-
-def check_ignore_index(value: object) -> None:
-    """Raise ``ValueError`` unless ``ignore_index`` is a Python ``int``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"Expected `ignore_index` to be an integer, but got {value!r}.")
-
-
 def _is_integer_tensor(t: Tensor) -> bool:
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 

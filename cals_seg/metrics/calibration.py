@@ -11,18 +11,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
     NUM_FINE_CELLS,
     bin_index,
-    check_ignore_index,
-    check_inputs_arg,
-    check_int_arg,
     fine_cell,
     max_argmax,
     prepare_logits,
-    sum_over_ranks,
 )
 from cals_seg.utils.validation import check_finite
 
@@ -335,7 +332,7 @@ def _calibration_compute(states: dict[str, Tensor], n_bins: int) -> dict[str, An
     return out
 
 
-class CalibrationMeter(nn.Module):
+class CalibrationMeter(Meter):
     """Pixel-level calibration metrics with O(K * n_bins + fine_bins) state, exact over DDP.
 
     Definitions (docs/design.md, "Metrics"), over the valid positions ``i``
@@ -427,16 +424,10 @@ class CalibrationMeter(nn.Module):
         classwise: bool = True,
         inputs: Literal["logits", "probs"] = "logits",
     ) -> None:
-        super().__init__()
-        check_int_arg("num_classes", num_classes, 2)
-        check_inputs_arg(inputs)
-        self.inputs = inputs
-        check_int_arg("n_bins", n_bins, 1)
-        check_ignore_index(ignore_index)
+        super().__init__(num_classes, ignore_index, inputs, n_bins)
         if not isinstance(classwise, bool):
             raise ValueError(f"Expected `classwise` to be a bool, but got {classwise!r}.")
-        self.num_classes, self.n_bins = num_classes, n_bins
-        self.ignore_index, self.classwise = ignore_index, classwise
+        self.classwise = classwise
         i64, f64 = torch.int64, torch.float64
         shapes = {
             "bin_count": ((n_bins,), i64),
@@ -454,8 +445,7 @@ class CalibrationMeter(nn.Module):
             shapes["cw_prob"] = ((num_classes, n_bins), f64)
             shapes["cw_hits"] = ((num_classes, n_bins), i64)
         for name, (shape, dtype) in shapes.items():
-            self.register_buffer(name, torch.zeros(shape, dtype=dtype))
-        self._state_names = tuple(shapes)
+            self.add_state(name, torch.zeros(shape, dtype=dtype))
 
     def extra_repr(self) -> str:
         return (
@@ -463,32 +453,17 @@ class CalibrationMeter(nn.Module):
             f"ignore_index={self.ignore_index}, classwise={self.classwise}, inputs={self.inputs}"
         )
 
-    def reset(self) -> None:
-        """Zero every state."""
-        for name in self._state_names:
-            getattr(self, name).zero_()
-
-    @torch.no_grad()
-    def update(self, logits: Tensor, target: Tensor) -> None:
-        """Add one batch. See the class docstring for shapes; raises ``ValueError`` on bad input.
-
-        The softmax is applied here: pass logits, or build the meter with ``inputs="probs"``.
-        """
-        stats = _calibration_update(
+    def batch_stats(self, logits: Tensor, target: Tensor) -> dict[str, Tensor]:
+        """The sums of one batch. See the class docstring for shapes; raises ``ValueError`` on
+        bad input. The softmax is applied here: pass logits, or build the meter with
+        ``inputs="probs"``."""
+        return _calibration_update(
             logits, target, self.num_classes, self.n_bins, self.ignore_index, self.classwise,
             self.inputs,
         )
-        for name, value in stats.items():
-            getattr(self, name).add_(value)
 
-    def synced_states(self) -> dict[str, Tensor]:
-        """Copies of the states summed over all DDP ranks (plain copies without DDP)."""
-        names = self._state_names
-        return dict(zip(names, sum_over_ranks([getattr(self, n) for n in names]), strict=True))
-
-    @torch.no_grad()
-    def compute(self) -> dict[str, Any]:
-        """Metric values over everything seen (on every rank), as a JSON-serialisable dict.
+    def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
+        """Metric values from summed states, as a JSON-serialisable dict.
 
         Keys: ``count`` (valid positions), ``ece``, ``ece_over``, ``ece_under``, ``aece``,
         ``aurc``, ``aurc_bound``, ``risk_coverage = {"coverage": 100 floats, "risk": 100
@@ -499,4 +474,4 @@ class CalibrationMeter(nn.Module):
         "accuracy": n floats}`` (mean confidence / accuracy per bin, 0.0 for empty bins).
         Values are Python floats, or None when no valid position was seen.
         """
-        return _calibration_compute(self.synced_states(), self.n_bins)
+        return _calibration_compute(states, self.n_bins)

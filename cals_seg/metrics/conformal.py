@@ -19,8 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cals_seg.metrics._functional import check_ignore_index, check_int_arg, sum_over_ranks
+from cals_seg.metrics._functional import sum_over_ranks
 from cals_seg.metrics.regions import boundary_bands, component_areas
+from cals_seg.utils.validation import check_ignore_index, check_int
 
 _STATS = ("count", "covered", "size", "multi")
 
@@ -63,8 +64,8 @@ class PredictionSetMeter(nn.Module):
                  tau: float | None = None, ignore_index: int = -100,
                  background_index: int | None = None) -> None:
         super().__init__()
-        check_int_arg("num_classes", num_classes, 2)
-        check_int_arg("num_groups", num_groups, 1)
+        check_int("num_classes", num_classes, 2)
+        check_int("num_groups", num_groups, 1)
         check_ignore_index(ignore_index)
         self.num_classes, self.bands, self.areas = num_classes, tuple(bands), tuple(areas)
         self.num_groups, self.tau, self.ignore_index = num_groups, tau, ignore_index

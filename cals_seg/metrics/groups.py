@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from cals_seg.metrics._functional import check_ignore_index, sum_over_ranks
+from cals_seg.metrics._base import Meter
 from cals_seg.metrics.calibration import CalibrationMeter
 
 # Groups by number of TRAINING samples of a class (the ImageNet-LT convention).
@@ -27,7 +27,7 @@ def shot_groups(class_counts: Sequence[int]) -> dict[str, list[int]]:
     }
 
 
-class ShotGroupMeter(nn.Module):
+class ShotGroupMeter(Meter):
     """Per-class accuracy and a :class:`CalibrationMeter` per shot group, streamed.
 
     A group's calibration is measured over the positions whose TRUE class is in the group
@@ -52,12 +52,11 @@ class ShotGroupMeter(nn.Module):
         ignore_index: int = -100,
         inputs: Literal["logits", "probs"] = "logits",
     ) -> None:
-        super().__init__()
-        check_ignore_index(ignore_index)
-        self.class_counts = [int(c) for c in class_counts]
+        counts = [int(c) for c in class_counts]
+        k = len(counts)
+        super().__init__(k, ignore_index, inputs, n_bins)
+        self.class_counts = counts
         self.groups = shot_groups(self.class_counts)
-        self.ignore_index = ignore_index
-        k = len(self.class_counts)
         self.meters = nn.ModuleDict({
             g: CalibrationMeter(k, n_bins, ignore_index, classwise=False, inputs=inputs)
             for g in self.groups
@@ -66,8 +65,14 @@ class ShotGroupMeter(nn.Module):
             member = torch.zeros(k, dtype=torch.bool)
             member[classes] = True
             self.register_buffer(f"member_{name}", member, persistent=False)
-        self.register_buffer("correct", torch.zeros(k, dtype=torch.int64))
-        self.register_buffer("total", torch.zeros(k, dtype=torch.int64))
+        self.add_state("correct", torch.zeros(k, dtype=torch.int64))
+        self.add_state("total", torch.zeros(k, dtype=torch.int64))
+
+    def reset(self) -> None:
+        """Zero the per-class counts and the group meters."""
+        super().reset()
+        for meter in self.meters.values():
+            meter.reset()
 
     @torch.no_grad()
     def update(self, logits: Tensor, target: Tensor) -> None:
@@ -89,7 +94,8 @@ class ShotGroupMeter(nn.Module):
         "per_class_count": K ints, "groups": {group: {"classes", "num_classes", metrics...}}}``
         (a group's metrics are :class:`CalibrationMeter`'s without the reliability data and
         per-image means)."""
-        correct, total = sum_over_ranks([self.correct, self.total])
+        states = self.synced_states()
+        correct, total = states["correct"], states["total"]
         per_class = [
             c / n if n > 0 else None for c, n in zip(correct.tolist(), total.tolist(), strict=True)
         ]

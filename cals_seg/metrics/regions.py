@@ -20,49 +20,65 @@ from typing import Any, Literal
 import cv2
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
     bin_index,
-    check_ignore_index,
-    check_inputs_arg,
-    check_int_arg,
     max_argmax,
     prepare_logits,
-    sum_over_ranks,
 )
 from cals_seg.metrics.calibration import ece_split, reliability_data
-from cals_seg.utils.validation import check_finite
+from cals_seg.utils.validation import check_finite, check_int
 
 # --------------------------------------------------------------------------------------------
 # Groups from the target masks (numpy, CPU).
 # --------------------------------------------------------------------------------------------
 
 
-def boundary_pixels(target: np.ndarray, ignore_index: int) -> np.ndarray:
+def boundary_pixels(
+    target: np.ndarray, ignore_index: int, inside: np.ndarray | None = None
+) -> np.ndarray:
     """Valid pixels with at least one of their 8 neighbours inside the image of another value.
 
-    A void neighbour counts as different (its value ``ignore_index`` differs from a valid
-    label); neighbours outside the image do not count. Each of the four neighbour directions
-    compares the overlapping slices once and marks both pixels of a differing pair.
+    The one boundary rule of the toolkit (the region meters, ``boundary_ts`` and the band
+    losses). A void neighbour counts as different (its value ``ignore_index`` differs from a
+    valid label); neighbours outside the image do not count. ``inside`` marks the pixels of the
+    image proper (``False`` on padding added by an augmentation: neither a boundary pixel nor a
+    neighbour); ``None``: every pixel. Each of the four neighbour directions compares the
+    overlapping slices once and marks both pixels of a differing pair.
 
     Shape:
-        - target: ``(N, H, W)`` integer; returns ``(N, H, W)`` bool.
+        - target: ``(N, H, W)`` integer; inside: ``(N, H, W)`` bool or None; returns
+          ``(N, H, W)`` bool.
     """
     t = target
+    ok = None if inside is None else inside.astype(bool)
     out = np.zeros(t.shape, dtype=bool)
+    whole, head, tail = slice(None), slice(1, None), slice(None, -1)
     for a, b in (
-        ((slice(None), slice(1, None), slice(None)), (slice(None), slice(None, -1), slice(None))),
-        ((slice(None), slice(None), slice(1, None)), (slice(None), slice(None), slice(None, -1))),
-        ((slice(None), slice(1, None), slice(1, None)),
-         (slice(None), slice(None, -1), slice(None, -1))),
-        ((slice(None), slice(1, None), slice(None, -1)),
-         (slice(None), slice(None, -1), slice(1, None))),
-    ):  # fmt: skip
+        ((whole, head, whole), (whole, tail, whole)),
+        ((whole, whole, head), (whole, whole, tail)),
+        ((whole, head, head), (whole, tail, tail)),
+        ((whole, head, tail), (whole, tail, head)),
+    ):
         diff = t[a] != t[b]
+        if ok is not None:
+            diff &= ok[a] & ok[b]
         out[a] |= diff
         out[b] |= diff
-    return out & (t != ignore_index)
+    out &= t != ignore_index
+    return out if ok is None else out & ok
+
+
+def band_thresholds(bands: Sequence[float]) -> np.ndarray:
+    """Integer thresholds on squared distances: ``d < b  <=>  D < ceil(b^2)`` for an integer
+    ``D = d^2``, with ``ceil`` of the exact rational ``b^2``.
+
+    Shape:
+        - returns ``(len(bands),)`` float64 holding integers.
+    """
+    return np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
 
 
 def squared_boundary_distance(boundary: np.ndarray) -> np.ndarray:
@@ -89,25 +105,27 @@ def squared_boundary_distance(boundary: np.ndarray) -> np.ndarray:
 
 
 def boundary_bands(
-    label_map: np.ndarray, bands: Sequence[float], ignore_index: int | None = None
+    label_map: np.ndarray,
+    bands: Sequence[float],
+    ignore_index: int | None = None,
+    inside: np.ndarray | None = None,
 ) -> np.ndarray:
     """Distance band of every pixel from the class boundaries of ``label_map``.
 
     The boundary rule of :func:`boundary_pixels` and the exact distances of
     :func:`squared_boundary_distance`; with ``edges = [0, *bands, inf]`` a pixel is in band
-    ``i`` when ``edges[i] <= d < edges[i + 1]``, decided on integers (``d < b`` iff
-    ``d^2 < ceil(b^2)``, ``ceil`` of the exact rational ``b^2``). ``label_map`` may be a ground
-    truth (void pixels: ``ignore_index``) or a predicted map (``ignore_index=None``: no void).
+    ``i`` when ``edges[i] <= d < edges[i + 1]``, decided on integers (:func:`band_thresholds`).
+    ``label_map`` may be a ground truth (void pixels: ``ignore_index``) or a predicted map
+    (``ignore_index=None``: no void). ``inside`` as in :func:`boundary_pixels`.
 
     Shape:
         - label_map: ``(N, H, W)`` integer; returns ``(N, H, W)`` int64 in ``[0, len(bands)]``.
     """
-    thresholds = np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
     void = -1 if ignore_index is None else ignore_index
     if ignore_index is None and label_map.size and int(label_map.min()) < 0:
         raise ValueError("Expected a predicted `label_map` of class indices >= 0.")
-    dist2 = squared_boundary_distance(boundary_pixels(label_map, void))
-    return np.searchsorted(thresholds, dist2, side="right").astype(np.int64)
+    dist2 = squared_boundary_distance(boundary_pixels(label_map, void, inside))
+    return np.searchsorted(band_thresholds(bands), dist2, side="right").astype(np.int64)
 
 
 def component_areas(
@@ -169,7 +187,7 @@ def _grouped_update(
     return hits.sum(dim=2), hits[..., 1].clone(), conf_sum.view(num_groups, n_bins)
 
 
-class _RegionCalibrationMeter(nn.Module):
+class _RegionCalibrationMeter(Meter):
     """Top-label calibration per group of pixels; subclasses define the groups."""
 
     suffix = "group"  # metric keys are "<stat>_<suffix>"
@@ -177,17 +195,11 @@ class _RegionCalibrationMeter(nn.Module):
     def __init__(
         self, num_classes: int, num_groups: int, n_bins: int, ignore_index: int, inputs: str
     ) -> None:
-        super().__init__()
-        check_int_arg("num_classes", num_classes, 2)
-        check_inputs_arg(inputs)
-        self.inputs = inputs
-        check_int_arg("n_bins", n_bins, 1)
-        check_ignore_index(ignore_index)
-        self.num_classes, self.n_bins, self.ignore_index = num_classes, n_bins, ignore_index
+        super().__init__(num_classes, ignore_index, inputs, n_bins)
         self.num_groups = num_groups
         for name, dtype in (("bin_count", torch.int64), ("bin_correct", torch.int64),
                             ("bin_conf", torch.float64)):  # fmt: skip
-            self.register_buffer(name, torch.zeros(num_groups, n_bins, dtype=dtype))
+            self.add_state(name, torch.zeros(num_groups, n_bins, dtype=dtype))
 
     def _groups(self, target: np.ndarray) -> np.ndarray:
         """Group of every pixel ``(N, H, W)`` int64; ``num_groups`` drops a pixel."""
@@ -196,16 +208,10 @@ class _RegionCalibrationMeter(nn.Module):
     def _edges(self) -> list[float | None]:
         raise NotImplementedError
 
-    def reset(self) -> None:
-        """Zero every state."""
-        for t in (self.bin_count, self.bin_correct, self.bin_conf):
-            t.zero_()
-
-    @torch.no_grad()
-    def update(self, logits: Tensor, target: Tensor) -> None:
-        """Add one batch: logits ``(N, K, H, W)``, target ``(N, H, W)``; raises ``ValueError``
-        on bad input. Pass logits (the softmax is applied here), or probabilities to a meter
-        built with ``inputs="probs"``."""
+    def batch_stats(self, logits: Tensor, target: Tensor) -> dict[str, Tensor]:
+        """The sums of one batch: logits ``(N, K, H, W)``, target ``(N, H, W)``; raises
+        ``ValueError`` on bad input. Pass logits (the softmax is applied here), or
+        probabilities to a meter built with ``inputs="probs"``."""
         if not isinstance(logits, Tensor) or logits.dim() != 4:
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(f"Expected `logits` of shape (N, K, H, W), but got {shape}.")
@@ -214,21 +220,13 @@ class _RegionCalibrationMeter(nn.Module):
         )
         group = torch.from_numpy(self._groups(target.detach().cpu().numpy().astype(np.int64)))
         count, correct, conf = _grouped_update(x, y, valid, group, self.num_groups, self.n_bins)
-        self.bin_count.add_(count)
-        self.bin_correct.add_(correct)
-        self.bin_conf.add_(conf)
+        return {"bin_count": count, "bin_correct": correct, "bin_conf": conf}
 
-    def synced_states(self) -> dict[str, Tensor]:
-        """Copies of the states summed over all DDP ranks (plain copies without DDP)."""
-        names = ("bin_count", "bin_correct", "bin_conf")
-        return dict(zip(names, sum_over_ranks([getattr(self, n) for n in names]), strict=True))
-
-    @torch.no_grad()
-    def compute(self) -> dict[str, Any]:
+    def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
         """Per group (lists of ``G``): ``count``, ``ece``, ``ece_over``, ``ece_under``,
         ``acc``, ``conf`` (None for an empty group) and ``reliability`` (the dict of
         ``CalibrationMeter``), under the keys ``<stat>_<suffix>``, plus ``<suffix>_edges``."""
-        s = {k: v.cpu() for k, v in self.synced_states().items()}
+        s = {k: v.cpu() for k, v in states.items()}
         rows: dict[str, list] = {k: [] for k in
                                  ("count", "ece", "ece_over", "ece_under", "acc", "conf",
                                   "reliability")}  # fmt: skip
@@ -308,8 +306,7 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
             )
         super().__init__(num_classes, len(bands) + 1, n_bins, ignore_index, inputs)
         self.bands = tuple(float(b) for b in bands)
-        # d < b  <=>  D < ceil(b^2) for an integer D = d^2 (exact rational arithmetic).
-        self.thresholds = np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
+        self.thresholds = band_thresholds(bands)  # d < b  <=>  D < ceil(b^2), D = d^2
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, bands={self.bands}, n_bins={self.n_bins}, "
@@ -321,15 +318,14 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
     def _groups(self, target: np.ndarray) -> np.ndarray:
         return boundary_bands(target, self.bands, self.ignore_index)
 
-    @torch.no_grad()
-    def compute(self) -> dict[str, Any]:
-        """The per-band dict of :meth:`_RegionCalibrationMeter.compute` plus
+    def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
+        """The per-band dict of :meth:`_RegionCalibrationMeter.compute_states` plus
         ``ece_band_weighted`` (None without a valid pixel): the band ECEs averaged with their
         pixel counts as weights, ``sum_b n_b ECE_b / sum_b n_b`` over the non-empty bands.
 
         It equals the ECE of bins split by band as well as by confidence, so it is never below
         the pooled ECE: an over-confident band and an under-confident one do not cancel."""
-        out = super().compute()
+        out = super().compute_states(states)
         counts = out["count_band"]
         total = sum(counts)
         out["ece_band_weighted"] = (
@@ -384,7 +380,7 @@ class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
                 f"Expected `areas` to be increasing positive integers, but got {areas!r}."
             )
         if background_index is not None:
-            check_int_arg("background_index", background_index, 0)
+            check_int("background_index", background_index, 0)
         super().__init__(num_classes, len(areas) + 1, n_bins, ignore_index, inputs)
         self.areas, self.background_index = areas, background_index
 

@@ -10,16 +10,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
-    check_ignore_index,
-    check_inputs_arg,
-    check_int_arg,
     max_argmax,
     prepare_logits,
     prepare_predictions,
-    sum_over_ranks,
 )
 from cals_seg.utils.validation import check_finite
 
@@ -88,7 +85,7 @@ def _segmentation_compute(confusion: Tensor) -> dict[str, Any]:
     }
 
 
-class SegmentationMeter(nn.Module):
+class SegmentationMeter(Meter):
     """mIoU and friends from an int64 ``K x K`` confusion matrix, exact over DDP.
 
     State: one registered int64 buffer ``confusion`` ``(K, K)`` (rows = target, columns =
@@ -120,40 +117,25 @@ class SegmentationMeter(nn.Module):
         ignore_index: int = -100,
         inputs: Literal["logits", "probs"] = "logits",
     ) -> None:
-        super().__init__()
-        check_int_arg("num_classes", num_classes, 2)
-        check_ignore_index(ignore_index)
-        check_inputs_arg(inputs)
-        self.num_classes, self.ignore_index, self.inputs = num_classes, ignore_index, inputs
-        self.register_buffer("confusion", torch.zeros(num_classes, num_classes, dtype=torch.int64))
+        super().__init__(num_classes, ignore_index, inputs)
+        self.add_state("confusion", torch.zeros(num_classes, num_classes, dtype=torch.int64))
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, ignore_index={self.ignore_index}, "
                 f"inputs={self.inputs}")
 
-    def reset(self) -> None:
-        """Zero the confusion matrix."""
-        self.confusion.zero_()
+    def batch_stats(self, logits_or_preds: Tensor, target: Tensor) -> dict[str, Tensor]:
+        """The confusion counts of one batch; raises ``ValueError`` on bad input (see the class
+        docstring)."""
+        return {"confusion": _confusion_update(
+            logits_or_preds, target, self.num_classes, self.ignore_index, self.inputs
+        )}
 
-    @torch.no_grad()
-    def update(self, logits_or_preds: Tensor, target: Tensor) -> None:
-        """Add one batch; raises ``ValueError`` on bad input (see the class docstring)."""
-        self.confusion.add_(
-            _confusion_update(
-                logits_or_preds, target, self.num_classes, self.ignore_index, self.inputs
-            )
-        )
-
-    def synced_states(self) -> dict[str, Tensor]:
-        """A copy of the confusion matrix summed over all DDP ranks (a plain copy without DDP)."""
-        return {"confusion": sum_over_ranks([self.confusion])[0]}
-
-    @torch.no_grad()
-    def compute(self) -> dict[str, Any]:
-        """Values over everything seen (call on every rank under DDP), JSON-serialisable.
+    def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
+        """Values from a summed confusion matrix, JSON-serialisable.
 
         Keys: ``count`` (valid positions), ``miou``, ``miou_fg``, ``iou_per_class`` (K floats,
         None for classes with an empty union), ``pixel_acc``, ``mean_class_acc``, ``class_acc``
         (K, None for classes without target pixels), ``confusion`` (K lists of K ints).
         """
-        return _segmentation_compute(self.synced_states()["confusion"])
+        return _segmentation_compute(states["confusion"])

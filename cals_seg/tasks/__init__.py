@@ -32,6 +32,7 @@ from cals_seg.metrics import (
     SegmentationMeter,
 )
 from cals_seg.metrics.groups import ShotGroupMeter
+from cals_seg.utils.registry import Registry
 
 
 @dataclass
@@ -101,7 +102,7 @@ class ClassificationTask(Task):
 
 
 Builder = Callable[[Config], Task]
-DATASETS: dict[str, tuple[str, Builder]] = {}  # data.name -> (family, builder)
+DATASETS: Registry[tuple[str, Builder]] = Registry("dataset")  # data.name -> (family, builder)
 
 
 def register_dataset(name: str, family: str) -> Callable[[Builder], Builder]:
@@ -112,9 +113,7 @@ def register_dataset(name: str, family: str) -> Callable[[Builder], Builder]:
         if kind is None or (kind if kind != "text" else "classification") != family:
             raise ValueError(f"data.name {name!r}: add it to cals_seg.data.DATASET_KINDS "
                              f"as a {family} dataset first.")
-        if name in DATASETS:
-            raise ValueError(f"data.name {name!r} is registered twice.")
-        DATASETS[name] = (family, builder)
+        DATASETS.register(name, (family, builder))
         return builder
 
     return add

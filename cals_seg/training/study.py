@@ -137,6 +137,7 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
     checkpoint is not there.
     """
 
+    from cals_seg.calibrators.ts import TemperatureScaler
     from cals_seg.evaluation.stream import Scaled, compute, evaluate
     from cals_seg.training.engine import make_loader
     from cals_seg.utils.io import write_json
@@ -160,7 +161,8 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
               for v in views}  # fmt: skip
     consumers: list[Any] = list(meters["pre_ts"].values())
     if "post_ts" in meters:
-        consumers.append(Scaled(metrics["temperature"], meters["post_ts"].values()))
+        scaler = TemperatureScaler(metrics["temperature"])
+        consumers.append(Scaled(scaler, meters["post_ts"].values()))
     loader = make_loader(task.test_set, cfg.eval.batch_size, False, cfg.data.num_workers)
     evaluate(run.model, loader, device, consumers, amp, protocol=task.protocol)
     for view in views:

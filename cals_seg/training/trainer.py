@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 
 from cals_seg.calibrators import Calibrated
 from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.calibrators.ts import TemperatureScaler
 from cals_seg.config.checks import bounded_input, check_best_metric, check_resume
 from cals_seg.config.rules import check_model_input
 from cals_seg.config.schema import Config, ConfigError, config_to_dict, save_config
@@ -192,7 +193,7 @@ def calibrated_test(
     consumers: list[Any] = list(pre.values())
     if temperature_scaling:
         post = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
-        consumers.append(Scaled(temperature, post.values()))
+        consumers.append(Scaled(TemperatureScaler(temperature), post.values()))
     calibrated = {name: {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
                   for name in calibrators or {}}  # fmt: skip
     image_consumers = [Calibrated(cal.to(device).eval(), calibrated[name])

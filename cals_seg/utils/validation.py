@@ -1,11 +1,38 @@
-"""Input checks shared by the losses, the meters and temperature scaling.
+"""Input checks shared by the losses, the meters, the calibrators and the data generators.
 
 One copy of each check, so a user sees the same message whichever entry point rejects the input.
+Argument checks raise :class:`~cals_seg.errors.UserError` (a ``ValueError``), with one message
+formula: "Expected `x` to be ..., but got ...".
 """
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor
+
+from cals_seg.errors import UserError
+
+
+def check_int(name: str, value: object, minimum: int = 1) -> None:
+    """Raise :class:`~cals_seg.errors.UserError` unless ``value`` is a Python ``int`` (not a
+    bool) ``>= minimum``; the message names the argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise UserError(f"Expected `{name}` to be {what}, but got {value!r}.")
+
+
+def check_ignore_index(value: object) -> None:
+    """Raise :class:`~cals_seg.errors.UserError` unless ``ignore_index`` is a Python ``int``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"Expected `ignore_index` to be an integer, but got {value!r}.")
+
+
+def check_positive_float(name: str, value: object) -> None:
+    """Raise :class:`~cals_seg.errors.UserError` unless ``value`` is a finite number ``> 0``."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (ok and value > 0 and math.isfinite(value)):  # type: ignore[operator,arg-type]
+        raise UserError(f"Expected `{name}` to be a positive finite number, but got {value!r}.")
 
 
 def check_finite(logits: Tensor, maxima: Tensor | None = None) -> None:

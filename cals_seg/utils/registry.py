@@ -1,0 +1,99 @@
+"""One registry type for everything chosen by name: losses, calibrators, meters and datasets.
+
+A :class:`Registry` is a read-only mapping from names to objects (classes, builders) with one way
+to add an entry (:meth:`Registry.register`, also a decorator) and one error for a misspelt name,
+which lists the registered ones::
+
+    LOSSES = Registry("loss")
+
+    @LOSSES.register("ce")
+    class CrossEntropyLoss(SegLoss): ...
+
+    LOSSES["ce"]          # the class
+    "ce" in LOSSES        # True
+    sorted(LOSSES)        # the names
+    LOSSES["cee"]         # UnknownNameError: Unknown loss 'cee'; valid names are ['ce', ...].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar, overload
+
+from cals_seg.errors import UserError
+
+T = TypeVar("T")
+
+
+class UnknownNameError(UserError, KeyError):
+    """A name that is not registered; the message lists the registered names. A
+    :class:`~cals_seg.errors.UserError` (so the tools print it as one line) and a ``KeyError``
+    (so dict-style code that catches a missing key keeps working)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class Registry(Mapping[str, T], Generic[T]):
+    """Names -> objects, in registration order; read-only except through :meth:`register`.
+
+    Args:
+        what: what an entry is, for the messages (``"loss"``: "Unknown loss 'x'; valid names
+            are [...]").
+        error: the type of the unknown-name error of :meth:`lookup` (a
+            :class:`~cals_seg.errors.UserError` subclass, e.g. ``ConfigError``).
+    """
+
+    def __init__(self, what: str, error: type[UserError] = UserError) -> None:
+        self.what = what
+        self.error = error
+        self._entries: dict[str, T] = {}
+
+    @overload
+    def register(self, name: str) -> Callable[[T], T]: ...
+
+    @overload
+    def register(self, name: str, obj: T) -> T: ...
+
+    def register(self, name: str, obj: Any = None) -> Any:
+        """Add ``obj`` under ``name`` and return it; without ``obj``, a decorator that does.
+
+        Raises:
+            ValueError: ``name`` is already registered (or not a non-empty string).
+        """
+
+        def add(entry: T) -> T:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"Expected a non-empty {self.what} name, but got {name!r}.")
+            if name in self._entries:
+                raise ValueError(f"{self.what} {name!r} is registered twice.")
+            self._entries[name] = entry
+            return entry
+
+        return add if obj is None else add(obj)
+
+    def lookup(self, name: str) -> T:
+        """The entry of ``name``; for an unknown one, :attr:`error` naming the valid names."""
+        if name not in self._entries:
+            raise self.error(self._unknown(name))
+        return self._entries[name]
+
+    def _unknown(self, name: object) -> str:
+        return f"Unknown {self.what} {name!r}; valid names are {sorted(self._entries)}."
+
+    def __getitem__(self, name: str) -> T:
+        if name not in self._entries:
+            raise UnknownNameError(self._unknown(name))
+        return self._entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.what!r}, {list(self._entries)})"

@@ -1,0 +1,106 @@
+"""The one registry type (losses, calibrators, meters, datasets), the meter base class with its
+declared states, and the one integer check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cals_seg.calibrators import CALIBRATORS, build_calibrator
+from cals_seg.errors import UserError
+from cals_seg.losses import LOSSES, build_loss
+from cals_seg.metrics import METERS, CalibrationMeter, Meter
+from cals_seg.tasks import DATASETS
+from cals_seg.utils.registry import Registry, UnknownNameError
+from cals_seg.utils.validation import check_int
+
+
+def test_registry_registers_looks_up_and_lists_the_names():
+    reg: Registry[int] = Registry("thing")
+    assert reg.register("b", 2) == 2
+
+    @reg.register("a")
+    def one() -> int:
+        return 1
+
+    assert list(reg) == ["b", "a"] and sorted(reg) == ["a", "b"] and len(reg) == 2
+    assert "a" in reg and "c" not in reg and reg["b"] == 2 and reg.lookup("a") is one
+    assert dict(reg.items()) == {"b": 2, "a": one} and reg.get("c") is None
+    with pytest.raises(ValueError, match="'b' is registered twice"):
+        reg.register("b", 3)
+    with pytest.raises(UnknownNameError) as err:
+        reg["c"]
+    assert isinstance(err.value, KeyError) and isinstance(err.value, UserError)
+    assert str(err.value) == "Unknown thing 'c'; valid names are ['a', 'b']."
+    with pytest.raises(UserError, match=r"Unknown thing 'c'; valid names are \['a', 'b'\]"):
+        reg.lookup("c")
+
+
+def test_the_package_registries_are_registries():
+    for reg in (LOSSES, CALIBRATORS, METERS, DATASETS):
+        assert isinstance(reg, Registry)
+    assert LOSSES["cals_alm"].__name__ == "CALSALMLoss" and "ce" in LOSSES
+    assert sorted(CALIBRATORS) == sorted(["ts", "vector", "dirichlet", "lts", "selective",
+                                          "boundary_ts"])
+    assert METERS["calibration"] is CalibrationMeter
+    with pytest.raises(ValueError, match=r"Unknown loss 'cals'; valid names are \['cals_alm'"):
+        build_loss("cals", 3)
+    with pytest.raises(UserError, match=r"Unknown calibrator 'tss'; valid names are \['boundary"):
+        build_calibrator("tss", 3)
+
+
+@pytest.mark.parametrize(("value", "minimum", "message"), [
+    (0, 1, "Expected `n` to be a positive integer, but got 0."),
+    (True, 1, "Expected `n` to be a positive integer, but got True."),
+    (2.0, 1, "Expected `n` to be a positive integer, but got 2.0."),
+    (-1, 0, "Expected `n` to be an integer >= 0, but got -1."),
+    (2, 3, "Expected `n` to be an integer >= 3, but got 2."),
+])
+def test_check_int_refuses_with_one_message(value, minimum, message):
+    with pytest.raises(UserError) as err:
+        check_int("n", value, minimum)
+    assert str(err.value) == message
+    check_int("n", minimum, minimum)  # the bound itself passes
+
+
+class _HitCount(Meter):
+    """A meter written against the base class: correct top-1 predictions per class."""
+
+    def __init__(self, num_classes: int, ignore_index: int = -100) -> None:
+        super().__init__(num_classes, ignore_index)
+        self.add_state("hits", torch.zeros(num_classes, dtype=torch.int64))
+        self.add_state("seen", torch.zeros((), dtype=torch.int64))
+
+    def batch_stats(self, logits, target):
+        valid = target != self.ignore_index
+        pred = logits.argmax(dim=1)
+        right = target[valid & (pred == target)]
+        return {"hits": torch.bincount(right, minlength=self.num_classes),
+                "seen": valid.sum()}
+
+    def compute_states(self, states):
+        return {"hits": states["hits"].tolist(), "seen": int(states["seen"])}
+
+
+def test_a_meter_declares_its_states_and_the_base_streams_resets_and_saves_them():
+    torch.manual_seed(0)
+    logits, target = torch.randn(6, 4, 5, 5), torch.randint(0, 4, (6, 5, 5))
+    target[:, 0] = 255
+    meter = _HitCount(4, ignore_index=255)
+    assert [(s.name, s.reduction) for s in meter.states] == [("hits", "sum"), ("seen", "sum")]
+    for part in (slice(0, 2), slice(2, 6)):
+        meter.update(logits[part], target[part])
+    valid = target != 255
+    right = valid & (logits.argmax(dim=1) == target)
+    want = {"hits": [int((right & (target == k)).sum()) for k in range(4)],
+            "seen": int(valid.sum())}
+    assert meter.compute() == want and meter.compute() == want  # compute leaves the state
+    assert list(meter.state_dict()) == ["hits", "seen"]
+    meter.reset()
+    assert meter.compute() == {"hits": [0, 0, 0, 0], "seen": 0}
+    with pytest.raises(ValueError, match="declared twice"):
+        meter.add_state("hits", torch.zeros(4))
+    with pytest.raises(UserError, match="`num_classes` to be an integer >= 2"):
+        _HitCount(1)
+    with pytest.raises(UserError, match="`ignore_index` to be an integer"):
+        _HitCount(3, ignore_index=None)  # type: ignore[arg-type]
