@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from cals_seg.config.schema import load_config, save_config
-from cals_seg.runs.folder import RunDir
+from cals_seg.runs.run import Run
 from cals_seg.tasks.segmentation import build_model
 
 from .conftest import load_tool
@@ -38,7 +38,7 @@ def run_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 3},
                run / "checkpoint_best.pt")
-    RunDir(run).write_temperature(T_RUN)
+    Run(run).write_temperature(T_RUN)
     return run
 
 
