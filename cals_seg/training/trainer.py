@@ -2,8 +2,11 @@
 
 Reads top to bottom like the run itself:
 
-1. device, precision, run directory; model, criterion, optimizer, schedule, loaders;
-2. (resume) :func:`restore_training_state`, next to :func:`training_state` that writes it;
+1. setup (``_setup``, the one reader of the config, which it resolves into typed pieces):
+   the checks that need the built task, run directory, device, precision; model, criterion,
+   optimizer, schedule, loaders;
+2. (resume, in the setup) :func:`restore_training_state`, next to :func:`training_state` that
+   writes it;
 3. each epoch: :func:`train_one_epoch`; one validation pass that feeds the meters AND
    ``criterion.observe``; ``criterion.update_multipliers``; the epoch's files (history line,
    last checkpoint, best checkpoint, in that order);
