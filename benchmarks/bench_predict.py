@@ -56,7 +56,7 @@ def make_run(folder: Path) -> Path:
     import torch
 
     from cals_seg.config.schema import load_config, save_config
-    from cals_seg.runs.folder import RunDir
+    from cals_seg.runs.run import Run
     from cals_seg.tasks.segmentation import build_model
 
     cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", [], "ce")
@@ -66,7 +66,7 @@ def make_run(folder: Path) -> Path:
     torch.manual_seed(0)
     torch.save({"model": build_model(cfg).state_dict(), "num_classes": cfg.data.num_classes,
                 "epoch": 0}, run / "checkpoint_best.pt")
-    RunDir(run).write_temperature(1.0)
+    Run(run).write_temperature(1.0)
     return run
 
 

@@ -90,7 +90,7 @@ def fake_run(run: Path, cfg: Any, epoch: int | None = 0, model: Any = None,
     import torch
 
     from cals_seg.config.schema import save_config
-    from cals_seg.runs.folder import RunDir
+    from cals_seg.runs.run import Run
     from cals_seg.tasks.segmentation import build_model
 
     run.mkdir(parents=True, exist_ok=True)
@@ -104,5 +104,5 @@ def fake_run(run: Path, cfg: Any, epoch: int | None = 0, model: Any = None,
         state["epoch"] = epoch
     torch.save(state, run / "checkpoint_best.pt")
     if temperature is not None:
-        RunDir(run).write_temperature(temperature)
+        Run(run).write_temperature(temperature)
     return run

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cals_seg.config.schema import ConfigError, load_config
-from cals_seg.runs.folder import RunDir
+from cals_seg.runs.run import Run
 from cals_seg.utils import precision
 
 from .conftest import load_tool
@@ -147,7 +147,7 @@ def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch)
                       [f"output_dir={tmp_path}", "name=r"])
     from cals_seg.config.schema import save_config
 
-    run = RunDir(tmp_path / "r")
+    run = Run(tmp_path / "r")
     run.path.mkdir()
     save_config(cfg, run.config)
     here = precision.resolve_amp("auto", torch.device("cpu"), warn=False)
@@ -162,20 +162,18 @@ def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch)
 
 # ----------------------------------------------------------------------------- run directory
 def test_a_folder_holding_any_run_file_is_refused(tmp_path):
-    from cals_seg.training.trainer import _check_before_training
-
     cfg = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml", [f"output_dir={tmp_path}"])
-    run = RunDir(cfg.run_dir)
-    _check_before_training(run, resume=False)  # nothing there yet
+    run = Run(cfg.run_dir)
+    run.check_start(resume=False)  # nothing there yet
     run.path.mkdir(parents=True)
-    _check_before_training(run, resume=False)  # an empty folder is fine
+    run.check_start(resume=False)  # an empty folder is fine
     with pytest.raises(FileNotFoundError, match="holds no run"):
-        _check_before_training(run, resume=True)
+        run.check_start(resume=True)
     (run.path / "history.jsonl").write_text('{"epoch": 0}\n')
     with pytest.raises(FileExistsError, match=r"history.jsonl.*--resume"):
-        _check_before_training(run, resume=False)
+        run.check_start(resume=False)
     with pytest.raises(FileNotFoundError, match="no checkpoint_last.pt"):
-        _check_before_training(run, resume=True)
+        run.check_start(resume=True)
 
 
 def test_the_config_is_checked_before_any_data_is_built(tmp_path, capsys):
@@ -192,7 +190,7 @@ def test_the_config_is_checked_before_any_data_is_built(tmp_path, capsys):
 def test_history_trim_and_best_repair(tmp_path):
     from cals_seg.utils.io import load_checkpoint, save_checkpoint
 
-    run = RunDir(tmp_path)
+    run = Run(tmp_path)
     for epoch in range(3):
         run.append_history({"epoch": epoch})
     run.trim_history(2)
@@ -208,7 +206,7 @@ def test_history_trim_and_best_repair(tmp_path):
 def test_best_checkpoint_link_survives_the_next_last(tmp_path):
     from cals_seg.utils.io import link_checkpoint, load_checkpoint, save_checkpoint
 
-    run = RunDir(tmp_path)
+    run = Run(tmp_path)
     save_checkpoint({"model": {}, "epoch": 3}, run.last)
     link_checkpoint(run.last, run.best)
     save_checkpoint({"model": {}, "epoch": 4}, run.last)  # the next epoch replaces last

@@ -459,7 +459,7 @@ def test_console_line_gives_ece_in_percent_and_epochs_from_1():
 def test_device_and_amp_arguments_are_named_as_flags(workspace):
     """load_run(device=..., amp=...) is what --device / --amp give: its errors name the flag."""
     from cals_seg.errors import UserError
-    from cals_seg.runs.loading import load_run
+    from cals_seg.runs.run import load_run
 
     run = workspace / "runs" / "synthetic_deeplabv3_cals_alm"
     with pytest.raises(UserError) as err:

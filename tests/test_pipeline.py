@@ -151,7 +151,7 @@ def test_eval_seg_takes_the_run_folder(straight):
 
 def test_load_run_gives_what_every_tool_needs(straight):
     from cals_seg.errors import CheckpointError
-    from cals_seg.runs.loading import load_run
+    from cals_seg.runs.run import load_run
 
     _, cfg, _ = straight
     run = load_run(cfg.run_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +13,9 @@ from torch.utils.data import DataLoader
 
 from cals_seg.calibrators._base import Calibrator
 from cals_seg.errors import UserError
+
+if TYPE_CHECKING:
+    from cals_seg.evaluation.stream import Inference
 
 # Meters that only read the argmax: fed the raw logits when the calibrator cannot change it, so
 # that their numbers (mIoU, accuracies) are bit-identical to the uncalibrated ones.
@@ -68,6 +71,57 @@ def fit_calibrators(
     return out
 
 
+def run_test_pass(
+    infer: Inference,
+    loader: DataLoader,
+    meters: Callable[[], Mapping[str, Any]],
+    temperature: float | None = None,
+    calibrators: Mapping[str, Calibrator] | None = None,
+    progress: bool = False,
+    desc: str = "test",
+) -> dict[str, Any]:
+    """THE test pass: metrics of the raw logits, of the logits divided by ``temperature`` and of
+    every fitted calibrator, all from ONE pass of the network over ``loader``.
+
+    Every evaluation of a split goes through here (the trainer's final test, ``eval_seg``,
+    compare's backfill and calibrators, :func:`evaluate_calibrators`), so their numbers agree.
+
+    Args:
+        infer: the model, device, precision and protocol (:class:`~cals_seg.evaluation.stream.
+            Inference`).
+        loader: the split to evaluate.
+        meters: returns a fresh ``{name: meter}`` set (e.g. ``lambda: task.meters(15,
+            test=True)``); one set per view.
+        temperature: T of the post-temperature-scaling view (meters fed ``logits / T``); None:
+            no such view.
+        calibrators: ``{name: fitted calibrator}``, each feeding its own meter set (see
+            :class:`Calibrated`).
+        progress, desc: the progress bar.
+
+    Returns:
+        ``{"pre_ts": metrics, "post_ts": metrics or None, "calibrators": {name: metrics}}``,
+        each the merged ``compute()`` dicts of one meter set.
+    """
+    from cals_seg.calibrators.ts import TemperatureScaler
+    from cals_seg.evaluation.stream import Scaled, compute
+
+    pre = infer.meters(meters)
+    consumers: list[Any] = list(pre.values())
+    post: dict[str, Any] = {}
+    if temperature is not None:
+        post = infer.meters(meters)
+        consumers.append(Scaled(TemperatureScaler(temperature), post.values()))
+    sets = {name: infer.meters(meters) for name in calibrators or {}}
+    image_consumers = [Calibrated(cal.to(infer.device).eval(), sets[name])
+                       for name, cal in (calibrators or {}).items()]  # fmt: skip
+    infer.evaluate(loader, consumers, progress, desc, image_consumers)
+    return {
+        "pre_ts": compute(pre),
+        "post_ts": compute(post) if post else None,
+        "calibrators": {name: compute(s) for name, s in sets.items()},
+    }
+
+
 def evaluate_calibrators(
     model: nn.Module,
     loader: DataLoader,
@@ -78,7 +132,8 @@ def evaluate_calibrators(
     protocol: Any = None,
     progress: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Metrics of the raw logits and of every calibrator, from ONE pass over ``loader``.
+    """Metrics of the raw logits and of every calibrator, from ONE pass over ``loader``
+    (:func:`run_test_pass` without the temperature view).
 
     Args:
         model: the network.
@@ -93,33 +148,26 @@ def evaluate_calibrators(
         ``{"uncalibrated": metrics, name: metrics, ...}``, each the merged ``compute()`` dicts
         of one meter set.
     """
-    from cals_seg.evaluation.stream import compute, evaluate
+    from cals_seg.evaluation.stream import Inference
 
-    raw = {k: m.to(device) for k, m in meters().items()}
-    sets = {name: {k: m.to(device) for k, m in meters().items()} for name in calibrators}
-    consumers = [Calibrated(c.to(device).eval(), sets[name]) for name, c in calibrators.items()]
-    evaluate(model, loader, device, list(raw.values()), amp, progress, desc="test",
-             protocol=protocol, image_consumers=consumers)
-    out = {"uncalibrated": compute(raw)}
-    out.update({name: compute(s) for name, s in sets.items()})
-    return out
+    out = run_test_pass(Inference(model, device, amp, protocol), loader, meters,
+                    calibrators=calibrators, progress=progress)
+    return {"uncalibrated": out["pre_ts"], **out["calibrators"]}
 
 
 def load_or_fit_calibrators(
     names: Sequence[str],
     folder: str | Path,
     num_classes: int,
-    model: nn.Module,
+    infer: Inference,
     val_loader: DataLoader,
-    device: torch.device,
     ignore_index: int,
-    amp: str = "none",
-    protocol: Any = None,
     refit: bool = False,
     params: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[dict[str, Calibrator], dict[str, dict[str, Any]]]:
     """The calibrators ``names``: loaded from ``folder/<name>.pt`` when saved there (and not
-    ``refit``), else built (with ``params[name]``), fitted on ``val_loader`` and saved there.
+    ``refit``), else built (with ``params[name]``), fitted on the logits of ``infer`` (the
+    model, device, precision and protocol) over ``val_loader`` and saved there.
 
     Returns:
         ``({name: calibrator}, {name: fit summary})``; a summary holds the method's
@@ -129,7 +177,7 @@ def load_or_fit_calibrators(
     """
     from cals_seg.calibrators import build_calibrator, load_calibrator, save_calibrator
 
-    folder = Path(folder)
+    folder, device = Path(folder), infer.device
     out, info = {}, {}
     for name in names:
         path = folder / f"{name}.pt"
@@ -144,7 +192,8 @@ def load_or_fit_calibrators(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        fit_calibrators({name: cal}, model, val_loader, device, ignore_index, amp, protocol)
+        fit_calibrators({name: cal}, infer.model, val_loader, device, ignore_index, infer.amp,
+                        infer.protocol)
         summary = {**cal.fit_info, "loaded": False, "fit_seconds": time.perf_counter() - start}
         if device.type == "cuda":
             summary["fit_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20

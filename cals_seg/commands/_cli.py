@@ -121,12 +121,12 @@ def run_config(args: argparse.Namespace) -> Config:
     """The config of a training command: the given file, or, with ``--resume``, the run's own
     resolved ``config.yaml``; ``--set`` overrides on top."""
     from cals_seg.config.schema import load_config
-    from cals_seg.runs.folder import RunDir
+    from cals_seg.runs.run import Run
 
     if args.resume:
         if args.config is not None:  # the older form CONFIG --resume RUN_DIR: still validated
             load_config(args.config, args.set, args.method)
-        run = RunDir(args.resume)
+        run = Run(args.resume)
         run.check_resumable()
         # the run's own resolved config: --set is the way to change it
         return load_config(run.config, args.set)

@@ -245,7 +245,7 @@ def load_or_fit_conformal(run, spec: dict[str, Any]):
                           spec["seed"])
     path = run.path / "calibrators" / f"conformal_{conformal_tag(probe)}.json"
     if not path.is_file():
-        from cals_seg.runs.loading import load_run
+        from cals_seg.runs.run import load_run
 
         try:
             data_run = load_run(run.checkpoint, with_data=True, device=str(run.device),

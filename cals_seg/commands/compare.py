@@ -110,11 +110,9 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
     """Summaries of the finished runs into ``rows`` (failures listed; with ``calibrators``,
     each segmentation run's post-hoc calibrators too); returns the first run of each row and
     the headline metric's name, read from the runs' own files."""
-    import json
 
-    from cals_seg.config.schema import load_config
     from cals_seg.errors import UntrustedCheckpointError, UserError
-    from cals_seg.runs.folder import RunDir
+    from cals_seg.runs.run import Run
     from cals_seg.tasks import score_metric, task_family
     from cals_seg.training.study import (
         add_calibrators,
@@ -132,7 +130,7 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
             row["failed"].append((seed, error))
             continue
         try:
-            cfg = load_config(run_dir / "config.yaml")
+            cfg = Run(run_dir).read_config()
             if task_family(cfg) == "segmentation":
                 backfill_test_metrics(run_dir)
                 if calibrators:
@@ -143,9 +141,9 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
             print(f"FAILED {method} seed {seed}: {err}", file=sys.stderr)
             row["failed"].append((seed, f"adding the new test metrics: {err}"))
             continue
-        metrics = json.loads((run_dir / "test_metrics.json").read_text())
+        metrics = Run(run_dir).read_test_metrics()
         metric = metrics.get("score_metric") or score_metric(cfg)  # older runs: from the config
-        history = RunDir(run_dir).history()
+        history = Run(run_dir).history()
         row["summaries"].append(summarise(metrics, metric, history))
         if calibrators and metrics.get("calibrators"):
             row.setdefault("calibrators", []).append(calibrator_rows(metrics, list(calibrators)))
@@ -156,9 +154,8 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
 def plot_study(out: Path, rows: dict[str, dict[str, Any]], first_run: dict[str, Path],
                score_name: str) -> None:
     """ECE against the score, a reliability grid and the multiplier curves of each row."""
-    import json
 
-    from cals_seg.runs.folder import RunDir
+    from cals_seg.runs.run import Run
     from cals_seg.training.study import mean_std
     from cals_seg.visualization import plotting
 
@@ -174,10 +171,10 @@ def plot_study(out: Path, rows: dict[str, dict[str, Any]], first_run: dict[str, 
         )
     grid = []
     for method, run_dir in first_run.items():
-        metrics = json.loads((run_dir / "test_metrics.json").read_text())
+        metrics = Run(run_dir).read_test_metrics()
         grid.append((method, metrics["pre_ts"]["reliability"]))
         plotting.plot_multiplier_curves(
-            RunDir(run_dir).history(), out / f"lambda_curves_{method}.png",
+            Run(run_dir).history(), out / f"lambda_curves_{method}.png",
             metrics.get("class_names"),
         )
     if grid:

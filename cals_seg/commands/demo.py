@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra overrides for both runs (may be repeated)")
     args = parser.parse_args(argv)
     py = sys.executable
+    from cals_seg.runs.run import Run
+
     start = time.perf_counter()
     trainings, run_dirs = {}, {}
     for method in METHODS:
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"train.threads={args.threads}", *args.set]
         if args.epochs is not None:
             sets.append(f"train.epochs={args.epochs}")
-        if (run_dir / "test_metrics.json").is_file():
+        if Run(run_dir).finished():
             print(f"reusing the finished run {run_dir} (delete it to retrain)")
             continue
         if run_dir.exists():  # an unfinished demo run: start it again
@@ -88,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         run_parallel(trainings)
     run_parallel({  # the maps and plots of both runs, side by side
         method: [py, "-m", "cals_seg.commands.eval_seg", str(run_dir), "--out",
-                 str(run_dir / "eval_test"),
+                 str(Run(run_dir).eval_dir("test")),
                  "--set", "train.progress=false", f"train.threads={args.threads}"]
         for method, run_dir in run_dirs.items()
     })
-    rows = {method: json.loads((run_dir / "eval_test" / "metrics.json").read_text())
+    rows = {method: json.loads(Run.eval_metrics(Run(run_dir).eval_dir("test")).read_text())
             for method, run_dir in run_dirs.items()}
 
     print(f"\nTest split of the embedded dataset (pooled over pixels; % except T), "

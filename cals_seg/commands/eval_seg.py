@@ -120,7 +120,7 @@ def calibrator_params(items: list[str]) -> dict[str, dict]:
 def open_run(args: argparse.Namespace):
     """The run of ``RUN_DIR [--checkpoint best|last|FILE]``, or of the older form
     ``CONFIG --checkpoint FILE`` (the config given instead of the run's own)."""
-    from cals_seg.runs.loading import load_run
+    from cals_seg.runs.run import load_run
 
     sets = [*args.set, *protocol_overrides(args)]
     given = Path(args.run)
@@ -163,11 +163,11 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
 
     from cals_seg.config.checks import bounded_input
     from cals_seg.data.checks import warn_large_images
+    from cals_seg.runs.run import calibrated_test
     from cals_seg.training.engine import make_loader
-    from cals_seg.training.trainer import calibrated_test
     from cals_seg.utils.distributed import is_main_process
 
-    cfg, task, model, amp = run.config, run.task, run.model, run.precision
+    cfg, task, infer = run.config, run.task, run.inference
     split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
     warn_large_images(split_set, args.split, bounded_input(cfg))
     if args.split == "train":  # the training images without augmentation (a copy, not the task's)
@@ -180,6 +180,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     if names:
         from cals_seg.calibrators import load_or_fit_calibrators
         from cals_seg.commands._cli import USER_ERRORS, report
+        from cals_seg.runs.run import Run
         from cals_seg.utils.distributed import is_distributed
 
         if is_distributed() and {"lts", "selective"} & set(names):
@@ -187,18 +188,17 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
                                      "(without torchrun); the others fit under torchrun too."))
         try:
             calibrators, fits = load_or_fit_calibrators(
-                names, run.checkpoint.resolve().parent / "calibrators", task.num_classes, model,
-                val_loader, run.device, task.ignore_index, amp, task.protocol,
-                args.refit_calibrators, getattr(args, "calibrator_params", None))
+                names, Run(run.checkpoint.resolve().parent).calibrators, task.num_classes, infer,
+                val_loader, task.ignore_index, args.refit_calibrators,
+                getattr(args, "calibrator_params", None))
         except USER_ERRORS as err:
             return report(err)
     result = calibrated_test(
-        model, task, val_loader, make_loader(split_set, e.batch_size, False, workers),
-        run.device, amp, e.n_bins, e.temperature_scaling, cfg.train.progress,
-        calibrators=calibrators,
+        infer, task, val_loader, make_loader(split_set, e.batch_size, False, workers), e.n_bins,
+        e.temperature_scaling, cfg.train.progress, calibrators=calibrators,
     )
     result.update(checkpoint=str(run.checkpoint), epoch=run.epoch, split=args.split,
-                  precision=amp, family=run.family, score_metric=run.score_metric)
+                  precision=infer.amp, family=run.family, score_metric=run.score_metric)
     if fits:
         result["calibrator_fits"] = fits
     if getattr(args, "conformal", None):
@@ -224,14 +224,15 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
     """What rank 0 writes: metrics.json, the reliability, calibrator and region plots, the
     multiplier curves and the calibration maps; prints the summary line."""
     from cals_seg.evaluation.reports import calibration_maps, plot_regions
-    from cals_seg.runs.folder import RunDir
+    from cals_seg.runs.run import Run
     from cals_seg.utils.io import write_json
     from cals_seg.visualization import plotting
 
     cfg, task = run.config, run.task
-    out = Path(args.out) if args.out else run.checkpoint.resolve().parent / f"eval_{args.split}"
+    folder = Run(run.checkpoint.resolve().parent)
+    out = Path(args.out) if args.out else folder.eval_dir(args.split)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "metrics.json", result)
+    write_json(Run.eval_metrics(out), result)
     for key in ("pre_ts", "post_ts"):
         if result.get(key):
             title = f"{cfg.name} {args.split}, {key.replace('_', '-')}"
@@ -252,7 +253,7 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
                                           "(docs/conformal.md).\n\n" + table)
         print(table)
     plot_regions(result, out, f"{cfg.name} {args.split}")
-    history = RunDir(run.checkpoint.resolve().parent).history()
+    history = folder.history()
     plotting.plot_multiplier_curves(history, out / "lambda_curves.png", task.class_names)
     num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
     maps = calibration_maps(
@@ -272,7 +273,7 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
     if post is not None:
         line += f"  | post-TS ECE {100 * post['ece']:.2f}% (T = {result['temperature']:.3f})"
     print(line)
-    print(f"wrote {out / 'metrics.json'} and {len(maps)} calibration maps in {out / 'maps'}")
+    print(f"wrote {Run.eval_metrics(out)} and {len(maps)} calibration maps in {out / 'maps'}")
     return 0
 
 

@@ -67,9 +67,8 @@ def _fmt_gap_table(stats: dict[str, Any]) -> str:
 
 def gaps_main(args: argparse.Namespace) -> int:
     from cals_seg.commands._cli import USER_ERRORS, report
-    from cals_seg.evaluation.stream import predict
     from cals_seg.runs.gaps import gap_statistics
-    from cals_seg.runs.loading import load_run
+    from cals_seg.runs.run import load_run
     from cals_seg.training.engine import make_loader
     from cals_seg.utils.io import write_json
 
@@ -80,8 +79,7 @@ def gaps_main(args: argparse.Namespace) -> int:
         cfg, task = run.config, run.task
         split_set = {"val": task.val_set, "test": task.test_set}[args.split]
         loader = make_loader(split_set, cfg.eval.batch_size, False, cfg.data.num_workers)
-        batches = predict(run.model, loader, run.device, run.precision, cfg.train.progress,
-                          protocol=task.protocol)
+        batches = run.inference.predict(loader, cfg.train.progress)
         stats = gap_statistics(
             batches, task.num_classes, task.ignore_index, list(args.margins),
             tuple(args.percentiles), args.bin_width, args.hist_max,

@@ -52,7 +52,7 @@ from cals_seg.errors import MissingPathError, UserError
 def open_run(args: argparse.Namespace):
     """The run to predict with (eval mode, on its device) and the temperature to use; with
     ``--calibrator NAME``, ``args.calibrator_module`` is the run's saved calibrator."""
-    from cals_seg.runs.loading import load_run
+    from cals_seg.runs.run import load_run
 
     run = load_run(args.run, overrides=[*args.set, *protocol_overrides(args)],
                    device=args.device, amp=args.amp, family="segmentation")
@@ -60,7 +60,7 @@ def open_run(args: argparse.Namespace):
     if args.calibrator is not None:
         from cals_seg.calibrators import load_calibrator
 
-        path = run.path / "calibrators" / f"{args.calibrator}.pt"
+        path = run.run.calibrator_file(args.calibrator)
         if not path.is_file():
             raise MissingPathError(
                 f"{path} does not exist: fit it first with tools/eval_seg.py {run.path} "
@@ -75,9 +75,9 @@ def open_run(args: argparse.Namespace):
     if temperature is None:
         temperature = run.temperature
         if temperature is None:
-            warnings.warn(f"{run.path} has no temperature.json (the run did not finish, or "
-                          "eval.temperature_scaling is false): confidences are not calibrated "
-                          "(T = 1).", stacklevel=1)
+            warnings.warn(f"{run.path} has no {run.run.temperature_file.name} (the run did not "
+                          "finish, or eval.temperature_scaling is false): confidences are not "
+                          "calibrated (T = 1).", stacklevel=1)
             temperature = 1.0
     if not temperature > 0:
         raise UserError(f"--temperature: expected a number > 0, got {temperature}.")

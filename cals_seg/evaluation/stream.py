@@ -15,6 +15,7 @@ One pass of the model over a loader feeds a list of *consumers*: objects with
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -174,6 +175,38 @@ def evaluate(
         _feed(consumers, logits, target)
         for consumer in image_consumers:
             consumer.update(logits, target, inputs)
+
+
+@dataclass(frozen=True)
+class Inference:
+    """How a network is run for evaluation: the model (put in eval mode by each pass), the
+    device, the resolved precision (``none``/``bf16``/``fp16``) and, for segmentation, the
+    evaluation protocol. One object instead of four loose arguments::
+
+        infer = Inference(model, device, "bf16", task.protocol)
+        infer.evaluate(test_loader, [*meters.values()])
+    """
+
+    model: nn.Module
+    device: torch.device
+    amp: str = "none"
+    protocol: EvalProtocol | None = None
+
+    def predict(self, loader: DataLoader, progress: bool = False, desc: str = "eval",
+                with_inputs: bool = False) -> Iterator[tuple[Tensor, ...]]:
+        """:func:`predict` with this model, device, precision and protocol."""
+        return predict(self.model, loader, self.device, self.amp, progress, desc, self.protocol,
+                       with_inputs)
+
+    def evaluate(self, loader: DataLoader, consumers: Sequence[Consumer], progress: bool = False,
+                 desc: str = "eval", image_consumers: Sequence[Any] = ()) -> None:
+        """:func:`evaluate` with this model, device, precision and protocol."""
+        evaluate(self.model, loader, self.device, consumers, self.amp, progress, desc,
+                 self.protocol, image_consumers)
+
+    def meters(self, make: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
+        """A fresh meter set from ``make()``, moved to this device."""
+        return {k: m.to(self.device) for k, m in make().items()}
 
 
 def compute(meters: Mapping[str, Any]) -> dict[str, Any]:

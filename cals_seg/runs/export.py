@@ -197,7 +197,7 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         calibrator: ``ts`` (the run's fitted temperature) or ``none``.
         logits: output raw logits instead of calibrated probabilities.
         checkpoint: ``best`` or ``last`` (for a run directory; read by
-            :func:`cals_seg.runs.loading.load_run`).
+            :func:`cals_seg.runs.run.load_run`).
         min_size: smallest height / width the program accepts (default ``2 * stride``).
 
     Returns:
@@ -206,7 +206,7 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     Raises:
         ValueError / FileNotFoundError: a bad argument or run, naming the fix.
     """
-    from cals_seg.runs.loading import load_run
+    from cals_seg.runs.run import load_run
 
     if calibrator not in CALIBRATORS:
         raise UserError(f"--calibrator: expected one of {list(CALIBRATORS)}, got {calibrator!r}.")
@@ -217,9 +217,9 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     temperature = 1.0
     if calibrator == "ts" and not logits:
         if fitted is None:
-            raise UserError(f"{run_dir} has no temperature.json (the run did not finish, or "
-                             "eval.temperature_scaling is false); export with --calibrator none "
-                             "for uncalibrated probabilities.")
+            raise UserError(f"{run_dir} has no {loaded.run.temperature_file.name} (the run did "
+                             "not finish, or eval.temperature_scaling is false); export with "
+                             "--calibrator none for uncalibrated probabilities.")
         temperature = fitted
     e = cfg.eval
     if e.mode != "whole" or e.resize is not None or e.pad is not None:

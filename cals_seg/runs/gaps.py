@@ -10,7 +10,6 @@ behind ``tools/margin.py``).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from cals_seg.errors import UserError
-from cals_seg.utils.io import read_jsonl
+from cals_seg.runs.run import HISTORY_FILE, Run
 
 PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)
 
@@ -149,14 +148,15 @@ def best_epoch_line(history: list[dict[str, Any]]) -> dict[str, Any]:
     """The line of the best epoch: the last one marked ``"best": true``."""
     best = [h for h in history if h.get("best")]
     if not best:
-        raise UserError("the run's history.jsonl has no line marked best")
+        raise UserError(f"the run's {HISTORY_FILE} has no line marked best")
     return best[-1]
 
 
 def run_summary(run_dir: Path) -> dict[str, Any]:
     """Validation numbers of the best epoch and the test numbers of a finished run."""
-    line = best_epoch_line(read_jsonl(run_dir / "history.jsonl"))
-    test = json.loads((run_dir / "test_metrics.json").read_text())
+    run = Run(run_dir)
+    line = best_epoch_line(run.history())
+    test = run.read_test_metrics()
     pre = test["pre_ts"]
     score_key = test.get("score_metric") or _score_metric(run_dir)
     return {
@@ -199,7 +199,6 @@ def recommend(
 
 def _score_metric(run_dir: Path) -> str:
     """The headline metric of a run written before test_metrics.json recorded it."""
-    from cals_seg.config.schema import load_config
     from cals_seg.tasks import score_metric
 
-    return score_metric(load_config(run_dir / "config.yaml"))
+    return score_metric(Run(run_dir).read_config())

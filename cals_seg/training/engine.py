@@ -1,6 +1,6 @@
 """Task-agnostic training step, data loaders and seeding (evaluation:
 :mod:`cals_seg.evaluation.stream`;
-checkpoints and run files: :mod:`cals_seg.runs.folder`).
+checkpoints and run files: :mod:`cals_seg.runs.run`).
 
 One loop serves every task: a batch is ``(inputs, target)`` (or a dict with ``image``/``mask``
 or ``input``/``target``), the model maps inputs to logits ``(N, K, *S)`` and the criterion and

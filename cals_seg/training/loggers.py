@@ -186,7 +186,8 @@ class RunLoggers:
     """The loggers of one run, called by the trainer on the main process.
 
     Args:
-        names: ``train.loggers`` (checked with :func:`check_loggers`).
+        names: ``train.loggers`` (known names whose package is installed: :func:`check_loggers`,
+            which the config check and :func:`~cals_seg.training.trainer.fit` run first).
         run_path: the run directory.
         config: the resolved config as a dict (W&B stores it).
         class_names: K names, for the per-class columns and tags.
@@ -195,7 +196,6 @@ class RunLoggers:
 
     def __init__(self, names: Sequence[str], run_path: str | Path, config: Mapping[str, Any],
                  class_names: Sequence[str], start_epoch: int = 0) -> None:
-        check_loggers(names)
         self.run_path = Path(run_path)
         self.class_names = list(class_names)
         self.csv = CSVLogger(self.run_path, class_names) if "csv" in names else None

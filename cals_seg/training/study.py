@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import shutil
 import statistics
 import subprocess
@@ -21,8 +20,7 @@ from typing import Any
 from cals_seg.config.rules import changed_keys, keys_of
 from cals_seg.config.schema import Config, config_to_dict, load_config
 from cals_seg.errors import MissingPathError
-from cals_seg.runs.folder import RunDir
-from cals_seg.runs.loading import load_run
+from cals_seg.runs.run import Run, load_run
 from cals_seg.tasks import build_task, task_family
 from cals_seg.utils.io import atomic_write
 from cals_seg.utils.precision import resolve_amp, resolve_device
@@ -46,22 +44,17 @@ COLUMNS = [
 ]
 
 
-def _resolved_precision(run: RunDir) -> str | None:
-    """The precision a run used (``none``/``bf16``/``fp16``), from its files; None if unknown."""
-    if run.test_metrics.is_file():
-        return json.loads(run.test_metrics.read_text()).get("precision")
-    history = run.history()
-    return history[-1].get("precision") if history else None
 
 
 def config_differences(run_dir: Path, expected: Config) -> list[str]:
     """Dotted keys whose value in ``run_dir/config.yaml`` differs from ``expected``, and
     ``train.amp (resolved)`` when ``amp: auto`` resolved to another precision there (another
     CPU or GPU) than it does here."""
-    saved = config_to_dict(load_config(run_dir / "config.yaml"))
+    run = Run(run_dir)
+    saved = config_to_dict(run.read_config())
     neutral = keys_of("neutral")  # where the run is written, how it is shown
     differ = [k for k in changed_keys(saved, config_to_dict(expected)) if k not in neutral]
-    there = _resolved_precision(RunDir(run_dir))
+    there = run.precision()
     here = resolve_amp(expected.train.amp, resolve_device(expected.train.device), warn=False)
     if there is not None and there != here:
         differ.append(f"train.amp (resolved: {there} there, {here} here)")
@@ -81,7 +74,8 @@ def run_one(
     cfg = load_config(config, sets, method)
     name = f"{cfg.name}_seed{seed}"
     run_dir = out / "runs" / name
-    if (run_dir / "config.yaml").is_file():
+    run = Run(run_dir)
+    if run.has_config():
         expected = load_config(
             config, [*sets, f"name={name}", f"output_dir={out / 'runs'}", f"train.seed={seed}"],
             method,
@@ -92,7 +86,7 @@ def run_one(
                 f"{run_dir} was trained with another config (differs in {', '.join(differ)}); "
                 "delete it to retrain, or pass another --out"
             )
-    if (run_dir / "test_metrics.json").is_file():
+    if run.finished():
         print(f"reusing {run_dir}", flush=True)
         return run_dir, None
     tool = "train_seg" if task_family(cfg) == "segmentation" else "train_cls"
@@ -109,7 +103,7 @@ def run_one(
         f"train.seed={seed}",
         "train.progress=false",
     ]
-    if (run_dir / "checkpoint_last.pt").is_file():  # interrupted: continue it
+    if run.last.is_file():  # interrupted: continue it
         cmd += ["--resume", str(run_dir)]
     elif run_dir.exists():  # stopped (with a matching config) before its first checkpoint
         shutil.rmtree(run_dir)
@@ -119,11 +113,7 @@ def run_one(
         lines = (proc.stderr or proc.stdout).strip().splitlines()
         return run_dir, lines[-1] if lines else f"exit code {proc.returncode}"
     # a finished run is reused from test_metrics.json: its resume point is no longer needed
-    drop = {"all": [], "best": ["checkpoint_last.pt"]}.get(
-        checkpoints, ["checkpoint_last.pt", "checkpoint_best.pt"]
-    )
-    for name in drop:
-        (run_dir / name).unlink(missing_ok=True)
+    run.drop_checkpoints(checkpoints)
     return run_dir, None
 
 
@@ -131,45 +121,35 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
     """Add to ``run_dir/test_metrics.json`` the keys the task's test meters write now and the
     file lacks (a run finished before those meters existed); return them (``[]``: none missing).
 
-    The run's ``checkpoint_best.pt`` is evaluated once on its test split, in the precision it
-    was tested in, with the saved temperature for the post-TS view (no refit); keys already in
-    the file are kept as they are. Raises ``FileNotFoundError`` when keys are missing and the
-    checkpoint is not there.
+    The run's ``checkpoint_best.pt`` is evaluated once on its test split (the one test pass,
+    :meth:`cals_seg.runs.run.LoadedRun.test`), in the precision it was tested in, with the saved
+    temperature for the post-TS view (no refit); keys already in the file are kept as they are.
+    Raises ``FileNotFoundError`` when keys are missing and the checkpoint is not there.
     """
-
-    from cals_seg.calibrators.ts import TemperatureScaler
-    from cals_seg.evaluation.stream import Scaled, compute, evaluate
+    from cals_seg.evaluation.stream import compute
     from cals_seg.training.engine import make_loader
-    from cals_seg.utils.io import write_json
 
-    path = run_dir / "test_metrics.json"
-    metrics = json.loads(path.read_text())
-    cfg = load_config(run_dir / "config.yaml")
+    folder = Run(run_dir)
+    metrics = folder.read_test_metrics()
+    cfg = folder.read_config()
     task = build_task(cfg)
-    n_bins = cfg.eval.n_bins
-    views = [v for v in ("pre_ts", "post_ts") if metrics.get(v)]
-    missing = sorted(set(compute(task.meters(n_bins, test=True))) - set(metrics["pre_ts"]))
+    missing = sorted(set(compute(task.meters(cfg.eval.n_bins, test=True))) - set(metrics["pre_ts"]))
     if not missing:
         return []
-    ckpt = run_dir / "checkpoint_best.pt"
-    if not ckpt.is_file():
-        raise MissingPathError(f"{run_dir} lacks the test metrics {missing} and {ckpt.name}")
-    print(f"adding {', '.join(missing)} to {path} (one test pass of {ckpt.name})", flush=True)
-    run = load_run(ckpt, amp=metrics.get("precision"), with_data=True)
-    task, device, amp = run.task, run.device, run.precision
-    meters = {v: {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
-              for v in views}  # fmt: skip
-    consumers: list[Any] = list(meters["pre_ts"].values())
-    if "post_ts" in meters:
-        scaler = TemperatureScaler(metrics["temperature"])
-        consumers.append(Scaled(scaler, meters["post_ts"].values()))
-    loader = make_loader(task.test_set, cfg.eval.batch_size, False, cfg.data.num_workers)
-    evaluate(run.model, loader, device, consumers, amp, protocol=task.protocol)
-    for view in views:
-        new = compute(meters[view])
-        metrics[view].update({k: new[k] for k in missing})
+    if not folder.best.is_file():
+        raise MissingPathError(f"{run_dir} lacks the test metrics {missing} and "
+                               f"{folder.best.name}")
+    print(f"adding {', '.join(missing)} to {folder.test_metrics} (one test pass of "
+          f"{folder.best.name})", flush=True)
+    run = load_run(folder.best, amp=metrics.get("precision"), with_data=True)
+    loader = make_loader(run.task.test_set, cfg.eval.batch_size, False, cfg.data.num_workers)
+    new = run.test(loader, temperature=metrics["temperature"] if metrics.get("post_ts") else None,
+                   progress=False)
+    for view in ("pre_ts", "post_ts"):
+        if metrics.get(view):
+            metrics[view].update({k: new[view][k] for k in missing})
     metrics["added_keys"] = sorted(set(metrics.get("added_keys", [])) | set(missing))
-    write_json(path, metrics)
+    folder.write_test_metrics(metrics)
     return missing
 
 
@@ -179,34 +159,29 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     from ``test_metrics.json["calibrators"]`` on its test split in one pass of
     ``checkpoint_best.pt``, and add them (and ``calibrator_fits``) to that file; return the
     names added."""
-
-    from cals_seg.calibrators import evaluate_calibrators, load_or_fit_calibrators
+    from cals_seg.calibrators import load_or_fit_calibrators
     from cals_seg.training.engine import make_loader
-    from cals_seg.utils.io import write_json
 
-    path = run_dir / "test_metrics.json"
-    metrics = json.loads(path.read_text())
+    folder = Run(run_dir)
+    metrics = folder.read_test_metrics()
     missing = [n for n in names if n not in (metrics.get("calibrators") or {})]
     if not missing:
         return []
-    ckpt = run_dir / "checkpoint_best.pt"
-    if not ckpt.is_file():
-        raise MissingPathError(f"{run_dir} lacks {ckpt.name}, needed for --calibrators")
-    run = load_run(ckpt, amp=metrics.get("precision"), with_data=True)
-    cfg, task, model, device, amp = run.config, run.task, run.model, run.device, run.precision
+    if not folder.best.is_file():
+        raise MissingPathError(f"{run_dir} lacks {folder.best.name}, needed for --calibrators")
+    run = load_run(folder.best, amp=metrics.get("precision"), with_data=True)
+    cfg, task, infer = run.config, run.task, run.inference
     e, workers = cfg.eval, cfg.data.num_workers
     print(f"{run_dir.name}: calibrators {', '.join(missing)} (fit on val, one test pass)",
           flush=True)
     cals, fits = load_or_fit_calibrators(
-        missing, run_dir / "calibrators", task.num_classes, model,
-        make_loader(task.val_set, e.batch_size, False, workers), device, task.ignore_index, amp,
-        task.protocol)
-    out = evaluate_calibrators(model, make_loader(task.test_set, e.batch_size, False, workers),
-                               device, cals, lambda: task.meters(e.n_bins, test=True), amp,
-                               task.protocol)
-    metrics.setdefault("calibrators", {}).update({n: out[n] for n in missing})
+        missing, folder.calibrators, task.num_classes, infer,
+        make_loader(task.val_set, e.batch_size, False, workers), task.ignore_index)
+    out = run.test(make_loader(task.test_set, e.batch_size, False, workers), calibrators=cals,
+                   progress=False)
+    metrics.setdefault("calibrators", {}).update({n: out["calibrators"][n] for n in missing})
     metrics.setdefault("calibrator_fits", {}).update(fits)
-    write_json(path, metrics)
+    folder.write_test_metrics(metrics)
     return missing
 
 

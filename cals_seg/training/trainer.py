@@ -2,13 +2,17 @@
 
 Reads top to bottom like the run itself:
 
-1. device, precision, run directory; model, criterion, optimizer, schedule, loaders;
-2. (resume) :func:`restore_training_state`, next to :func:`training_state` that writes it;
+1. setup (``_setup``, the one reader of the config, which it resolves into typed pieces):
+   the checks that need the built task, run directory, device, precision; model, criterion,
+   optimizer, schedule, loaders;
+2. (resume, in the setup) :func:`restore_training_state`, next to :func:`training_state` that
+   writes it;
 3. each epoch: :func:`train_one_epoch`; one validation pass that feeds the meters AND
    ``criterion.observe``; ``criterion.update_multipliers``; the epoch's files (history line,
    last checkpoint, best checkpoint, in that order);
 4. the best checkpoint is tested once, before and after temperature scaling fitted on the
-   validation split (:func:`calibrated_test`), and the plots are drawn.
+   validation split (:func:`cals_seg.runs.run.calibrated_test`, the one test pass of every
+   tool), and the plots are drawn.
 
 The task (data, model, meters) is built from the config by :func:`cals_seg.tasks.build_task`.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +30,23 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from cals_seg.calibrators import Calibrated
-from cals_seg.calibrators.temperature import fit_temperature
-from cals_seg.calibrators.ts import TemperatureScaler
 from cals_seg.config.checks import bounded_input, check_best_metric, check_resume
-from cals_seg.config.rules import check_model_input
-from cals_seg.config.schema import Config, ConfigError, config_to_dict, save_config
+from cals_seg.config.rules import check_loggers, check_model_input
+from cals_seg.config.schema import (
+    Config,
+    ConfigError,
+    EvalConfig,
+    TrainConfig,
+    config_to_dict,
+    save_config,
+)
 from cals_seg.data.checks import check_task_data
 from cals_seg.data.crops import crop_warning, sample_sizes
 from cals_seg.data.extra_inputs import request_extra_inputs
-from cals_seg.errors import RunExistsError, UserError
-from cals_seg.evaluation.stream import Scaled, compute, evaluate, predict, scalars
+from cals_seg.errors import UserError
+from cals_seg.evaluation.stream import Inference, compute, scalars
 from cals_seg.losses import AdaptiveLoss, build_loss
-from cals_seg.runs.folder import RunDir
-from cals_seg.runs.loading import load_weights
+from cals_seg.runs.run import Run, calibrated_test, load_weights
 from cals_seg.tasks import Task
 from cals_seg.training.engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from cals_seg.training.loggers import RunLoggers
@@ -57,7 +64,6 @@ from cals_seg.utils.io import (
     rng_state,
     save_checkpoint,
     set_rng_state,
-    write_json,
 )
 from cals_seg.utils.precision import precision_name, resolve_amp, resolve_device
 
@@ -92,7 +98,7 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer):
 
 # ----------------------------------------------------------------------------- checkpoint
 def training_state(
-    model: nn.Module, optimizer, scheduler, criterion: nn.Module, scaler, cfg: Config,
+    model: nn.Module, optimizer, scheduler, criterion: nn.Module, scaler, config: dict[str, Any],
     num_classes: int, epoch: int, score: float, best_score: float, best_epoch: int,
 ) -> dict[str, Any]:
     """Everything an exact resume needs; read back by :func:`restore_training_state`."""
@@ -107,7 +113,7 @@ def training_state(
         "best_score": best_score,
         "best_epoch": best_epoch,
         "num_classes": num_classes,
-        "config": config_to_dict(cfg),
+        "config": config,  # config_to_dict of the run's config
         "rng": rng_state(),
     }
 
@@ -117,7 +123,7 @@ def restore_training_state(
     num_classes: int, where: Path,
 ) -> tuple[int, float | None, int | None]:
     """Inverse of :func:`training_state`; returns ``(next epoch, best score, best epoch)``."""
-    load_weights(model, state, where, where.parent / "config.yaml", num_classes)
+    load_weights(model, state, where, Run(where.parent).config, num_classes)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     criterion.load_state_dict(state["criterion"])
@@ -143,16 +149,17 @@ def replay_schedule(cfg: Config, optimizer: torch.optim.Optimizer, epochs_done: 
 
 # ----------------------------------------------------------------------------- evaluation
 def validate(
-    model: nn.Module, task: Task, loader: DataLoader, device: torch.device, criterion: nn.Module,
-    n_bins: int, amp: str, progress: bool,
+    infer: Inference, task: Task, loader: DataLoader, criterion: nn.Module, n_bins: int,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """One validation pass feeding the task's meters and, for adaptive losses,
-    ``criterion.observe`` (the statistics of the multiplier update)."""
-    meters = {k: m.to(device) for k, m in task.meters(n_bins).items()}
+    """One validation pass of ``infer`` (model, device, precision, protocol) feeding the task's
+    meters and, for adaptive losses, ``criterion.observe`` (the statistics of the multiplier
+    update)."""
+    meters = infer.meters(lambda: task.meters(n_bins))
     consumers: list[Any] = [_check_outputs, *meters.values()]
     if isinstance(criterion, AdaptiveLoss):
         consumers.append(criterion.observe)
-    evaluate(model, loader, device, consumers, amp, progress, desc="val", protocol=task.protocol)
+    infer.evaluate(loader, consumers, progress, desc="val")
     return compute(meters)
 
 
@@ -166,51 +173,7 @@ def _check_outputs(logits: torch.Tensor, target: torch.Tensor) -> None:
         )
 
 
-def calibrated_test(
-    model: nn.Module, task: Task, val_loader: DataLoader, test_loader: DataLoader,
-    device: torch.device, amp: str = "none", n_bins: int = 15,
-    temperature_scaling: bool = True, progress: bool = False,
-    calibrators: Mapping[str, nn.Module] | None = None,
-) -> dict[str, Any]:
-    """Test metrics before and after temperature scaling fitted on ``val_loader``, from ONE
-    pass over ``test_loader`` (the post-TS meters see the same logits divided by T; each of
-    the fitted ``calibrators`` feeds its own set of meters in the same pass).
-
-    Returns:
-        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}`` (and
-        ``"calibrators": {name: {...}}`` when calibrators are given), the metrics being the
-        merged outputs of ``task.meters(n_bins, test=True)``.
-    """
-    protocol = task.protocol  # segmentation: logits at the images' size
-    temperature = 1.0
-    if temperature_scaling:
-        temperature = fit_temperature(
-            lambda: predict(model, val_loader, device, amp, protocol=protocol),
-            ignore_index=task.ignore_index,
-        )
-    pre = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
-    post = {}
-    consumers: list[Any] = list(pre.values())
-    if temperature_scaling:
-        post = {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
-        consumers.append(Scaled(TemperatureScaler(temperature), post.values()))
-    calibrated = {name: {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
-                  for name in calibrators or {}}  # fmt: skip
-    image_consumers = [Calibrated(cal.to(device).eval(), calibrated[name])
-                       for name, cal in (calibrators or {}).items()]  # fmt: skip
-    evaluate(model, test_loader, device, consumers, amp, progress, desc="test",
-             protocol=protocol, image_consumers=image_consumers)
-    out = {
-        "temperature": temperature,
-        "pre_ts": compute(pre),
-        "post_ts": compute(post) if post else None,
-    }
-    if calibrators:
-        out["calibrators"] = {name: compute(m) for name, m in calibrated.items()}
-    return out
-
-
-def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -> list[Path]:
+def plot_run(run: Run, test: dict[str, Any] | None, class_names: list[str]) -> list[Path]:
     """Write the run's plots (multipliers, training curves, test reliability diagrams)."""
     from cals_seg.visualization import plotting  # matplotlib is loaded only when a plot is drawn
 
@@ -237,16 +200,6 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
 
 
 # ----------------------------------------------------------------------------- the run
-def _check_before_training(run: RunDir, resume: bool) -> None:
-    if not resume and run.holds_run():
-        raise RunExistsError(
-            f"{run.path} already holds a run ({', '.join(run.holds_run())}). Continue it with "
-            f"--resume {run.path}, or choose another name (--set name=...)."
-        )
-    if resume:
-        run.check_resumable()
-
-
 def _epoch_line(epoch: int, epochs: int, train: dict, val: dict, metric: str, score: float,
                 multipliers: dict[str, Any], improved: bool, seconds: float,
                 remaining: float) -> str:
@@ -262,8 +215,31 @@ def _epoch_line(epoch: int, epochs: int, train: dict, val: dict, metric: str, sc
     )
 
 
+@dataclass
+class _Training:
+    """What :func:`fit` resolves from the config once, at setup: past this point the loop and
+    its helpers read these typed pieces, never the config."""
+
+    run: Run
+    t: TrainConfig
+    e: EvalConfig
+    config: dict[str, Any]  # the resolved config as saved in every checkpoint
+    infer: Inference  # the model (eval passes), device, precision, protocol
+    train_model: nn.Module  # what the training step calls (DDP / compiled)
+    criterion: nn.Module
+    train_criterion: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Any
+    loaders: tuple[DataLoader, DataLoader, DataLoader]  # train, val, test
+    start_epoch: int = 0
+    best_score: float | None = None
+    best_epoch: int | None = None
+
+
 # Not split further (over 80 lines): the run reads top to bottom, as nanoGPT's training script;
-# the model placement, the resume, the validation and update, and the final test are helpers.
+# the setup (where the config is read), the validation and update, and the final test are
+# helpers.
 def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, Any]:
     """Train, validate, update the multipliers, checkpoint, and test the best checkpoint.
 
@@ -276,66 +252,27 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     Returns:
         The test metrics written to ``<run_dir>/test_metrics.json``.
     """
-    t, k = cfg.train, task.num_classes
-    run = RunDir(resume if resume is not None else cfg.run_dir)
-    _check_before_training(run, resume is not None)
-    device = resolve_device(t.device)
-    amp = resolve_amp(t.amp, device, warn=is_main_process())
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    main = is_main_process()
-
-    model, train_model = _place_model(task.model, cfg, device)
-    criterion = build_loss(cfg.loss.name, k, ignore_index=task.ignore_index, **cfg.loss.params)
-    criterion = criterion.to(device)
-    request_extra_inputs(task.train_set, criterion)  # e.g. the band map, made by the loader
-    # The training loss compiled too (observe() and the update stay eager: once per epoch).
-    train_criterion = torch.compile(criterion) if t.compile else criterion
-    optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, optimizer)
-    scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
-    check_model_input(cfg, task)
-    check_task_data(task, t.batch_size, bounded_input(cfg), get_world_size())
-    check_best_metric(task, t.best_metric, cfg.eval.n_bins)
-    if main and task.family == "segmentation":  # crops of mostly padding: slow, say so
-        crops = crop_warning(cfg.data.crop_size, sample_sizes(task.train_set),
-                             cfg.data.scale_range)
-        if crops:
-            print(f"warning: {crops}", file=sys.stderr, flush=True)
-    workers = cfg.data.num_workers
-    train_loader = make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed)
-    val_loader = make_loader(task.val_set, cfg.eval.batch_size, False, workers)
-    test_loader = make_loader(task.test_set, cfg.eval.batch_size, False, workers)
-
-    start_epoch, best_score, best_epoch = 0, None, None
-    run.path.mkdir(parents=True, exist_ok=True)
-    if resume is not None:
-        start_epoch, best_score, best_epoch, scheduler = _resume(
-            cfg, run, device, model, optimizer, scheduler, criterion, scaler, k)
-        _refuse_finished(run, start_epoch, t.epochs)
-    if main:
-        save_config(cfg, run.config)
-        todo = (f"epochs {start_epoch + 1}..{t.epochs}" if start_epoch < t.epochs else
-                f"all {t.epochs} epochs trained, testing the best checkpoint")
-        print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
-              f"{todo}", flush=True)
-    loggers = RunLoggers(t.loggers if main else [], run.path, config_to_dict(cfg),
-                         task.class_names, start_epoch)
-
+    s = _setup(cfg, task, resume)  # the only reader of cfg
+    run, t, infer, main = s.run, s.t, s.infer, is_main_process()
+    model, device, amp, k = infer.model, infer.device, infer.amp, task.num_classes
+    train_loader, val_loader, test_loader = s.loaders
+    loggers = RunLoggers(t.loggers if main else [], run.path, s.config, task.class_names,
+                         s.start_epoch)
+    best_score, best_epoch = s.best_score, s.best_epoch
     sign = 1.0 if t.best_mode == "max" else -1.0
     durations: list[float] = []
-    for epoch in range(start_epoch, t.epochs):
+    for epoch in range(s.start_epoch, t.epochs):
         start = time.perf_counter()
         seed_epoch(train_loader, t.seed, epoch)
-        lr = optimizer.param_groups[0]["lr"]
+        lr = s.optimizer.param_groups[0]["lr"]
         train_stats = train_one_epoch(
-            train_model, train_criterion, train_loader, optimizer, device, amp, scaler,
+            s.train_model, s.train_criterion, train_loader, s.optimizer, device, amp, s.scaler,
             t.grad_clip, t.progress, desc=f"epoch {epoch + 1}/{t.epochs}",
             debug_checks=t.debug_checks,
         )
-        scheduler.step()
-        val, multipliers, score = _validate_and_update(
-            epoch, model, task, val_loader, device, criterion, cfg, amp)
+        s.scheduler.step()
+        val, multipliers, score = _validate_and_update(epoch, infer, task, val_loader,
+                                                       s.criterion, s.e.n_bins, t)
         improved = best_score is None or sign * score > sign * best_score
         if improved:
             best_score, best_epoch = score, epoch
@@ -351,8 +288,8 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
             "time": durations[-1],
         }
         if main:  # history line, last, best: a consistent run whenever the process dies
-            state = training_state(model, optimizer, scheduler, criterion, scaler, cfg, k, epoch,
-                                   score, best_score, best_epoch)
+            state = training_state(model, s.optimizer, s.scheduler, s.criterion, s.scaler,
+                                   s.config, k, epoch, score, best_score, best_epoch)
             run.append_history(record)
             loggers.log_epoch(record, val, run.history())
             save_checkpoint(state, run.last)
@@ -364,51 +301,83 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
                   flush=True)
 
     barrier()  # rank 0 has written checkpoint_best.pt
-    test = _test_best(run, model, task, val_loader, test_loader, device, amp, cfg)
+    test = _test_best(run, infer, task, val_loader, test_loader, s.e, t)
     if main:
         loggers.log_test(test)
     loggers.close()
     return test
 
 
-def _place_model(model: nn.Module, cfg: Config, device: torch.device
-                 ) -> tuple[nn.Module, nn.Module]:
-    """``(model, train_model)``: the model on ``device`` (channels-last and SyncBatchNorm as the
-    config asks) and what the training step calls (wrapped in DDP under torchrun, compiled with
-    ``train.compile``); both share the same parameters."""
-    t = cfg.train
-    model = model.to(device)
+def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
+    """Everything :func:`fit` needs, resolved from ``cfg`` once: the checks that need the built
+    task, the run folder, device and precision, the model placed (channels-last, SyncBatchNorm,
+    DDP, compile as the config asks), criterion, optimizer, schedule, loaders, and (resume)
+    the restored state; writes ``config.yaml``."""
+    t, e, run, main = cfg.train, cfg.eval, Run(resume if resume is not None else cfg.run_dir), \
+        is_main_process()
+    run.check_start(resume is not None)
+    check_model_input(cfg, task)
+    check_task_data(task, t.batch_size, bounded_input(cfg), get_world_size())
+    check_best_metric(task, t.best_metric, e.n_bins)
+    check_loggers(t.loggers)  # a missing package: its install command, before the folder is made
+    if main and task.family == "segmentation":  # crops of mostly padding: slow, say so
+        crops = crop_warning(cfg.data.crop_size, sample_sizes(task.train_set),
+                             cfg.data.scale_range)
+        if crops:
+            print(f"warning: {crops}", file=sys.stderr, flush=True)
+    device = resolve_device(t.device)
+    amp = resolve_amp(t.amp, device, warn=main)
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    model = task.model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if is_distributed() and t.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    train_model: nn.Module = model
+    train_model: nn.Module = model  # shares the parameters of model
     if is_distributed():
         ids = [device.index] if device.type == "cuda" else None
         train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if t.compile:
         train_model = torch.compile(train_model)
-    return model, train_model
-
-
-def _resume(cfg: Config, run: RunDir, device: torch.device, model: nn.Module, optimizer,
-            scheduler, criterion: nn.Module, scaler, num_classes: int):
-    """Restore ``run``'s last checkpoint into the training objects (a changed ``train.epochs``
-    replays the schedule); returns ``(next epoch, best score, best epoch, scheduler)``."""
-    state = load_checkpoint(run.last, map_location=device)
-    changed = check_resume(cfg, state["config"], run.last)
-    start_epoch, best_score, best_epoch = restore_training_state(
-        state, model, optimizer, scheduler, criterion, scaler, num_classes, run.last
+    criterion = build_loss(cfg.loss.name, task.num_classes, ignore_index=task.ignore_index,
+                           **cfg.loss.params).to(device)
+    request_extra_inputs(task.train_set, criterion)  # e.g. the band map, made by the loader
+    optimizer = build_optimizer(cfg, model)
+    workers = cfg.data.num_workers
+    s = _Training(
+        run=run, t=t, e=e, config=config_to_dict(cfg),
+        infer=Inference(model, device, amp, task.protocol), train_model=train_model,
+        # the training loss compiled too (observe() and the update stay eager: once per epoch)
+        criterion=criterion, train_criterion=torch.compile(criterion) if t.compile else criterion,
+        optimizer=optimizer, scheduler=build_scheduler(cfg, optimizer),
+        scaler=torch.amp.GradScaler("cuda") if amp == "fp16" else None,
+        loaders=(make_loader(task.train_set, t.batch_size, True, workers, seed=t.seed),
+                 make_loader(task.val_set, e.batch_size, False, workers),
+                 make_loader(task.test_set, e.batch_size, False, workers)),
     )
-    if "train.epochs" in changed:
-        scheduler = replay_schedule(cfg, optimizer, start_epoch)
-    if is_main_process():
-        run.trim_history(start_epoch)
-        run.repair_best(state)
-    return start_epoch, best_score, best_epoch, scheduler
+    run.path.mkdir(parents=True, exist_ok=True)
+    if resume is not None:
+        state = load_checkpoint(run.last, map_location=device)
+        changed = check_resume(cfg, state["config"], run.last)
+        s.start_epoch, s.best_score, s.best_epoch = restore_training_state(
+            state, model, optimizer, s.scheduler, criterion, s.scaler, task.num_classes, run.last)
+        if "train.epochs" in changed:
+            s.scheduler = replay_schedule(cfg, optimizer, s.start_epoch)
+        _refuse_finished(run, s.start_epoch, t.epochs)
+        if main:
+            run.trim_history(s.start_epoch)
+            run.repair_best(state)
+    if main:
+        save_config(cfg, run.config)
+        todo = (f"epochs {s.start_epoch + 1}..{t.epochs}" if s.start_epoch < t.epochs else
+                f"all {t.epochs} epochs trained, testing the best checkpoint")
+        print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
+              f"{todo}", flush=True)
+    return s
 
 
-def _refuse_finished(run: RunDir, start_epoch: int, epochs: int) -> None:
+def _refuse_finished(run: Run, start_epoch: int, epochs: int) -> None:
     """``--resume`` of a run whose every epoch is trained and tested: nothing to continue (one
     stopped between its last epoch and the test is tested, as a resume of it should)."""
     if start_epoch >= epochs and run.test_metrics.is_file():
@@ -419,18 +388,17 @@ def _refuse_finished(run: RunDir, start_epoch: int, epochs: int) -> None:
         )
 
 
-def _validate_and_update(epoch: int, model: nn.Module, task: Task, loader: DataLoader,
-                         device: torch.device, criterion: nn.Module, cfg: Config, amp: str
+def _validate_and_update(epoch: int, infer: Inference, task: Task, loader: DataLoader,
+                         criterion: nn.Module, n_bins: int, t: TrainConfig
                          ) -> tuple[dict[str, Any], dict[str, Any], float]:
     """The validation pass of ``epoch`` (meters and ``criterion.observe``), the multiplier
     update, the torchrun guards, and the score of ``train.best_metric``."""
-    t = cfg.train
-    broadcast_buffers(model)  # every rank validates (and rank 0 saves) rank 0's BN stats
-    val = validate(model, task, loader, device, criterion, cfg.eval.n_bins, amp, t.progress)
+    broadcast_buffers(infer.model)  # every rank validates (and rank 0 saves) rank 0's BN stats
+    val = validate(infer, task, loader, criterion, n_bins, t.progress)
     adaptive = isinstance(criterion, AdaptiveLoss)
     multipliers = criterion.update_multipliers(epoch) if adaptive else {}
     if is_distributed():  # cheap guards: DDP keeps parameters and multipliers identical
-        check_identical(_fingerprint(model), "the model parameters")
+        check_identical(_fingerprint(infer.model), "the model parameters")
         if adaptive:
             check_identical(criterion.state_fingerprint(), "the criterion's state")
     if t.best_metric not in val or val[t.best_metric] is None:
@@ -441,27 +409,27 @@ def _validate_and_update(epoch: int, model: nn.Module, task: Task, loader: DataL
     return val, multipliers, float(val[t.best_metric])
 
 
-def _test_best(run: RunDir, model: nn.Module, task: Task, val_loader: DataLoader,
-               test_loader: DataLoader, device: torch.device, amp: str, cfg: Config
-               ) -> dict[str, Any]:
-    """Test the best checkpoint before and after temperature scaling; rank 0 writes
-    ``test_metrics.json``, ``temperature.json`` and the plots."""
-    best = load_checkpoint(run.best, map_location=device)
-    model.load_state_dict(best["model"])
-    test = calibrated_test(model, task, val_loader, test_loader, device, amp, cfg.eval.n_bins,
-                           cfg.eval.temperature_scaling, cfg.train.progress)
+def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
+               test_loader: DataLoader, e: EvalConfig, t: TrainConfig) -> dict[str, Any]:
+    """Test the best checkpoint before and after temperature scaling (the one test pass,
+    :func:`cals_seg.runs.run.calibrated_test`); rank 0 writes ``test_metrics.json``,
+    ``temperature.json`` and the plots."""
+    best = load_checkpoint(run.best, map_location=infer.device)
+    infer.model.load_state_dict(best["model"])
+    test = calibrated_test(infer, task, val_loader, test_loader, e.n_bins, e.temperature_scaling,
+                           t.progress)
     test.update(
         checkpoint=run.best.name,
         epoch=best["epoch"],
-        best_metric=cfg.train.best_metric,
+        best_metric=t.best_metric,
         best_score=best["best_score"],
-        precision=amp,
+        precision=infer.amp,
         class_names=task.class_names,
         family=task.family,
         score_metric=task.score_metric,
     )
     if is_main_process():
-        write_json(run.test_metrics, test)
+        run.write_test_metrics(test)
         run.write_temperature(test["temperature"])
         plot_run(run, test, task.class_names)
     return test
@@ -475,7 +443,6 @@ def _fingerprint(model: nn.Module) -> torch.Tensor:
 __all__ = [
     "build_optimizer",
     "build_scheduler",
-    "calibrated_test",
     "fit",
     "resolve_device",
     "restore_training_state",

@@ -1,0 +1,505 @@
+"""The run: one folder, its files, its model, and the one test pass.
+
+    runs/<name>/
+        config.yaml          the resolved config (every default filled in)
+        history.jsonl        one JSON line per finished epoch
+        checkpoint_last.pt   the state to resume from (model, optimizer, schedule, multipliers, RNG)
+        checkpoint_best.pt   the same state at the best validation epoch
+        test_metrics.json    the best checkpoint's test metrics, before and after temperature
+                             scaling (and of post-hoc calibrators added by compare)
+        temperature.json     the temperature fitted on the validation split
+        plots/*.png
+        calibrators/<name>.pt   post-hoc calibrators fitted on the validation split
+        eval_<split>/metrics.json   what ``eval_seg`` writes by default
+
+This module is the only place that spells these names: every other module asks a :class:`Run`
+for its paths (``run.best``, ``run.test_metrics``, ...) or uses the constants below.
+
+Every file is written atomically (:mod:`cals_seg.utils.io`: a temporary file, fsync, rename),
+and an epoch's files are written in an order that leaves a consistent run whatever instant the
+process dies at: the history line first, then ``checkpoint_last.pt``, then
+``checkpoint_best.pt``. A resume keeps the history lines of the epochs the checkpoint holds and
+repairs a best checkpoint the crash left behind (:meth:`Run.trim_history`,
+:meth:`Run.repair_best`). Checkpoints are read with ``torch.load(weights_only=True)``: loading a
+checkpoint someone shared cannot run code.
+
+Loading a trained run for evaluation or prediction is :func:`load_run` (or :meth:`Run.load`)::
+
+    run = load_run("runs/synthetic_deeplabv3_cals_alm")        # checkpoint_best.pt
+    logits = run.model(x.to(run.device))                        # eval mode, on run.device
+    probs = (logits / run.temperature).softmax(dim=1)           # T fitted on validation
+    result = run.test(test_loader, temperature=run.temperature)  # the one test pass
+
+It resolves the folder (or a checkpoint inside one), reads the run's own resolved
+``config.yaml`` (``overrides`` on top, e.g. another evaluation protocol), checks the checkpoint
+against it (class count, architecture) with messages that name the files, and returns the
+config, the model, the device, the precision, the evaluation protocol, the class names, the task
+family and its headline metric, and the fitted temperature. ``with_data=True`` also builds the
+task (its three splits), which needs the data on disk; without it (predicting on new images,
+exporting) nothing but the run folder is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cals_seg.config.schema import Config, load_config
+from cals_seg.errors import CheckpointError, MissingPathError, RunExistsError, UserError
+from cals_seg.utils.io import (
+    atomic_write,
+    json_safe,
+    load_checkpoint,
+    read_jsonl,
+    save_checkpoint,
+    write_json,
+)
+
+# The names of a run's files: spelt here and nowhere else.
+CONFIG_FILE = "config.yaml"
+HISTORY_FILE = "history.jsonl"
+LAST_CHECKPOINT = "checkpoint_last.pt"
+BEST_CHECKPOINT = "checkpoint_best.pt"
+TEST_METRICS_FILE = "test_metrics.json"
+TEMPERATURE_FILE = "temperature.json"
+PLOTS_DIR = "plots"
+CALIBRATORS_DIR = "calibrators"
+EVAL_METRICS_FILE = "metrics.json"
+
+CHECKPOINTS = {"best": BEST_CHECKPOINT, "last": LAST_CHECKPOINT}
+CHECKPOINT_FILES = (LAST_CHECKPOINT, BEST_CHECKPOINT)
+RUN_FILES = (CONFIG_FILE, HISTORY_FILE, *CHECKPOINT_FILES, TEST_METRICS_FILE)
+
+
+class Run:
+    """The files of one run folder (see the module docstring). Only the main process writes.
+
+    Args:
+        path: the run folder (it need not exist yet).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r})"
+
+    config = property(lambda self: self.path / CONFIG_FILE)
+    history_file = property(lambda self: self.path / HISTORY_FILE)
+    last = property(lambda self: self.path / LAST_CHECKPOINT)
+    best = property(lambda self: self.path / BEST_CHECKPOINT)
+    test_metrics = property(lambda self: self.path / TEST_METRICS_FILE)
+    temperature_file = property(lambda self: self.path / TEMPERATURE_FILE)
+    plots = property(lambda self: self.path / PLOTS_DIR)
+    calibrators = property(lambda self: self.path / CALIBRATORS_DIR)
+
+    def checkpoint(self, which: str) -> Path:
+        """The file of checkpoint ``which`` (``best`` or ``last``)."""
+        return self.path / CHECKPOINTS[which]
+
+    def calibrator_file(self, name: str) -> Path:
+        """Where the post-hoc calibrator ``name`` fitted on validation is saved."""
+        return self.calibrators / f"{name}.pt"
+
+    def eval_dir(self, split: str) -> Path:
+        """The default output folder of ``eval_seg`` on ``split``."""
+        return self.path / f"eval_{split}"
+
+    @staticmethod
+    def eval_metrics(folder: str | Path) -> Path:
+        """The metrics file ``eval_seg`` writes into ``folder``."""
+        return Path(folder) / EVAL_METRICS_FILE
+
+    # ------------------------------------------------------------------------- state
+    def holds_run(self) -> list[str]:
+        """The files of a run found here (empty for a new or empty folder)."""
+        return [name for name in RUN_FILES if (self.path / name).exists()]
+
+    def has_config(self) -> bool:
+        return self.config.is_file()
+
+    def finished(self) -> bool:
+        """The run was tested (its ``test_metrics.json`` exists)."""
+        return self.test_metrics.is_file()
+
+    def check_start(self, resume: bool) -> None:
+        """Before training: a new run needs a folder without a run in it (``RunExistsError``
+        otherwise), a resumed one a resumable folder (:meth:`check_resumable`)."""
+        if resume:
+            self.check_resumable()
+        elif self.holds_run():
+            raise RunExistsError(
+                f"{self.path} already holds a run ({', '.join(self.holds_run())}). Continue it "
+                f"with --resume {self.path}, or choose another name (--set name=...)."
+            )
+
+    def check_resumable(self) -> None:
+        """Refuse to resume from a folder without ``config.yaml`` and ``checkpoint_last.pt``.
+
+        Raises:
+            FileNotFoundError: naming what is missing and what to do instead.
+        """
+        if self.config.is_file() and self.last.is_file():
+            return
+        found = self.holds_run()
+        what = ("does not exist" if not self.path.exists() else
+                "holds no run" if not found else
+                f"has no {LAST_CHECKPOINT} (it holds {', '.join(found)}: a finished run keeps "
+                f"only {BEST_CHECKPOINT})")
+        raise MissingPathError(
+            f"--resume {self.path}: the folder {what}, so there is nothing to continue; start a "
+            "new run without --resume (or name the run directory, runs/<name>)."
+        )
+
+    # ------------------------------------------------------------------------- files
+    def read_config(self, overrides: list[str] | tuple[str, ...] = (),
+                    method: str | None = None) -> Config:
+        """The run's resolved ``config.yaml`` (``overrides`` on top)."""
+        return load_config(self.config, list(overrides), method)
+
+    def history(self) -> list[dict[str, Any]]:
+        return read_jsonl(self.history_file)
+
+    def append_history(self, record: dict[str, Any]) -> None:
+        """Append one line and fsync it, so it survives before the checkpoint is written."""
+        with self.history_file.open("a") as f:
+            f.write(json.dumps(json_safe(record)) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def trim_history(self, next_epoch: int) -> None:
+        """Keep the lines of the epochs before ``next_epoch`` (a crash after an epoch's line
+        and before its checkpoint leaves a line that the resumed run writes again)."""
+        kept = [h for h in self.history() if h["epoch"] < next_epoch]
+        text = "".join(json.dumps(h) + "\n" for h in kept)
+        atomic_write(self.history_file, lambda tmp: Path(tmp).write_text(text))
+
+    def repair_best(self, last: dict[str, Any]) -> None:
+        """A crash between ``checkpoint_last.pt`` and ``checkpoint_best.pt`` of an improving
+        epoch leaves an older best: the last checkpoint IS the best one then, so copy it."""
+        if last.get("best_epoch") != last.get("epoch"):
+            return
+        if self.best.is_file():
+            try:
+                if load_checkpoint(self.best).get("epoch") == last["epoch"]:
+                    return
+            except CheckpointError:
+                pass
+        save_checkpoint(last, self.best)
+
+    def read_test_metrics(self) -> dict[str, Any]:
+        return json.loads(self.test_metrics.read_text())
+
+    def write_test_metrics(self, metrics: Mapping[str, Any]) -> None:
+        write_json(self.test_metrics, metrics)
+
+    def write_temperature(self, temperature: float, split: str = "val") -> None:
+        write_json(self.temperature_file, {"temperature": temperature, "fitted_on": split})
+
+    def read_temperature(self) -> float | None:
+        """The temperature fitted on validation, or None when the run has none."""
+        if not self.temperature_file.is_file():
+            return None
+        return float(json.loads(self.temperature_file.read_text())["temperature"])
+
+    def precision(self) -> str | None:
+        """The precision the run used (``none``/``bf16``/``fp16``), from its files; None if
+        unknown."""
+        if self.test_metrics.is_file():
+            return self.read_test_metrics().get("precision")
+        history = self.history() if self.history_file.is_file() else []
+        return history[-1].get("precision") if history else None
+
+    def drop_checkpoints(self, keep: str) -> None:
+        """Delete the checkpoints a finished run no longer needs: ``keep="all"`` none,
+        ``"best"`` the last one, anything else both."""
+        drop = {"all": [], "best": [LAST_CHECKPOINT]}.get(keep, list(CHECKPOINT_FILES))
+        for name in drop:
+            (self.path / name).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------------- loading
+    @staticmethod
+    def resolve(path: str | Path, checkpoint: str = "best",
+                need_config: bool = True) -> tuple[Run, Path]:
+        """``(run, checkpoint file)`` of a run folder or of a checkpoint inside one (see
+        :func:`resolve_run`)."""
+        folder, file = resolve_run(path, checkpoint, need_config)
+        return Run(folder), file
+
+    def load(self, checkpoint: str = "best", **kwargs: Any) -> LoadedRun:
+        """This run loaded for evaluation or prediction (:func:`load_run`)."""
+        return load_run(self.path, checkpoint, **kwargs)
+
+
+
+
+def resolve_run(path: str | Path, checkpoint: str = "best",
+                need_config: bool = True) -> tuple[Path, Path]:
+    """``(run folder, checkpoint file)`` of a run folder or of a checkpoint inside one.
+
+    Args:
+        path: a run folder, or a checkpoint file in one.
+        checkpoint: for a folder, ``best`` (``checkpoint_best.pt``, else ``checkpoint_last.pt``
+            of an interrupted run) or ``last``.
+        need_config: the folder must hold the run's ``config.yaml``.
+
+    Raises:
+        FileNotFoundError: no such path, no checkpoint, or no ``config.yaml`` next to it.
+    """
+    path = Path(path)
+    if checkpoint not in CHECKPOINTS:
+        raise UserError(f"checkpoint: expected one of {list(CHECKPOINTS)}, got {checkpoint!r}.")
+    if path.is_dir():
+        order = [CHECKPOINTS[checkpoint], *(f for f in reversed(CHECKPOINT_FILES)
+                                             if f != CHECKPOINTS[checkpoint])]
+        found = [path / name for name in order if (path / name).is_file()]
+        if checkpoint == "last":
+            found = found[:1] if found and found[0].name == LAST_CHECKPOINT else []
+        if not found:
+            wanted = CHECKPOINTS[checkpoint] if checkpoint == "last" else " or ".join(order)
+            raise MissingPathError(
+                f"{path} holds no checkpoint ({wanted}); give a run folder written by "
+                "tools/train_seg.py or tools/train_cls.py, or a checkpoint file."
+            )
+        run, file = path, found[0]
+    elif path.is_file():
+        run, file = path.parent, path
+    else:
+        raise MissingPathError(f"{path} does not exist; give a run folder or a checkpoint.")
+    if need_config and not Run(run).has_config():
+        raise MissingPathError(
+            f"{run} has no {CONFIG_FILE}: the run's resolved config is needed to rebuild the "
+            "model and its normalisation (the training tools write it next to the checkpoints)."
+        )
+    return run, file
+
+
+def load_weights(model: Any, state: dict[str, Any], checkpoint: Path, config: Path,
+                 num_classes: int) -> None:
+    """Load ``state["model"]`` into ``model`` after checking the class count.
+
+    Raises:
+        CheckpointError: another class count or another architecture than the config's, naming
+            both files.
+    """
+    saved = state.get("num_classes")
+    if saved is not None and saved != num_classes:
+        raise CheckpointError(
+            f"{checkpoint} was trained with {saved} classes, but {config} has "
+            f"data.num_classes={num_classes}; use the config the run was trained with."
+        )
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as err:  # another architecture: the user's input, not a bug
+        raise CheckpointError(
+            f"{checkpoint} does not fit the model of {config} ({str(err).splitlines()[0]}); use "
+            "the config the run was trained with."
+        ) from None
+
+
+@dataclass
+class LoadedRun:
+    """A run folder loaded by :func:`load_run`.
+
+    Attributes:
+        path: the run folder; ``checkpoint``: the checkpoint file read.
+        config: the run's resolved config (with the overrides given).
+        model: the network with the checkpoint's weights, in eval mode, on ``device``.
+        device, precision: where and in which precision (``none``/``bf16``/``fp16``) to run it.
+        family, score_metric: the task family (``segmentation``/``classification``) and its
+            headline metric (``miou``/``acc``), from the registry of ``data.name``.
+        class_names: K names. ``protocol``: the evaluation protocol (segmentation), else None.
+        temperature: the temperature fitted on validation (``temperature.json``), None if none.
+        epoch: the epoch the checkpoint holds. ``task``: the task (splits), with ``with_data``.
+    """
+
+    path: Path
+    checkpoint: Path
+    config: Config
+    model: Any
+    device: Any
+    precision: str
+    family: str
+    score_metric: str
+    class_names: list[str]
+    protocol: Any = None
+    temperature: float | None = None
+    epoch: int | None = None
+    task: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run(self) -> Run:
+        """The run folder's files."""
+        return Run(self.path)
+
+    @property
+    def inference(self) -> Any:
+        """The model, device, precision and protocol as one
+        :class:`~cals_seg.evaluation.stream.Inference`."""
+        from cals_seg.evaluation.stream import Inference
+
+        return Inference(self.model, self.device, self.precision, self.protocol)
+
+    def meters(self) -> Any:
+        """The factory of the task's test meter sets (``eval.n_bins`` bins)."""
+        task, n_bins = self.task, self.config.eval.n_bins
+        return lambda: task.meters(n_bins, test=True)
+
+    def test(self, loader: Any, *, temperature: float | None = None,
+             calibrators: Mapping[str, Any] | None = None,
+             progress: bool | None = None) -> dict[str, Any]:
+        """The one test pass (:func:`cals_seg.calibrators._evaluate.run_test_pass`) of this run's
+        model over ``loader`` with the task's test meters."""
+        from cals_seg.calibrators._evaluate import run_test_pass
+
+        if progress is None:
+            progress = self.config.train.progress
+        return run_test_pass(self.inference, loader, self.meters(), temperature, calibrators,
+                         progress)
+
+
+def calibrated_test(
+    infer: Any, task: Any, val_loader: Any, test_loader: Any, n_bins: int = 15,
+    temperature_scaling: bool = True, progress: bool = False,
+    calibrators: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Test metrics before and after temperature scaling fitted on ``val_loader``, from ONE
+    pass over ``test_loader`` (:func:`~cals_seg.calibrators._evaluate.run_test_pass`; each of the
+    fitted ``calibrators`` feeds its own set of meters in the same pass).
+
+    Args:
+        infer: the model, device, precision and protocol
+            (:class:`~cals_seg.evaluation.stream.Inference`).
+        task: its ``meters(n_bins, test=True)`` are the test meters; ``ignore_index`` is used
+            when fitting T.
+
+    Returns:
+        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}`` (and
+        ``"calibrators": {name: {...}}`` when calibrators are given), the metrics being the
+        merged outputs of ``task.meters(n_bins, test=True)``.
+    """
+    from cals_seg.calibrators._evaluate import run_test_pass
+    from cals_seg.calibrators.temperature import fit_temperature
+
+    temperature = 1.0
+    if temperature_scaling:
+        temperature = fit_temperature(lambda: infer.predict(val_loader),
+                                      ignore_index=task.ignore_index)
+    out = run_test_pass(infer, test_loader, lambda: task.meters(n_bins, test=True),
+                    temperature if temperature_scaling else None, calibrators, progress)
+    result = {"temperature": temperature, "pre_ts": out["pre_ts"], "post_ts": out["post_ts"]}
+    if calibrators:
+        result["calibrators"] = out["calibrators"]
+    return result
+
+
+def load_run(
+    path: str | Path,
+    checkpoint: str = "best",
+    *,
+    device: str | None = None,
+    amp: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    family: str | None = None,
+    with_data: bool = False,
+    config: str | Path | None = None,
+    method: str | None = None,
+) -> LoadedRun:
+    """Load a trained run for evaluation or prediction (see the module docstring).
+
+    Args:
+        path: a run folder, or a checkpoint file in one.
+        checkpoint: ``best`` or ``last`` (for a folder).
+        device: ``auto``/``cpu``/``cuda[:i]``; default: the run's ``train.device``.
+        amp: ``auto``/``none``/``bf16``/``fp16``; default: the run's ``train.amp``.
+        overrides: ``KEY=VALUE`` items applied to the run's config (``--set``).
+        family: refuse a run of another task family (e.g. ``segmentation`` for predict_seg).
+        with_data: also build the task (the three splits; reads the data).
+        config, method: another config file (and setup method) instead of the run's own
+            ``config.yaml`` (the older ``CONFIG --checkpoint FILE`` form of the tools).
+
+    Raises:
+        FileNotFoundError, CheckpointError, ConfigError, ValueError: with the file or key and
+            the fix.
+    """
+    import torch
+
+    from cals_seg.config.checks import check_config
+    from cals_seg.tasks import TASK_TYPES, build_task, task_family
+    from cals_seg.utils.precision import resolve_amp, resolve_device
+
+    folder, file = resolve_run(path, checkpoint, need_config=config is None)
+    config_file = Path(config) if config is not None else Run(folder).config
+    given = [f"train.{key}={value}" for key, value in (("device", device), ("amp", amp))
+             if value is not None]  # checked by the rules of the keys they replace
+    cfg = load_config(config_file, [*overrides, *given], method)
+    try:
+        check_config(cfg, reads_data=with_data, writes_run=False)  # every key, before any work
+    except UserError as err:  # a value given as device= / amp= is named as the tools' flag
+        raise _as_flag(err, device, amp) from None
+    found = task_family(cfg)
+    if family is not None and found != family:
+        raise UserError(f"{folder} is a {found} run ({cfg.data.name!r}); this command needs a "
+                         f"{family} run.")
+    task = None
+    if with_data:
+        task = build_task(cfg)
+        model, protocol, names = task.model, task.protocol, task.class_names
+    elif found == "segmentation":
+        from cals_seg.tasks.segmentation import build_model, class_names, eval_protocol
+
+        model = build_model(cfg, encoder_weights=None)  # every weight comes from the checkpoint
+        protocol, names = eval_protocol(cfg, model), class_names(cfg)
+    else:
+        raise UserError(f"{folder} is a {found} run: loading it needs its data (with_data).")
+    state = load_checkpoint(file)
+    load_weights(model, state, file, config_file, cfg.data.num_classes)
+    dev = resolve_device(cfg.train.device)
+    precision = resolve_amp(cfg.train.amp, dev, warn=False)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    return LoadedRun(
+        path=folder, checkpoint=file, config=cfg, model=model.to(dev).eval(), device=dev,
+        precision=precision, family=found, score_metric=TASK_TYPES[found].score_metric,
+        class_names=list(names), protocol=protocol,
+        temperature=Run(folder).read_temperature(), epoch=state.get("epoch"), task=task,
+    )
+
+
+def _as_flag(err: UserError, device: str | None, amp: str | None) -> UserError:
+    """``err`` about ``train.device`` / ``train.amp`` when the value came from the ``device`` /
+    ``amp`` argument: the message names ``--device`` / ``--amp`` (what the user typed, e.g.
+    ``predict_seg RUN IMAGES --device cuda``), not a config key they never wrote."""
+    message = str(err)
+    for key, flag, given in (("train.device", "--device", device), ("train.amp", "--amp", amp)):
+        if given is not None and message.startswith(f"{key}:"):
+            message = message.replace(f"--set {key}=", f"{flag} ").replace(key, flag)
+            return type(err)(message)
+    return err
+
+
+__all__ = [
+    "BEST_CHECKPOINT",
+    "CALIBRATORS_DIR",
+    "CHECKPOINTS",
+    "CHECKPOINT_FILES",
+    "CONFIG_FILE",
+    "EVAL_METRICS_FILE",
+    "HISTORY_FILE",
+    "LAST_CHECKPOINT",
+    "LoadedRun",
+    "PLOTS_DIR",
+    "RUN_FILES",
+    "Run",
+    "TEMPERATURE_FILE",
+    "TEST_METRICS_FILE",
+    "calibrated_test",
+    "load_run",
+    "load_weights",
+    "resolve_run",
+]
