@@ -317,9 +317,10 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
         is_main_process()
     run.check_start(resume is not None)
     check_model_input(cfg, task)
-    check_task_data(task, t.batch_size, bounded_input(cfg), get_world_size())
+    bounded = bounded_input(cfg)
     check_best_metric(task, t.best_metric, e.n_bins)
     check_loggers(t.loggers)  # a missing package: its install command, before the folder is made
+    check_task_data(task, t.batch_size, bounded, get_world_size())
     if main and task.family == "segmentation":  # crops of mostly padding: slow, say so
         crops = crop_warning(cfg.data.crop_size, sample_sizes(task.train_set),
                              cfg.data.scale_range)
