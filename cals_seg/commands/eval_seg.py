@@ -138,9 +138,38 @@ def main(argv: list[str] | None = None) -> int:
         args.calibrator_params = calibrator_params(args.calibrator_param)
         run = open_run(args)
         check_voc_data(run.task, tuple(dict.fromkeys(("val", args.split))))  # files named
+        claim_outputs(run, args)
     except USER_ERRORS as err:
         return report(err)
     return evaluate_run(run, args)
+
+
+def claim_outputs(run, args: argparse.Namespace) -> None:
+    """Before any work: the run folder's lock when the evaluation writes into the run (its
+    calibrators, the default output folder), and an output folder that neither overlaps the
+    data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``).
+    """
+    from cals_seg.utils.distributed import is_main_process
+    from cals_seg.utils.lock import RunLock
+    from cals_seg.utils.paths import OutputFolder
+
+    if not is_main_process():
+        return
+    folder = run.checkpoint.resolve().parent
+    if not args.out or args.calibrators:
+        args.run_lock = RunLock(folder, "eval").acquire()  # held until the process ends
+    out = Path(args.out) if args.out else folder / f"eval_{args.split}"
+    outputs = OutputFolder(out, "eval_seg", inputs=[run.config.data.root])
+    split_set = getattr(run.task, f"{args.split}_set")
+    num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
+    names = ["metrics.json", "calibrators.md", "lambda_curves.png", "ece_bands.png",
+             "ece_sizes.png", "risk_coverage.png",
+             *[f"reliability_{k}.png" for k in ("pre_ts", "post_ts", *args.calibrators)],
+             *[f"reliability_bands_{k}.png" for k in ("pre_ts", "post_ts", *args.calibrators)],
+             *[f"maps/{i}.png" for i in split_set.ids[:num_maps]]]
+    if args.out:  # the default folder is inside the run, which the toolkit wrote
+        outputs.check_free(names)
+    outputs.claim(names)
 
 
 def evaluate_run(run, args: argparse.Namespace) -> int:
@@ -160,7 +189,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         split_set.transform = task.val_set.transform
     e, workers = cfg.eval, cfg.data.num_workers
     val_loader = make_loader(task.val_set, e.batch_size, False, workers)
-    calibrators, fits = {}, {}
+    calibrators, fits, skipped = {}, {}, {}
     names = getattr(args, "calibrators", [])
     if names:
         from cals_seg.calibrators import load_or_fit_calibrators
@@ -170,13 +199,18 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
-        try:
-            calibrators, fits = load_or_fit_calibrators(
-                names, run.checkpoint.resolve().parent / "calibrators", task.num_classes, model,
-                val_loader, run.device, task.ignore_index, amp, task.protocol,
-                args.refit_calibrators, getattr(args, "calibrator_params", None))
-        except USER_ERRORS as err:
-            return report(err)
+        for name in dict.fromkeys(names):  # one that cannot be fitted is reported, not fatal
+            try:
+                one, fit = load_or_fit_calibrators(
+                    [name], run.checkpoint.resolve().parent / "calibrators", task.num_classes,
+                    model, val_loader, run.device, task.ignore_index, amp, task.protocol,
+                    args.refit_calibrators, getattr(args, "calibrator_params", None))
+            except (*USER_ERRORS, ValueError) as err:
+                skipped[name] = calibrator_skip(name, err)
+                report(UserError(f"calibrator {name} skipped: {skipped[name]}"))
+                continue
+            calibrators.update(one)
+            fits.update(fit)
     result = calibrated_test(
         model, task, val_loader, make_loader(split_set, e.batch_size, False, workers),
         run.device, amp, e.n_bins, e.temperature_scaling, cfg.train.progress,
@@ -186,10 +220,21 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
                   precision=amp, family=run.family, score_metric=run.score_metric)
     if fits:
         result["calibrator_fits"] = fits
+    if names and skipped:
+        result["calibrator_errors"] = skipped
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
-    return write_evaluation(run, args, result, split_set)
+    code = write_evaluation(run, args, result, split_set)
+    return code or (1 if skipped else 0)  # 1: some calibrators could not be fitted (named)
+
+
+def calibrator_skip(name: str, err: Exception) -> str:
+    """Why calibrator ``name`` could not be fitted, on one line, with the option to change."""
+    reason = " ".join(str(err).split())
+    if "holdout_every" in reason:
+        reason += f" (--calibrator-param {name}.holdout_every=N, or more validation images)"
+    return reason
 
 
 def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> int:

@@ -122,19 +122,28 @@ def main(argv: list[str] | None = None) -> int:
         summary,
         write_outputs,
     )
+    from cals_seg.utils.paths import OutputFolder, os_error
 
     try:
         check_folder("--out", args.out, must_exist=False, writable=True)
+        # never into (or around) the inputs; never over a file predict_seg did not write
+        out_folder = OutputFolder(args.out, "predict_seg", inputs=args.inputs)
         run, temperature = open_run(args)
+        try:
+            files = collect_inputs(args.inputs)
+        except OSError as err:  # a symbolic-link loop, a folder without permission
+            raise os_error(err, None, "list the inputs") from None
+        if not files:
+            raise UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}")
+        planned = [f"{name}_{kind}.png" for name in output_names(files)
+                   for kind in ("label", "confidence", "entropy", "overlay")]
+        out_folder.check_free([*planned, "predictions.jsonl"])
+        out_folder.claim([*planned, "predictions.jsonl"])
     except USER_ERRORS as err:
         return report(err)
     cfg, model, protocol, device, amp = run.config, run.model, run.protocol, run.device, \
         run.precision
-    files = collect_inputs(args.inputs)
-    if not files:
-        return report(UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}"))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     names, k = run.class_names, cfg.data.num_classes
     palette = label_palette(cfg.data.palette)
     failed: list[str] = []

@@ -30,7 +30,6 @@ from typing import Any
 import albumentations as A
 import numpy as np
 from albumentations.pytorch import ToTensorV2
-from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -114,11 +113,9 @@ def read_rgb(path: str | os.PathLike) -> np.ndarray:
     Raises:
         ValueError: the file is missing or not a readable image (the message names it).
     """
-    try:
-        with Image.open(path) as img:
-            return np.asarray(img.convert("RGB"))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise DataError(f"Cannot read image {path}: {err}") from err
+    from cals_seg.data.images import read_rgb as read_upright
+
+    return read_upright(path)  # the one reader: every mode, 16-bit scaled, EXIF orientation
 
 
 class ImageClassification(Dataset):

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
+from cals_seg.data import images
 from cals_seg.errors import DataError
+from cals_seg.utils.paths import check_id, read_lines
 
 SPLIT_FILES = ("train", "val")  # train.txt: train + validation; val.txt: the test set
 SHOWN = 5  # problems named in one message
@@ -35,7 +36,7 @@ def split_file_ids(path: str | Path) -> list[str]:
         DataError: naming the file, the line and the fix.
     """
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_lines(path)
     while lines and not lines[-1].strip():  # blank lines at the end are harmless
         lines.pop()
     seen: dict[str, int] = {}
@@ -44,7 +45,7 @@ def split_file_ids(path: str | Path) -> list[str]:
         if not line.strip():
             raise DataError(f"{path}, line {number}: a blank line between ids (a split file "
                             "lists one id per line); remove it.")
-        sample_id = line.split()[0]
+        sample_id = check_id(line.split()[0], f"{path}, line {number}")
         if sample_id in seen:
             raise DataError(f"{path}, line {number}: id {sample_id!r} is listed again (first on "
                             f"line {seen[sample_id]}); a repeated id counts twice and can land "
@@ -87,16 +88,19 @@ def sample_problems(dataset: Any, limit: int = SHOWN) -> tuple[list[str], int]:
     for sample_id in dataset.ids:
         image_path, mask_path = dataset.image_path(sample_id), dataset.mask_path(sample_id)
         problem = None
-        try:
-            with Image.open(image_path) as image:
-                image_size = image.size
-            with Image.open(mask_path) as mask:
-                mode, mask_size = mask.mode, mask.size
-                values = np.unique(np.asarray(mask)) if mode in ("P", "L") else None
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-            problem = f"cannot read {image_path} or {mask_path} ({type(err).__name__}: {err})"
+        try:  # the one reader's rules (cals_seg.data.images): upright sizes, known modes
+            image_size = images.image_size(image_path)
+            image_mode = images.header_mode(image_path)
+            mode, stored = images.read_stored(mask_path, "mask")
+            mask_size = (stored.shape[1], stored.shape[0])
+            values = np.unique(stored) if mode in ("P", "L") else None
+        except DataError as err:
+            problem = str(err)
         else:
-            if values is None:
+            if image_mode not in images.READABLE_MODES:
+                problem = (f"image {image_path} has mode {image_mode}, which has no RGB "
+                           "conversion (float or unknown); save it as 8-bit or 16-bit RGB/grey")
+            elif values is None:
                 problem = (f"mask {mask_path} has mode {mode}, not a palette ('P') or grayscale "
                            "('L') PNG of class indices")
             elif image_size != mask_size:

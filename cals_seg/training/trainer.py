@@ -60,6 +60,8 @@ from cals_seg.utils.io import (
     set_rng_state,
     write_json,
 )
+from cals_seg.utils.lock import RunLock
+from cals_seg.utils.memory import check_batch_memory
 from cals_seg.utils.precision import precision_name, resolve_amp, resolve_device
 
 
@@ -239,6 +241,11 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
 
 # ----------------------------------------------------------------------------- the run
 def _check_before_training(run: RunDir, resume: bool) -> None:
+    if not any(p.is_file() for p in (run.last, run.best)) and run.config.is_file():
+        # a run stopped before its first checkpoint (a data error in epoch 1, Ctrl-C): start it
+        # again, with or without --resume, instead of asking for the folder to be deleted
+        run.history_file.unlink(missing_ok=True)
+        return
     if not resume and run.holds_run():
         raise RunExistsError(
             f"{run.path} already holds a run ({', '.join(run.holds_run())}). Continue it with "
@@ -265,6 +272,15 @@ def _epoch_line(epoch: int, epochs: int, train: dict, val: dict, metric: str, sc
 # Not split further (over 80 lines): the run reads top to bottom, as nanoGPT's training script;
 # the model placement, the resume, the validation and update, and the final test are helpers.
 def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, Any]:
+    """:func:`train_and_test` holding the run folder's lock (:class:`RunLock`): one process
+    trains or resumes a run at a time; a second is refused naming the holder's pid."""
+    if not is_main_process():  # the main process holds the lock for the process group
+        return train_and_test(cfg, task, resume)
+    with RunLock(resume if resume is not None else cfg.run_dir, "train"):
+        return train_and_test(cfg, task, resume)
+
+
+def train_and_test(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, Any]:
     """Train, validate, update the multipliers, checkpoint, and test the best checkpoint.
 
     Args:
@@ -280,6 +296,14 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
     run = RunDir(resume if resume is not None else cfg.run_dir)
     _check_before_training(run, resume is not None)
     device = resolve_device(t.device)
+    if task.family == "segmentation":  # a batch that cannot fit is refused before any work
+        check_batch_memory(t.batch_size, cfg.data.crop_size, k, device, "data.crop_size",
+                           "lower it (--set data.crop_size=512) or train.batch_size")
+        e = cfg.eval
+        side = max([v for v in (e.pad, e.resize) if v] + [e.window if e.mode == "slide" else 0])
+        if side:
+            check_batch_memory(e.batch_size, side, k, device, "eval.pad / eval.resize / "
+                               "eval.window", "lower it, or eval.batch_size")
     amp = resolve_amp(t.amp, device, warn=is_main_process())
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -304,7 +328,7 @@ def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, 
 
     start_epoch, best_score, best_epoch = 0, None, None
     run.path.mkdir(parents=True, exist_ok=True)
-    if resume is not None:
+    if resume is not None and run.last.is_file():  # else: a run without checkpoint, anew
         start_epoch, best_score, best_epoch, scheduler = _resume(
             cfg, run, device, model, optimizer, scheduler, criterion, scaler, k)
     if main:
