@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 from pathlib import Path
 
@@ -658,6 +657,15 @@ def test_a_split_file_without_permission_is_one_line(tmp_path):
         read_lines(path)
 
 
+def test_a_split_file_that_is_a_symlink_loop_is_one_line(tmp_path):
+    (tmp_path / "train.txt").symlink_to(tmp_path / "loop.txt")
+    (tmp_path / "loop.txt").symlink_to(tmp_path / "train.txt")
+    with pytest.raises(DataError, match="cannot read the split file .*symbolic link points"):
+        read_lines(tmp_path / "train.txt")
+    with pytest.raises(DataError, match="symbolic link"):
+        read_stem_list(tmp_path / "train.txt")
+
+
 @pytest.mark.parametrize("text", ["[" * 5000, "{a: " * 5000, "- " * 5000])
 def test_deeply_nested_yaml_is_one_line(text, tmp_path):
     path = tmp_path / "deep.yaml"
@@ -678,14 +686,12 @@ def test_a_huge_crop_is_refused_before_allocating(finished, capsys):
     with pytest.raises(MemoryEstimateError, match="data.crop_size: 16384 x 16384"):
         check_batch_memory(64, 16384, 11, torch.device("cpu"), "data.crop_size", "lower it")
     check_batch_memory(4, 64, 11, torch.device("cpu"), "data.crop_size", "lower it")
-    start = time.perf_counter()
     rc = load_tool("train_seg").main(_sets(tmp, "huge", **{"data.crop_size": "16384",
                                                           "train.batch_size": "64"}))
     err = capsys.readouterr().err
     assert rc == 2 and "data.crop_size: 16384 x 16384 pixels x 64 image(s)" in err, err
     assert_one_line(err)
     assert not (tmp / "runs" / "huge" / "history.jsonl").exists()
-    del start
 
 
 def test_corrupt_image_in_a_tool_is_one_line(model_run, tmp_path, capsys):
@@ -706,3 +712,15 @@ def test_voc_palette_mask_still_reads_indices(tmp_path):
     mode, stored = images.read_stored(tmp_path / "m.png")
     assert mode == "P"
     np.testing.assert_array_equal(stored, mask)
+
+
+@pytest.mark.parametrize("form", ["absolute", "climbing"])
+def test_check_data_reports_an_id_that_leaves_the_root(form, tmp_path, capsys):
+    base = _voc_split_tree(tmp_path / "voc", FORMS[form])
+    (base / "ImageSets" / "Segmentation" / "val.txt").write_text("ok_id\n")
+    before = tree_sum(tmp_path)
+    rc = load_tool("check_data").main([str(SETUP), "--no-progress", "--set", "data.name=voc",
+                                       f"data.root={tmp_path / 'voc'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "train.txt' line 2" in err and "\n" not in err, err
+    assert tree_sum(tmp_path) == before

@@ -162,7 +162,7 @@ def read_stem_list(path: Path) -> tuple[list[str], list[str]]:
     Raises:
         ValueError: the file does not exist.
     """
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():  # a broken link: read_lines says why
         raise DataError(f"data.split_files: the split file '{path}' does not exist.")
     lines = read_lines(path)
     while lines and not lines[-1].strip():

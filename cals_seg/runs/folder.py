@@ -69,7 +69,8 @@ class RunDir:
         Raises:
             FileNotFoundError: naming what is missing and what to do instead.
         """
-        if self.config.is_file() and (self.last.is_file() or not self.best.is_file()):
+        if self.config.is_file() and (self.last.is_file() or not (
+                self.best.is_file() or self.test_metrics.is_file())):
             return  # a checkpoint to continue from, or none yet: the run starts again
         found = self.holds_run()
         what = ("does not exist" if not self.path.exists() else

@@ -241,7 +241,8 @@ def plot_run(run: RunDir, test: dict[str, Any] | None, class_names: list[str]) -
 
 # ----------------------------------------------------------------------------- the run
 def _check_before_training(run: RunDir, resume: bool) -> None:
-    if not any(p.is_file() for p in (run.last, run.best)) and run.config.is_file():
+    if run.config.is_file() and not any(p.is_file() for p in (run.last, run.best,
+                                                                 run.test_metrics)):
         # a run stopped before its first checkpoint (a data error in epoch 1, Ctrl-C): start it
         # again, with or without --resume, instead of asking for the folder to be deleted
         run.history_file.unlink(missing_ok=True)
