@@ -538,11 +538,14 @@ def test_a_run_folder_without_checkpoint_starts_again(finished, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert load_tool("train_seg").main(_sets(tmp, "no_ckpt")) == 0
-        (run / "checkpoint_best.pt").unlink()
-        (run / "checkpoint_last.pt").unlink(missing_ok=True)
-        (run / "history.jsonl").write_text('{"epoch": 0}\n')
+        assert load_tool("train_seg").main(_sets(tmp, "no_ckpt")) == 2  # finished: kept
+        for name in ("checkpoint_best.pt", "checkpoint_last.pt", "test_metrics.json"):
+            (run / name).unlink(missing_ok=True)
+        (run / "history.jsonl").write_text('{"epoch": 0}\n{"epoch": 1}\n')
         assert load_tool("train_seg").main(["--resume", str(run)]) == 0
     assert [h["epoch"] for h in RunDir(run).history()] == [0]
+    assert (run / "checkpoint_best.pt").is_file()
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_ctrl_c_during_training_says_how_to_resume(finished, monkeypatch, capsys):
