@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         outputs = OutputFolder(out.parent, "export", inputs=[])
         outputs.check_free([out.name, f"{out.name}.json"])
-        outputs.claim([out.name, f"{out.name}.json"])
         info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,
                           args.checkpoint, args.min_size)
+        outputs.claim([out.name, f"{out.name}.json"])  # once written: a failed export claims none
     except (*USER_ERRORS, ImportError) as err:
         return report(err)
     what = "logits" if args.logits else f"probabilities (T = {info['temperature']:.4g})"
