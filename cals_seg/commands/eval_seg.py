@@ -27,7 +27,13 @@ pre/post-TS metrics. metrics.json["calibrators"][NAME] holds the same dictionary
 metrics.json["calibrator_fits"][NAME] the fit's summary (held-out images, passes, seconds);
 DIR/calibrators.md is the table (ECE, band-weighted ECE, boundary and interior ECE, NLL, AURC,
 mIoU), DIR/reliability_<name>.png each calibrator's diagram, and the band / size plots and
-per-band diagrams include every calibrator.
+per-band diagrams include every calibrator. A calibrator that cannot be fitted (e.g. lts and
+selective on fewer than 5 validation images) is named with its reason on stderr and in
+metrics.json["calibrator_errors"]; the others are evaluated, and the exit status is 1.
+
+--out DIR may not lie inside (or hold) data.root, and a file there is replaced only when
+eval_seg wrote it (DIR/.cals_seg_outputs.json lists them). Writing into the run (the default DIR,
+or --calibrators) holds the run folder's lock: refused while another process trains the run.
 """
 
 from __future__ import annotations

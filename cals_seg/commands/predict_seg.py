@@ -25,6 +25,10 @@ fraction of pixels under the threshold, mean entropy (nats), predicted class are
 the output files (or the error of an unreadable input). Outputs are at the image's own
 resolution whatever the network input (see cals_seg.evaluation.inference).
 
+DIR may not be, lie inside or hold an input folder, and an existing file there is replaced only
+when predict_seg wrote it (listed in DIR/.cals_seg_outputs.json); both are refused before any
+prediction.
+
 Exit status: 0, or 1 when some inputs could not be read (each is named, the rest are written),
 or 2 on a usage error or, with --strict, at the first unreadable input.
 """
