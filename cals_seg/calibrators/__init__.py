@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,11 @@ def load_calibrator(path: str | Path, map_location: str | torch.device = "cpu") 
         saved = torch.load(path, map_location=map_location, weights_only=True)
         cal = build_calibrator(saved["name"], saved["num_classes"], **saved["params"])
         cal.load_state_dict(saved["state"])
-    except (KeyError, TypeError, RuntimeError, ValueError) as err:
-        raise UserError(f"{path} is not a saved calibrator ({err}); refit it.") from None
+    except (KeyError, TypeError, RuntimeError, ValueError, EOFError, OSError,
+            pickle.UnpicklingError) as err:  # truncated, unreadable, not a calibrator
+        reason = " ".join(str(err).split())[:200] or type(err).__name__
+        raise UserError(f"{path} is not a saved calibrator ({reason}); refit it "
+                        "(tools/eval_seg.py RUN --calibrators NAME --refit-calibrators).") from None
     cal.fit_info = saved.get("fit_info", {})
     return cal.to(map_location).eval()
 

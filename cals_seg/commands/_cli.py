@@ -136,10 +136,42 @@ def run_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, args.set, args.method)
 
 
+def one_line(err: BaseException) -> str:
+    """The message of ``err`` on one line. An error raised in a DataLoader worker comes back
+    with the worker's traceback inside its message (``Caught DataError in DataLoader worker
+    process 0. Original Traceback ...``): the user sees the original message only."""
+    text = str(err)
+    if "Original Traceback" in text:
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        name, sep, message = last.partition(": ")
+        text = message if sep and name.rsplit(".", 1)[-1].isidentifier() else last
+    return " ".join(text.split())
+
+
 def report(err: Exception) -> int:
     """Print a user error as one line; the exit code of a failed command."""
-    print(f"error: {err}", file=sys.stderr)
+    print(f"error: {one_line(err)}", file=sys.stderr)
     return 2
+
+
+def interrupted(resume: str | os.PathLike | None = None) -> int:
+    """Ctrl-C as one line (exit status 130): how to resume the run, or that nothing was left
+    half-written (every file is written atomically)."""
+    how = (f"continue with --resume {resume}" if resume is not None else
+           "files are written atomically, so nothing is half-written; run the command again")
+    print(f"interrupted (Ctrl-C): {how}.", file=sys.stderr)
+    return 130
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    if issubclass(kind, KeyboardInterrupt):  # a tool stopped with Ctrl-C: no traceback
+        interrupted()
+        return
+    _default_excepthook(kind, value, tb)
+
+
+_default_excepthook = sys.excepthook
+sys.excepthook = _excepthook  # this module is imported by the commands only
 
 
 def train_command(
@@ -155,6 +187,7 @@ def train_command(
         from cals_seg.training.trainer import fit
         from cals_seg.utils.distributed import is_main_process
 
+        cfg = None
         try:
             cfg = run_config(args)
             check_config(cfg, reads_data=True, writes_run=True)  # all keys, before any work
@@ -163,6 +196,8 @@ def train_command(
             test = fit(cfg, task, resume=args.resume)
         except UserError as err:
             return report(err)
+        except KeyboardInterrupt:
+            return interrupted(args.resume or (cfg.run_dir if cfg is not None else None))
         if not is_main_process():
             return 0
         metric = task.score_metric

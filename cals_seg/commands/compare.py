@@ -195,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_folder("--out", str(args.out), must_exist=False, writable=True)
         jobs = plan(args, rows)
+        from cals_seg.utils.paths import OutputFolder
+
+        # the tables and figures: never over a file compare did not write (runs/ is resumed)
+        outputs = OutputFolder(args.out, "compare", inputs=[])
+        names = ["results.md", "results.csv", "calibrators.md", "calibrators.csv",
+                 "ece_vs_score.png", "reliability_grid.png"]
+        outputs.check_free(names)
+        outputs.claim(names)
     except USER_ERRORS as err:
         return report(err)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,12 +29,18 @@ pre/post-TS metrics. metrics.json["calibrators"][NAME] holds the same dictionary
 metrics.json["calibrator_fits"][NAME] the fit's summary (held-out images, passes, seconds);
 DIR/calibrators.md is the table (ECE, band-weighted ECE, boundary and interior ECE, NLL, AURC,
 mIoU), DIR/reliability_<name>.png each calibrator's diagram, and the band / size plots and
-per-band diagrams include every calibrator.
+per-band diagrams include every calibrator. A calibrator that cannot be fitted (e.g. lts and
+selective on fewer than 5 validation images) is named with its reason on stderr and in
+metrics.json["calibrator_errors"]; the others are evaluated, and the exit status is 1.
 
 With --conformal, per-pixel prediction sets with a guarantee (docs/conformal.md) are fitted on
 the held-out validation images and measured on the split: metrics.json["conformal"][MODE]
 (alpha, threshold, calibration_images and their ids, risk, coverage, set_size, coverage_band,
 ...), the table DIR/conformal.md and DIR/maps/<id>_set_size_<mode>.png (classes per pixel).
+
+--out DIR may not lie inside (or hold) data.root, and a file there is replaced only when
+eval_seg wrote it (DIR/.cals_seg_outputs.json lists them). Writing into the run (the default DIR,
+or --calibrators) holds the run folder's lock: refused while another process trains the run.
 """
 
 from __future__ import annotations
@@ -152,9 +158,38 @@ def main(argv: list[str] | None = None) -> int:
             args.conformal = parse_conformal(args.conformal)
         run = open_run(args)
         check_voc_data(run.task, tuple(dict.fromkeys(("val", args.split))))  # files named
+        claim_outputs(run, args)
     except USER_ERRORS as err:
         return report(err)
     return evaluate_run(run, args)
+
+
+def claim_outputs(run, args: argparse.Namespace) -> None:
+    """Before any work: the run folder's lock when the evaluation writes into the run (its
+    calibrators, the default output folder), and an output folder that neither overlaps the
+    data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``).
+    """
+    from cals_seg.utils.distributed import is_main_process
+    from cals_seg.utils.lock import RunLock
+    from cals_seg.utils.paths import OutputFolder
+
+    if not is_main_process():
+        return
+    folder = run.checkpoint.resolve().parent
+    if not args.out or args.calibrators:
+        args.run_lock = RunLock(folder, "eval").acquire()  # held until the process ends
+    out = Path(args.out) if args.out else folder / f"eval_{args.split}"
+    outputs = OutputFolder(out, "eval_seg", inputs=[run.config.data.root])
+    split_set = getattr(run.task, f"{args.split}_set")
+    num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
+    names = ["metrics.json", "calibrators.md", "lambda_curves.png", "ece_bands.png",
+             "ece_sizes.png", "risk_coverage.png",
+             *[f"reliability_{k}.png" for k in ("pre_ts", "post_ts", *args.calibrators)],
+             *[f"reliability_bands_{k}.png" for k in ("pre_ts", "post_ts", *args.calibrators)],
+             *[f"maps/{i}.png" for i in split_set.ids[:num_maps]]]
+    if args.out:  # the default folder is inside the run, which the toolkit wrote
+        outputs.check_free(names)
+    outputs.claim(names)
 
 
 def evaluate_run(run, args: argparse.Namespace) -> int:
@@ -175,7 +210,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         split_set.transform = task.val_set.transform
     e, workers = cfg.eval, cfg.data.num_workers
     val_loader = make_loader(task.val_set, e.batch_size, False, workers)
-    calibrators, fits = {}, {}
+    calibrators, fits, skipped = {}, {}, {}
     names = getattr(args, "calibrators", [])
     if names:
         from cals_seg.calibrators import load_or_fit_calibrators
@@ -186,13 +221,18 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
-        try:
-            calibrators, fits = load_or_fit_calibrators(
-                names, Run(run.checkpoint.resolve().parent).calibrators, task.num_classes, infer,
-                val_loader, task.ignore_index, args.refit_calibrators,
-                getattr(args, "calibrator_params", None))
-        except USER_ERRORS as err:
-            return report(err)
+        for name in dict.fromkeys(names):  # one that cannot be fitted is reported, not fatal
+            try:
+                one, fit = load_or_fit_calibrators(
+                    [name], Run(run.checkpoint.resolve().parent).calibrators, task.num_classes,
+                    infer, val_loader, task.ignore_index, args.refit_calibrators,
+                    getattr(args, "calibrator_params", None))
+            except (*USER_ERRORS, ValueError) as err:
+                skipped[name] = calibrator_skip(name, err)
+                report(UserError(f"calibrator {name} skipped: {skipped[name]}"))
+                continue
+            calibrators.update(one)
+            fits.update(fit)
     result = calibrated_test(
         infer, task, val_loader, make_loader(split_set, e.batch_size, False, workers), e.n_bins,
         e.temperature_scaling, cfg.train.progress, calibrators=calibrators,
@@ -214,10 +254,21 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
                                                        out / "maps", num_maps)
         except USER_ERRORS as err:
             return report(err)
+    if names and skipped:
+        result["calibrator_errors"] = skipped
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
-    return write_evaluation(run, args, result, split_set)
+    code = write_evaluation(run, args, result, split_set)
+    return code or (1 if skipped else 0)  # 1: some calibrators could not be fitted (named)
+
+
+def calibrator_skip(name: str, err: Exception) -> str:
+    """Why calibrator ``name`` could not be fitted, on one line, with the option to change."""
+    reason = " ".join(str(err).split())
+    if "holdout_every" in reason:
+        reason += f" (--calibrator-param {name}.holdout_every=N, or more validation images)"
+    return reason
 
 
 def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> int:

@@ -39,12 +39,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from pathlib import Path
+
     from cals_seg.commands._cli import USER_ERRORS, report
     from cals_seg.runs.export import export_run
+    from cals_seg.utils.paths import OutputFolder
 
-    try:
+    try:  # FILE and FILE.json: never over a file that export did not write
+        out = Path(args.out)
+        outputs = OutputFolder(out.parent, "export", inputs=[])
+        outputs.check_free([out.name, f"{out.name}.json"])
         info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,
                           args.checkpoint, args.min_size)
+        outputs.claim([out.name, f"{out.name}.json"])  # once written: a failed export claims none
     except (*USER_ERRORS, ImportError) as err:
         return report(err)
     from cals_seg.runs.export import written_files

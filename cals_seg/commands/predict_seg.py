@@ -32,6 +32,10 @@ pixel's prediction set), <name>_sets.npz (bool array ``sets`` (K, H, W)) and
 from the network's logits. Outputs are at the image's own
 resolution whatever the network input (see cals_seg.evaluation.inference).
 
+DIR may not be, lie inside or hold an input folder, and an existing file there is replaced only
+when predict_seg wrote it (listed in DIR/.cals_seg_outputs.json); both are refused before any
+prediction.
+
 Exit status: 0, or 1 when some inputs could not be read (each is named, the rest are written),
 or 2 on a usage error or, with --strict, at the first unreadable input.
 """
@@ -132,24 +136,35 @@ def main(argv: list[str] | None = None) -> int:
         summary,
         write_outputs,
     )
+    from cals_seg.utils.paths import OutputFolder, os_error
 
     try:
         check_folder("--out", args.out, must_exist=False, writable=True)
+        # never into (or around) the inputs; never over a file predict_seg did not write
+        out_folder = OutputFolder(args.out, "predict_seg", inputs=args.inputs)
         run, temperature = open_run(args)
         conformal = None
         if args.conformal is not None:
             from cals_seg.commands._conformal import load_or_fit_conformal, parse_conformal
 
             conformal = load_or_fit_conformal(run, parse_conformal(args.conformal))
+        try:
+            files = collect_inputs(args.inputs)
+        except OSError as err:  # a symbolic-link loop, a folder without permission
+            raise os_error(err, None, "list the inputs") from None
+        if not files:
+            raise UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}")
+        kinds = ["label.png", "confidence.png", "entropy.png", "overlay.png"]
+        if conformal is not None:
+            kinds += ["set_size.png", "sets.npz", "ambiguous.png"]
+        planned = [f"{name}_{kind}" for name in output_names(files) for kind in kinds]
+        out_folder.check_free([*planned, "predictions.jsonl"])
+        out_folder.claim([*planned, "predictions.jsonl"])
     except USER_ERRORS as err:
         return report(err)
     cfg, model, protocol, device, amp = run.config, run.model, run.protocol, run.device, \
         run.precision
-    files = collect_inputs(args.inputs)
-    if not files:
-        return report(UserError(f"no images ({', '.join(IMAGE_SUFFIXES)}) in {args.inputs}"))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     names, k = run.class_names, cfg.data.num_classes
     palette = label_palette(cfg.data.palette)
     failed: list[str] = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import types
 import typing
@@ -227,7 +228,11 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise yaml.YAMLError("nested deeper than a config can be (hundreds of levels of "
+                             "[ or {)") from None
 
 
 
@@ -428,7 +433,13 @@ def load_config(
         p, method = resolve_config_path(path, method)
         where = str(path)
         try:
-            data = _yaml_load(p.read_text())
+            data = _yaml_load(p.read_text(encoding="utf-8-sig"))
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{p}: byte {err.object[err.start]:#04x} at offset {err.start} "
+                              "is not UTF-8; save the config as UTF-8.") from None
+        except OSError as err:
+            raise ConfigError(f"{p}: cannot read it ({os.strerror(err.errno or 0)}); check "
+                              "the path and its permissions.") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"{p}: invalid YAML: {err}") from err
         if data is None:

@@ -34,8 +34,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from cals_seg.data import images
 from cals_seg.data.paired import duplicates, shown, size_mismatch
 from cals_seg.errors import DataError
+from cals_seg.utils.paths import check_id, read_lines
 
 SPLITS = ("train", "val", "test")
 SPLIT_FILES = ("train", "val")  # VOC: train.txt holds train + validation; val.txt the test set
@@ -92,9 +94,14 @@ def read_pair(dataset: Any, index: int, decode_image: bool = True
         else:
             try:
                 width, height = dataset.image_size(sample_id)
+                mode = images.header_mode(image_path)
             except UNREADABLE as err:
                 raise DataError(f"Cannot read image '{image_path}' ({type(err).__name__}: "
                                 f"{err}): restore it, or remove it from the split") from err
+            if mode not in images.READABLE_MODES:  # the one reader's rule, found from the header
+                raise DataError(f"image {image_path} has mode {mode}, which has no RGB "
+                                "conversion (float or unknown); save it as 8-bit or 16-bit "
+                                "RGB/grey")
         mask = dataset.load_mask(sample_id)
     else:
         item = dataset[index]
@@ -113,7 +120,7 @@ def split_file_ids(path: str | Path) -> list[str]:
         DataError: naming the file, the line and the fix.
     """
     path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_lines(path)
     while lines and not lines[-1].strip():  # blank lines at the end are harmless
         lines.pop()
     seen: dict[str, int] = {}
@@ -122,7 +129,7 @@ def split_file_ids(path: str | Path) -> list[str]:
         if not line.strip():
             raise DataError(f"{path}, line {number}: a blank line between ids (a split file "
                             "lists one id per line); remove it.")
-        sample_id = line.split()[0]
+        sample_id = check_id(line.split()[0], f"{path}, line {number}")
         if sample_id in seen:
             raise DataError(f"{path}, line {number}: id {sample_id!r} is listed again (first on "
                             f"line {seen[sample_id]}); a repeated id counts twice and can land "

@@ -30,12 +30,12 @@ from typing import Any
 import albumentations as A
 import numpy as np
 from albumentations.pytorch import ToTensorV2
-from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from cals_seg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from cals_seg.errors import DataError, MissingPathError
+from cals_seg.utils.paths import check_id, read_lines
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 Sample = tuple[str, int]
@@ -114,11 +114,9 @@ def read_rgb(path: str | os.PathLike) -> np.ndarray:
     Raises:
         ValueError: the file is missing or not a readable image (the message names it).
     """
-    try:
-        with Image.open(path) as img:
-            return np.asarray(img.convert("RGB"))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise DataError(f"Cannot read image {path}: {err}") from err
+    from cals_seg.data.images import read_rgb as read_upright
+
+    return read_upright(path)  # the one reader: every mode, 16-bit scaled, EXIF orientation
 
 
 class ImageClassification(Dataset):
@@ -246,14 +244,14 @@ def read_split_file(
     if not path.is_file():
         raise MissingPathError(f"Split file {path} does not exist.")
     samples = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(read_lines(path), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.rsplit(maxsplit=1)
         if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
             raise DataError(f"{path}, line {number}: expected '<path> <label>', got {line!r}.")
-        rel, label = parts[0], int(parts[1])
+        rel, label = check_id(parts[0], f"{path}, line {number}"), int(parts[1])
         if not 0 <= label < num_classes:
             raise DataError(
                 f"{path}, line {number}: label {label} is outside [0, {num_classes}) "
@@ -282,7 +280,7 @@ def tiny_imagenet(root: str | os.PathLike) -> dict[str, Any]:
     wnids_file = root / "wnids.txt"
     if not wnids_file.is_file():
         raise MissingPathError(f"{wnids_file} does not exist; is {root} a Tiny-ImageNet tree?")
-    wnids = [w.strip() for w in wnids_file.read_text().split() if w.strip()]
+    wnids = [w.strip() for w in " ".join(read_lines(wnids_file)).split() if w.strip()]
     index = {w: i for i, w in enumerate(wnids)}
     train = []
     for label, wnid in enumerate(wnids):
@@ -297,13 +295,14 @@ def tiny_imagenet(root: str | os.PathLike) -> dict[str, Any]:
     if not annotations.is_file():
         raise MissingPathError(f"{annotations} does not exist.")
     val = []
-    for number, line in enumerate(annotations.read_text().splitlines(), start=1):
+    for number, line in enumerate(read_lines(annotations), start=1):
         if not line.strip():
             continue
         parts = line.split("\t") if "\t" in line else line.split()
         if len(parts) < 2:
             raise DataError(f"{annotations}, line {number}: expected '<file> <wnid> ...'.")
-        name, wnid = parts[0].strip(), parts[1].strip()
+        name = check_id(parts[0].strip(), f"{annotations}, line {number}")
+        wnid = parts[1].strip()
         if wnid not in index:
             raise DataError(f"{annotations}, line {number}: unknown wnid {wnid!r}.")
         image = root / "val" / "images" / name

@@ -39,6 +39,7 @@ from cals_seg.data.paired import (
     shown,
 )
 from cals_seg.errors import DataError
+from cals_seg.utils.paths import check_id, read_lines
 
 SPLIT_NAMES: dict[str, tuple[str, ...]] = {
     "train": ("train", "training"),
@@ -149,9 +150,9 @@ def read_stem_list(path: Path) -> tuple[list[str], list[str]]:
     Raises:
         ValueError: the file does not exist.
     """
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():  # a broken link: read_lines says why
         raise DataError(f"data.split_files: the split file '{path}' does not exist.")
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_lines(path)
     while lines and not lines[-1].strip():
         lines.pop()
     stems, blank = [], []
@@ -159,7 +160,7 @@ def read_stem_list(path: Path) -> tuple[list[str], list[str]]:
         if not line.strip():
             blank.append(number)
             continue
-        word = line.split()[0]
+        word = check_id(line.split()[0], f"split file '{path}' line {number}")
         stems.append(word[: -len(Path(word).suffix)] if Path(word).suffix.lower()
                      in IMAGE_SUFFIXES else word)
     warnings = [f"split file '{path}' has blank line(s) {shown(blank)} (skipped)"] if blank else []

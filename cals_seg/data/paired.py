@@ -25,11 +25,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
+from cals_seg.data import images
+from cals_seg.data.images import read_stored
 from cals_seg.data.transforms import eval_transform
 from cals_seg.errors import DataError
+from cals_seg.utils.paths import os_error
 
 IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
 MASK_SUFFIXES: tuple[str, ...] = (".png", ".bmp", ".tif", ".tiff")  # lossless formats only
@@ -86,35 +88,20 @@ def shown(items: Sequence[Any], limit: int = 5) -> str:
 
 
 def read_pixels(path: Path, what: str) -> tuple[str, np.ndarray]:
-    """Decode an image file fully; every decoding failure becomes a ValueError naming the file.
+    """Decode an image file fully, upright (:mod:`cals_seg.data.images`); every decoding failure
+    becomes a DataError naming the file.
 
     Returns:
         The PIL mode and the stored pixels as a ``uint8`` (or, for 16-bit/32-bit files, wider
         integer) array: ``(H, W)`` for one channel, ``(H, W, C)`` otherwise.
     """
-    try:
-        with Image.open(path) as image:
-            image.load()
-            mode = image.mode
-            return mode, np.array(image)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise DataError(
-            f"Cannot read {what} '{path}' ({type(err).__name__}: {err}): the file is unreadable "
-            "or truncated; restore it from the original archive or remove it."
-        ) from err
+    return read_stored(path, what)
 
 
 def read_rgb(path: Path, what: str = "image") -> np.ndarray:
-    """An image file as RGB ``uint8 (H, W, 3)`` (palette, grey and alpha images converted)."""
-    try:
-        with Image.open(path) as image:
-            image.load()
-            return np.array(image.convert("RGB"), dtype=np.uint8)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise DataError(
-            f"Cannot read {what} '{path}' ({type(err).__name__}: {err}): the file is unreadable "
-            "or truncated; restore it from the original archive or remove it."
-        ) from err
+    """An image file as RGB ``uint8 (H, W, 3)``, by the one reader's rules
+    (:func:`cals_seg.data.images.read_rgb`: every mode, 16-bit scaled, EXIF orientation)."""
+    return images.read_rgb(path, what)
 
 
 def index_mask(path: Path) -> np.ndarray:
@@ -210,8 +197,7 @@ class SegmentationSamples(Dataset):
 
     def image_size(self, sample_id: str) -> tuple[int, int]:
         """``(width, height)`` of an image, from its header (nothing is decoded)."""
-        with Image.open(self.image_path(sample_id)) as image:
-            return image.size
+        return images.image_size(self.image_path(sample_id))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -329,13 +315,23 @@ def find_by_stem(folder: Path, suffixes: Sequence[str]) -> tuple[dict[str, Path]
         problem naming both, and is left out.
     """
     found: dict[str, list[Path]] = {}
+    problems: list[str] = []
     if folder.is_dir():
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as err:
+            raise DataError(str(os_error(err, folder, "list the folder"))) from None
+        for entry in entries:
             path = Path(entry.path)
-            if entry.is_file() and path.suffix.lower() in suffixes:
+            try:
+                is_file = entry.is_file()
+            except OSError as err:  # a symbolic-link loop, a file without permission
+                problems.append(str(os_error(err, path, "read")))
+                continue
+            if is_file and path.suffix.lower() in suffixes:
                 found.setdefault(path.stem, []).append(path)
-    problems = [f"two files for the id '{stem}': {shown([str(p) for p in paths])}"
-                for stem, paths in found.items() if len(paths) > 1]
+    problems += [f"two files for the id '{stem}': {shown([str(p) for p in paths])}"
+                 for stem, paths in found.items() if len(paths) > 1]
     return {stem: paths[0] for stem, paths in found.items() if len(paths) == 1}, problems
 
 

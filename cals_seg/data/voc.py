@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
+from cals_seg.data.images import read_rgb, read_stored
 from cals_seg.data.paired import SegmentationSamples, check_labels, hold_out, valid_labels
 from cals_seg.data.transforms import eval_transform
 from cals_seg.errors import DataError
+from cals_seg.utils.paths import check_id, read_lines
 
 VOC_CLASSES: tuple[str, ...] = (
     "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair",
@@ -104,8 +105,8 @@ def read_split(root: str | os.PathLike, name: str) -> list[str]:
             f"Split file '{path}' not found. Available splits: {available or 'none'}. "
             "Use one of them, or restore the file from the VOC archive."
         )
-    with open(path, encoding="utf-8") as f:
-        return [line.split()[0] for line in f if line.strip()]
+    return [check_id(line.split()[0], f"split file '{path}' line {number}")
+            for number, line in enumerate(read_lines(path), start=1) if line.strip()]
 
 
 def paper_split(
@@ -141,18 +142,9 @@ def _read_pixels(path: Path, what: str, sample_id: str, rgb: bool) -> tuple[str,
         The PIL mode of the file and its pixels as a writable ``uint8`` array: ``(H, W, 3)`` RGB
         when ``rgb`` is True, otherwise the stored values (palette indices for mode ``P``).
     """
-    try:
-        with Image.open(path) as image:
-            # Decode now: a truncated file raises here (ImageFile.LOAD_TRUNCATED_IMAGES stays
-            # False), not later inside a worker process.
-            image.load()
-            return image.mode, np.array(image.convert("RGB") if rgb else image, dtype=np.uint8)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise DataError(
-            f"Cannot read {what} '{path}' ({type(err).__name__}: {err}). The file is unreadable or "
-            f"truncated: restore it from the original archive, or remove '{sample_id}' from the "
-            "split file."
-        ) from err
+    if rgb:
+        return "RGB", read_rgb(path, what)
+    return read_stored(path, what)
 
 
 class VOCSegmentation(SegmentationSamples):
@@ -192,7 +184,8 @@ class VOCSegmentation(SegmentationSamples):
     ) -> None:
         check_labels(num_classes, ignore_index)
         self.root = resolve_voc_root(root)
-        self.ids = read_split(self.root, ids) if isinstance(ids, str) else [str(i) for i in ids]
+        self.ids = read_split(self.root, ids) if isinstance(ids, str) else \
+            [check_id(str(i), "ids") for i in ids]
         self.transform = transform if transform is not None else eval_transform(None)
         self.num_classes = num_classes
         self.ignore_index = ignore_index

@@ -11,10 +11,11 @@ from typing import Any
 import cv2
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
+from cals_seg.data import images
 from cals_seg.data.voc import voc_palette
-from cals_seg.errors import UserError
+from cals_seg.errors import DataError, UserError
 from cals_seg.evaluation.inference import Prediction
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp")
@@ -45,14 +46,11 @@ def read_image(path: Path) -> np.ndarray:
     Raises:
         UnreadableImageError: missing, unreadable, truncated or not an image, naming the file.
     """
-    try:
-        with Image.open(path) as image:
-            image.load()
-            return np.asarray(ImageOps.exif_transpose(image).convert("RGB"), dtype=np.uint8)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise UnreadableImageError(
-            f"cannot read {path} ({type(err).__name__}: {err})"
-        ) from None
+    try:  # the one reader of training and evaluation: every mode, 16-bit scaled, EXIF
+        return images.read_rgb(path, "input")
+    except DataError as err:
+        text = str(err).rstrip(".")
+        raise UnreadableImageError(text[:1].lower() + text[1:]) from None
 
 
 def output_names(files: list[Path]) -> list[str]:

@@ -10,6 +10,7 @@ import torch
 from cals_seg.data.transforms import eval_transform
 from cals_seg.data.voc import voc_palette
 from cals_seg.evaluation.inference import EvalProtocol, segment_logits
+from cals_seg.utils.paths import check_id, inside
 from cals_seg.visualization import plotting
 
 
@@ -37,7 +38,9 @@ def calibration_maps(
         x = to_tensor(image=image, mask=mask)["image"].unsqueeze(0).to(device)
         logits = segment_logits(model, x, protocol, amp) / temperature
         conf, pred = logits.softmax(dim=1).max(dim=1)
-        path = out_dir / f"{sample_id}.png"
+        path = inside(out_dir, check_id(f"{sample_id}.png", f"calibration map of {sample_id!r}"),
+                      "eval_seg --num-maps")  # an id never writes outside the maps folder
+        path.parent.mkdir(parents=True, exist_ok=True)
         plotting.plot_calibration_map(
             image,
             mask,

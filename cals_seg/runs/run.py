@@ -128,7 +128,13 @@ class Run:
 
     def check_start(self, resume: bool) -> None:
         """Before training: a new run needs a folder without a run in it (``RunExistsError``
-        otherwise), a resumed one a resumable folder (:meth:`check_resumable`)."""
+        otherwise), a resumed one a resumable folder (:meth:`check_resumable`). A run stopped
+        before its first checkpoint (a data error in epoch 1, Ctrl-C) starts again, with or
+        without --resume, instead of asking for the folder to be deleted."""
+        if self.config.is_file() and not any(p.is_file() for p in (self.last, self.best,
+                                                                     self.test_metrics)):
+            self.history_file.unlink(missing_ok=True)
+            return
         if resume:
             self.check_resumable()
         elif self.holds_run():
@@ -143,8 +149,9 @@ class Run:
         Raises:
             FileNotFoundError: naming what is missing and what to do instead.
         """
-        if self.config.is_file() and self.last.is_file():
-            return
+        if self.config.is_file() and (self.last.is_file() or not (
+                self.best.is_file() or self.test_metrics.is_file())):
+            return  # a checkpoint to continue from, or none yet: the run starts again
         found = self.holds_run()
         what = ("does not exist" if not self.path.exists() else
                 "holds no run" if not found else

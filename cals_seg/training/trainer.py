@@ -65,6 +65,8 @@ from cals_seg.utils.io import (
     save_checkpoint,
     set_rng_state,
 )
+from cals_seg.utils.lock import RunLock
+from cals_seg.utils.memory import check_batch_memory
 from cals_seg.utils.precision import precision_name, resolve_amp, resolve_device
 
 
@@ -241,6 +243,15 @@ class _Training:
 # the setup (where the config is read), the validation and update, and the final test are
 # helpers.
 def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, Any]:
+    """:func:`train_and_test` holding the run folder's lock (:class:`RunLock`): one process
+    trains or resumes a run at a time; a second is refused naming the holder's pid."""
+    if not is_main_process():  # the main process holds the lock for the process group
+        return train_and_test(cfg, task, resume)
+    with RunLock(resume if resume is not None else cfg.run_dir, "train"):
+        return train_and_test(cfg, task, resume)
+
+
+def train_and_test(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, Any]:
     """Train, validate, update the multipliers, checkpoint, and test the best checkpoint.
 
     Args:
@@ -327,6 +338,15 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
         if crops:
             print(f"warning: {crops}", file=sys.stderr, flush=True)
     device = resolve_device(t.device)
+    if task.family == "segmentation":  # a batch that cannot fit is refused before any work
+        check_batch_memory(t.batch_size, cfg.data.crop_size, task.num_classes, device,
+                           "data.crop_size", "lower it (--set data.crop_size=512) or "
+                           "train.batch_size")
+        side = max([v for v in (e.pad, e.resize) if v] + [e.window if e.mode == "slide" else 0])
+        if side:
+            check_batch_memory(e.batch_size, side, task.num_classes, device,
+                               "eval.pad / eval.resize / eval.window",
+                               "lower it, or eval.batch_size")
     amp = resolve_amp(t.amp, device, warn=main)
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -358,7 +378,7 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
                  make_loader(task.test_set, e.batch_size, False, workers)),
     )
     run.path.mkdir(parents=True, exist_ok=True)
-    if resume is not None:
+    if resume is not None and run.last.is_file():  # else: a run without checkpoint, anew
         state = load_checkpoint(run.last, map_location=device)
         changed = check_resume(cfg, state["config"], run.last)
         s.start_epoch, s.best_score, s.best_epoch = restore_training_state(

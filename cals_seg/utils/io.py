@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cals_seg.errors import CheckpointError, UntrustedCheckpointError
+from cals_seg.errors import CheckpointError, UntrustedCheckpointError, UserError
 
 
 def json_safe(obj: Any) -> Any:
@@ -49,11 +49,31 @@ def atomic_write(path: str | Path, write: Any) -> None:
     folder): a crash or power cut leaves either the old file or the new one, never a part."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:  # a failed write (full disk, Ctrl-C) leaves no temporary file
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and not isinstance(err, UserError) or (
+                type(err) is RuntimeError and ("inline_container" in str(err)
+                                               or "write" in str(err).lower())):
+            raise _write_error(err, path) from None
+        raise
     _fsync_dir(path.parent)
+
+
+def _write_error(err: Exception, path: Path) -> UserError:
+    """A failed write as one line; torch.save reports a full disk as a RuntimeError of its
+    C++ writer (``[enforce fail at inline_container.cc] ... unexpected pos``)."""
+    from cals_seg.utils.paths import os_error
+
+    if isinstance(err, OSError):
+        return os_error(err, path, "write")
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+    return UserError(f"cannot write '{path}' ({str(err).splitlines()[0][:160]}); "
+                     f"{free / 2**20:.0f} MiB free on its disk: free space and run again.")
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -75,12 +95,18 @@ def link_checkpoint(src: str | Path, dst: str | Path) -> None:
     tmp = dst.with_name(f".{dst.name}.tmp")
     tmp.unlink(missing_ok=True)
     try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, dst)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise _write_error(err, dst) from None
+        raise
     _fsync_dir(dst.parent)
 
 
