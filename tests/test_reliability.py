@@ -24,13 +24,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cals_seg.data.checks import sample_problems, split_file_ids
-from cals_seg.runs.run import Run
 from PIL import Image
 
 from cals_seg.commands._cli import interrupted, one_line
 from cals_seg.config.schema import ConfigError, load_config, save_config
 from cals_seg.data import images
+from cals_seg.data.checks import sample_problems, split_file_ids
 from cals_seg.data.classification import read_rgb as classification_read
 from cals_seg.data.folder import read_stem_list
 from cals_seg.data.paired import find_by_stem
@@ -38,6 +37,7 @@ from cals_seg.data.paired import read_rgb as paired_read
 from cals_seg.data.voc import VOCSegmentation, read_split, voc_palette
 from cals_seg.errors import DataError, UserError
 from cals_seg.evaluation.predict import UnreadableImageError, read_image
+from cals_seg.runs.run import Run
 from cals_seg.tasks.segmentation import build_model
 from cals_seg.utils.io import save_checkpoint, write_json
 from cals_seg.utils.lock import LOCK_FILE, RunLock, RunLockedError
