@@ -23,7 +23,7 @@ from cals_seg.config.checks import check_config
 from cals_seg.config.schema import load_config
 from cals_seg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from cals_seg.errors import CheckpointError, ConfigError, UntrustedCheckpointError
-from cals_seg.evaluation.inference import segment_logits
+from cals_seg.evaluation.inference import input_multiple, segment_logits
 from cals_seg.models.external import (
     ExternalSegmenter,
     OutputShapeError,
@@ -137,10 +137,12 @@ def run_pipeline(tmp_path: Path, config: Path, own_forward, capsys) -> Path:
     assert (preds / f"{image_file.stem}_label.png").is_file()
 
     program_file = tmp_path / "model.pt2"
-    assert export.main([str(run), "--format", "pt2", "--out", str(program_file)]) == 0, \
+    assert export.main([str(run), "--format", "pt2", "--out", str(program_file),
+                        "--min-size", "64"]) == 0, \
         capsys.readouterr().err
     program = torch.export.load(program_file).module()
-    pixels = torch.from_numpy(np.asarray(Image.open(image_file).convert("RGB"), np.float32))
+    pixels = np.asarray(Image.open(image_file).convert("RGB"), np.float32)
+    pixels = torch.from_numpy(pixels.repeat(2, axis=0).repeat(2, axis=1))  # 64 x 64
     pixels = pixels.permute(2, 0, 1)[None]
     normalised = (pixels / 255 - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) \
         / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
@@ -190,7 +192,8 @@ def test_smp_unet_wrapped_weights_and_own_normalisation(tmp_path, data_root, cap
         "weights": str(tmp_path / "unet.pth"), "key_map": {"module.": ""},
         "mean": mean, "std": std})
     run = run_pipeline(tmp_path, config, lambda x: net(own_input(x, mean, std)), capsys)
-    assert load_run(run).model.input_multiple == 8  # the encoder's output stride
+    # Padded as the toolkit pads its own smp models (smp's Unet takes any size: no padding).
+    assert load_run(run).model.input_multiple == input_multiple(net)
 
 
 def test_own_factory_smaller_output_is_upsampled(tmp_path, data_root, capsys):

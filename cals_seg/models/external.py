@@ -288,7 +288,9 @@ class ExternalSegmenter(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.raw_logits(x)
-        if out.shape[-2:] != x.shape[-2:]:
+        # Exported programs always interpolate (an identity at equal sizes): a branch on the
+        # symbolic sizes would tie the program to one of the cases.
+        if torch.compiler.is_exporting() or out.shape[-2:] != x.shape[-2:]:
             out = F.interpolate(out, size=x.shape[-2:], mode="bilinear",
                                 align_corners=self.align_corners)
         return out
