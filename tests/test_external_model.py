@@ -267,6 +267,7 @@ def test_unsafe_weights_file_is_refused(tmp_path, data_root, capsys):
         "factory": "tests.test_external_model:tiny_net", "weights": str(tmp_path / "whole.pt")})
     err = _refused(capsys, config, tmp_path / "run")
     assert "could run code" in err and "state_dict()" in err
+    assert "(tests.test_external_model.TinyNet" in err  # what it would build, named
     with pytest.raises(UntrustedCheckpointError):
         from cals_seg.models.external import read_state_dict
 

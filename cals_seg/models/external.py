@@ -357,8 +357,14 @@ def read_state_dict(path: str | Path, weights_key: str | None = None) -> dict[st
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        found = re.findall(r"GLOBAL ([\w.]+ [\w.]+)", str(err))
-        what = f" ({found[0].replace(' ', '.')})" if found else ""
+        found = _unsafe_globals(path) or re.findall(r"GLOBAL ([\w.]+)", str(err))
+        if not found and "global" not in str(err).lower():
+            raise CheckpointError(f"{key}: {path} cannot be read (UnpicklingError: "
+                                  f"{_first_line(err)}); it is truncated or not a weights "
+                                  "file.") from None
+        found = sorted(found, key=lambda name: (name.startswith(("torch.", "collections.")),
+                                                name))  # the user's own classes first
+        what = f" ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""
         raise UntrustedCheckpointError(
             f"{key}: {path} holds Python objects{what}, not only tensors: loading it could run "
             "code from the file, so it is refused; save the state dict instead: "
@@ -368,10 +374,22 @@ def read_state_dict(path: str | Path, weights_key: str | None = None) -> dict[st
         raise CheckpointError(f"{key}: {path} is a safetensors file; install safetensors "
                               "(pip install safetensors).") from None
     except Exception as err:  # torch raises RuntimeError, EOFError ... on a damaged file
-        first = (str(err).strip().splitlines() or [""])[0][:120]
-        raise CheckpointError(f"{key}: {path} cannot be read ({type(err).__name__}: {first}); "
-                              "it is truncated or not a weights file.") from None
+        raise CheckpointError(f"{key}: {path} cannot be read ({type(err).__name__}: "
+                              f"{_first_line(err)}); it is truncated or not a weights "
+                              "file.") from None
     return _unwrap(state, path, weights_key)
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:120]
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """The Python objects (module.name) a zip weights file's pickle would build."""
+    try:
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:  # not a zip file: the load's own error tells
+        return []
 
 
 def _is_state_dict(value: Any) -> bool:
