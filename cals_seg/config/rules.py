@@ -162,6 +162,24 @@ RULES: dict[str, Rule | None] = {
     "model.params": TYPE_ONLY,  # the model's constructor keywords, checked when it is built
     "model.embed_dim": ints(1, 100_000),
     "model.glove_path": TYPE_ONLY,  # a file: cross rule
+    "model.factory": TYPE_ONLY,  # a factory that imports, with arch external: cross rule
+    "model.weights": TYPE_ONLY,  # a weights file: checked where it is read (import_model)
+    "model.weights_key": optional(Rule("an entry name (not empty)", lambda v: v != "")),
+    "model.key_map": Rule("a mapping of key prefixes to their replacements (strings)",
+                          lambda v: all(isinstance(k, str) and isinstance(x, str)
+                                        for k, x in v.items()),
+                          fix="e.g. --set 'model.key_map={module.: \"\"}'"),
+    "model.mean": Rule("three numbers in [0, 1] (statistics of [0, 1] pixels)",
+                       lambda v: len(v) == 3 and all(_finite(x) and 0 <= x <= 1 for x in v),
+                       fix="divide statistics of 0-255 pixels by 255, e.g. --set "
+                       "'model.mean=[0.485, 0.456, 0.406]'"),
+    "model.std": Rule("three numbers > 0 (statistics of [0, 1] pixels)",
+                      lambda v: len(v) == 3 and all(_finite(x) and x > 0 for x in v),
+                      fix="divide statistics of 0-255 pixels by 255, e.g. --set "
+                      "'model.std=[0.229, 0.224, 0.225]'"),
+    "model.output_stride": optional(ints(1, 1024), fix="or null for the network's own"),
+    "model.output_key": optional(Rule("an entry name (not empty)", lambda v: v != "")),
+    "model.align_corners": TYPE_ONLY,
     "loss.name": TYPE_ONLY,  # a registered loss: cross rule
     "loss.params": TYPE_ONLY,  # the loss's own checks (build_loss), named loss.params.<key>
     "optim.name": choices("adamw", "sgd"),
@@ -369,7 +387,7 @@ def check_model_names(cfg: Config) -> None:
     encoder; ``timm`` and a timm model; ``gpcn``), and ``model.params`` by the model's signature
     (:func:`check_model_params`). The task builders call it too."""
     m, kind = cfg.model, family(cfg)
-    if kind == "segmentation":
+    if kind == "segmentation" and m.arch != "external":  # external: check_external_model
         import segmentation_models_pytorch as smp
 
         archs = sorted(smp.MODEL_ARCHITECTURES_MAPPING)
@@ -641,10 +659,33 @@ def check_train_loggers(cfg: Config) -> None:
 
 
 # Every rule between keys, or of what consumes a value, in the order check_all runs them.
+def check_external_model(cfg: Config) -> None:
+    """``model.arch: external`` (segmentation) needs a ``model.factory`` that resolves
+    (:func:`cals_seg.models.external.resolve_factory`); ``factory`` and ``weights`` are read
+    with that arch only."""
+    m = cfg.model
+    if m.arch != "external":
+        for key, value in (("factory", m.factory), ("weights", m.weights)):
+            if value is not None:
+                raise refuse(f"model.{key}", "null unless model.arch is 'external'", value,
+                             f"set model.arch=external to use a network of your own, or remove "
+                             f"model.{key}")
+        return
+    if family(cfg) != "segmentation":
+        return  # check_names refuses the arch for that family
+    if m.factory is None:
+        raise refuse("model.factory", "'package.module:function' or torchvision:NAME / "
+                     "smp:NAME / transformers:NAME with model.arch: external", None,
+                     "e.g. --set model.factory=torchvision:deeplabv3_resnet50")
+    from cals_seg.models.external import resolve_factory
+
+    resolve_factory(m.factory)  # ConfigError naming model.factory and the fix
+
+
 CROSS_RULES: list[Callable[[Config], None]] = [
-    check_dataset_name, check_ignore_index, check_device, check_names, check_eval_protocol,
-    check_eval_size, check_class_names, check_palette, check_best_mode, check_loss_params,
-    check_train_loggers,
+    check_dataset_name, check_ignore_index, check_device, check_names, check_external_model,
+    check_eval_protocol, check_eval_size, check_class_names, check_palette, check_best_mode,
+    check_loss_params, check_train_loggers,
 ]
 
 

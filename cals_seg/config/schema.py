@@ -110,7 +110,17 @@ class ModelConfig:
     ``swinv2_tiny_window8_256``) and ``encoder_weights`` ``imagenet`` / ``null`` / a local file
     of the whole classifier; ``params`` go to ``timm.create_model``. Text: ``arch: gpcn``
     (Global Pooling CNN, ``params`` go to its constructor), ``embed_dim`` the word-vector length
-    and ``glove_path`` a GloVe ``.txt`` file (``null``: random, trainable embeddings)."""
+    and ``glove_path`` a GloVe ``.txt`` file (``null``: random, trainable embeddings).
+
+    A network trained elsewhere (segmentation, :mod:`cals_seg.models.external`, made a run by
+    ``tools/import_model.py``): ``arch: external`` and ``factory`` ``package.module:function``
+    (called with ``params``) or ``torchvision:NAME`` / ``smp:NAME`` / ``transformers:NAME``;
+    ``weights`` its state-dict file (``null``: the factory's own weights), ``weights_key`` the
+    entry of a checkpoint dict holding it, ``key_map`` key-prefix replacements (``{"module.":
+    ""}``); ``mean`` / ``std`` its input statistics of ``[0, 1]`` pixels; ``output_stride`` the
+    side multiple its inputs are padded to (``null``: an smp encoder's own, else 1);
+    ``output_key`` the output entry holding the logits (``null``: a tensor, ``.logits``,
+    ``["out"]``); ``align_corners`` of the bilinear upsampling of smaller logits."""
 
     arch: str = "deeplabv3"
     encoder_name: str = "resnet18"
@@ -118,6 +128,15 @@ class ModelConfig:
     params: dict[str, Any] = field(default_factory=dict)
     embed_dim: int = 100
     glove_path: str | None = None
+    factory: str | None = None
+    weights: str | None = None
+    weights_key: str | None = None
+    key_map: dict[str, Any] = field(default_factory=dict)
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    output_stride: int | None = None
+    output_key: str | None = None
+    align_corners: bool = False
 
 
 @dataclass

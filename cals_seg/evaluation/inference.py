@@ -84,7 +84,10 @@ class EvalProtocol:
 
 
 def input_multiple(model: nn.Module) -> int:
-    """The side multiple an smp network needs (its encoder's output stride), else 1."""
+    """The side multiple an smp network needs (its encoder's output stride), a network's own
+    ``input_multiple`` (:class:`cals_seg.models.external.ExternalSegmenter`), else 1."""
+    if isinstance(getattr(model, "input_multiple", None), int):
+        return model.input_multiple
     if not getattr(model, "requires_divisible_input_shape", False):
         return 1
     return int(getattr(getattr(model, "encoder", None), "output_stride", 1))

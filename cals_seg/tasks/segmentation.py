@@ -91,8 +91,17 @@ def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
 
 def build_model(cfg: Config, encoder_weights: str | None = None) -> nn.Module:
     """The config's smp model with ``encoder_weights`` (``None``: random, for loading a
-    checkpoint without downloading anything)."""
+    checkpoint without downloading anything); with ``model.arch: external``, the network it
+    names with random weights (:mod:`cals_seg.models.external`; ``tools/import_model.py``
+    loads ``model.weights``, a run's checkpoint holds them)."""
     m = cfg.model
+    if m.arch == "external":
+        from cals_seg.models.external import build_external_model
+
+        return build_external_model(m.factory, cfg.data.num_classes, params=m.params,
+                                    encoder_name=m.encoder_name, mean=m.mean, std=m.std,
+                                    output_stride=m.output_stride, output_key=m.output_key,
+                                    align_corners=m.align_corners)
     return build_segmentation_model(m.arch, m.encoder_name, encoder_weights,
                                     cfg.data.num_classes, **m.params)
 
