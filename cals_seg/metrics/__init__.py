@@ -13,10 +13,15 @@ few-shot calibration of a long-tailed classifier. All are ``nn.Module`` s with
 
 from cals_seg.metrics.calibration import CalibrationMeter
 from cals_seg.metrics.groups import ShotGroupMeter
-from cals_seg.metrics.regions import BoundaryCalibrationMeter, ObjectSizeCalibrationMeter
+from cals_seg.metrics.regions import (
+    BoundaryAwareECEMeter,  # ba_ece, the field's ring metric
+    BoundaryCalibrationMeter,
+    ObjectSizeCalibrationMeter,
+)
 from cals_seg.metrics.segmentation import SegmentationMeter
 
 __all__ = [
+    "BoundaryAwareECEMeter",
     "BoundaryCalibrationMeter",
     "CalibrationMeter",
     "ObjectSizeCalibrationMeter",
