@@ -14,6 +14,8 @@ network's; ``needs_image`` whether ``forward`` needs the image.
     lts        a temperature per pixel from a small conv net       no             yes
     selective  large temperature on pixels flagged as mispredicted no             no
     boundary_ts a temperature per predicted-boundary distance band no             no
+    cms_ap     per-argmax-class affine map on gaps to the top      no             no
+    cms_op     per-argmax-class affine map on consecutive gaps     no (no order)  no
     ========== =================================================== ============== ===========
 
 Example::
@@ -45,6 +47,7 @@ from cals_seg.calibrators._evaluate import (
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
 from cals_seg.calibrators.dirichlet import DirichletCalibration
 from cals_seg.calibrators.lts import LocalTemperatureScaling
+from cals_seg.calibrators.order_keeping import ArgmaxKeepingScaling, OrderKeepingScaling
 from cals_seg.calibrators.selective import SelectiveScaling
 from cals_seg.calibrators.ts import TemperatureScaling
 from cals_seg.calibrators.vector import VectorScaling
@@ -58,6 +61,7 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
     "selective": SelectiveScaling,
     "boundary_ts": BoundaryTemperatureScaling,
 }
+CALIBRATORS.update({c.name: c for c in (ArgmaxKeepingScaling, OrderKeepingScaling)})
 
 
 def build_calibrator(name: str, num_classes: int, **params: Any) -> Calibrator:
@@ -124,11 +128,13 @@ __all__ = [
     "CALIBRATORS",
     "TABLE_COLUMNS",
     "Batches",
+    "ArgmaxKeepingScaling",
     "BoundaryTemperatureScaling",
     "Calibrated",
     "Calibrator",
     "DirichletCalibration",
     "LocalTemperatureScaling",
+    "OrderKeepingScaling",
     "SelectiveScaling",
     "TemperatureScaling",
     "VectorScaling",
