@@ -14,6 +14,7 @@ network's; ``needs_image`` whether ``forward`` needs the image.
     lts        a temperature per pixel from a small conv net       no             yes
     selective  large temperature on pixels flagged as mispredicted no             no
     boundary_ts a temperature per predicted-boundary distance band no             no
+    boundary_ts_fine boundary_ts, bands chosen on held-out val     no             no
     cms_ap     per-argmax-class affine map on gaps to the top      no             no
     cms_op     per-argmax-class affine map on consecutive gaps     no (no order)  no
     ========== =================================================== ============== ===========
@@ -45,6 +46,7 @@ from cals_seg.calibrators._evaluate import (
     table_values,
 )
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
+from cals_seg.calibrators.boundary_ts_fine import FineBoundaryTemperatureScaling
 from cals_seg.calibrators.dirichlet import DirichletCalibration
 from cals_seg.calibrators.lts import LocalTemperatureScaling
 from cals_seg.calibrators.order_keeping import ArgmaxKeepingScaling, OrderKeepingScaling
@@ -61,7 +63,8 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
     "selective": SelectiveScaling,
     "boundary_ts": BoundaryTemperatureScaling,
 }
-CALIBRATORS.update({c.name: c for c in (ArgmaxKeepingScaling, OrderKeepingScaling)})
+CALIBRATORS.update({c.name: c for c in (ArgmaxKeepingScaling, OrderKeepingScaling,
+                                         FineBoundaryTemperatureScaling)})
 
 
 def build_calibrator(name: str, num_classes: int, **params: Any) -> Calibrator:
@@ -133,6 +136,7 @@ __all__ = [
     "Calibrated",
     "Calibrator",
     "DirichletCalibration",
+    "FineBoundaryTemperatureScaling",
     "LocalTemperatureScaling",
     "OrderKeepingScaling",
     "SelectiveScaling",
