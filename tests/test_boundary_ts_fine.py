@@ -47,7 +47,7 @@ def _nll(z, y):
     return float(F.cross_entropy(z.double(), y))
 
 
-def test_choice_is_the_held_out_reference_and_refit_on_all_validation():
+def test_choice_is_the_held_out_reference_and_refit_on_all_validation(tmp_path):
     x, y = _scene(0)
     cal = build_calibrator("boundary_ts_fine", K)
     with warnings.catch_warnings():
@@ -78,5 +78,5 @@ def test_choice_is_the_held_out_reference_and_refit_on_all_validation():
         coarse.fit(_batches(x, y))
     assert _nll(cal(xt), yt) < _nll(coarse(xt), yt) < _nll(xt, yt)
     assert torch.equal(cal(xt).argmax(1), xt.argmax(1))
-    path = save_calibrator(cal, "/tmp/cals_seg_test_boundary_ts_fine.pt")
+    path = save_calibrator(cal, tmp_path / "boundary_ts_fine.pt")
     torch.testing.assert_close(load_calibrator(path)(xt), cal(xt))

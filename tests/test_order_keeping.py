@@ -44,7 +44,7 @@ def _edge_logits():
 
 
 @pytest.mark.parametrize("name", ["cms_ap", "cms_op"])
-def test_decision_is_the_networks_and_miou_identical(name):
+def test_decision_is_the_networks_and_miou_identical(name, tmp_path):
     logits, target = _data()
     cal = build_calibrator(name, K)
     with warnings.catch_warnings():
@@ -69,7 +69,7 @@ def test_decision_is_the_networks_and_miou_identical(name):
     shift = torch.randn(x.shape[0], 1, *x.shape[2:]) * 50
     torch.testing.assert_close(cal(x + shift).softmax(1), cal(x).softmax(1), atol=1e-5, rtol=0)
     # save / load round trip
-    path = save_calibrator(cal, f"/tmp/cals_seg_test_{name}.pt")
+    path = save_calibrator(cal, tmp_path / f"{name}.pt")
     torch.testing.assert_close(load_calibrator(path)(x), cal(x))
 
 
