@@ -180,9 +180,9 @@ def _pixels(x, y, margin):
     return out
 
 
-def _reference(epochs, margin, gamma=1.2, tau=0.9, period=1, lmin=1e-6, lmax=1e6):
+def _reference(epochs, margin, rho0, gamma=1.2, tau=0.9, period=1, lmin=1e-6, lmax=1e6):
     lam = np.full((2, K), 1e-6)
-    rho = np.ones((2, K))
+    rho = np.full((2, K), rho0)
     prev, history = None, []
     for e, batches in enumerate(epochs):
         pixels = [p for x, y in batches for p in _pixels(x, y, margin)]
@@ -197,7 +197,7 @@ def _reference(epochs, margin, gamma=1.2, tau=0.9, period=1, lmin=1e-6, lmax=1e6
         lam = np.clip(s_grad / n, lmin, lmax)
         hbar = s_h / n
         if (e + 1) % period == 0 and prev is not None:
-            rho = np.clip(np.where(hbar > tau * np.maximum(prev, 0), rho * gamma, rho), 1, 10)
+            rho = np.clip(np.where(hbar > tau * np.maximum(prev, 0), rho * gamma, rho), rho0, 10)
         prev = hbar
         history.append((lam.copy(), rho.copy(), hbar))
     return history
@@ -207,11 +207,16 @@ def _epochs():
     return [[_data(seed=10 * e + b, scale=2.0 + e) for b in range(2)] for e in range(2)]
 
 
-@pytest.mark.parametrize("margin", [1.0, 2.0])
-def test_two_epochs_of_updates_equal_the_loop_reference(margin):
+# (5, 0.1): the defaults, the authors' published runs; (1, 1): their YAML's default
+@pytest.mark.parametrize("margin,rho0", [(5.0, 0.1), (1.0, 1.0), (2.0, 0.1)])
+def test_two_epochs_of_updates_equal_the_loop_reference(margin, rho0):
     epochs = _epochs()
-    loss = CRaCLoss(K, margin=margin, rho_period=1, ignore_index=IGN)
-    ref = _reference(epochs, margin)
+    if (margin, rho0) == (5.0, 0.1):
+        loss = CRaCLoss(K, rho_period=1, ignore_index=IGN)  # the defaults are the published ones
+    else:
+        loss = CRaCLoss(K, margin=margin, rho_init=rho0, rho_min=rho0, rho_period=1,
+                        ignore_index=IGN)
+    ref = _reference(epochs, margin, rho0)
     for e, batches in enumerate(epochs):
         for x, y in batches:
             loss.observe(x, y)
@@ -222,7 +227,7 @@ def test_two_epochs_of_updates_equal_the_loop_reference(margin):
             np.testing.assert_allclose(logs[f"rho_{region}"], rho[row], rtol=1e-12)
             np.testing.assert_allclose(logs[f"constraint_{region}"], hbar[row], rtol=1e-12,
                                        atol=1e-15)
-    assert (ref[1][1] > 1).any() and (ref[1][0][1] > 1e-6).any()  # rho and interior lambda moved
+    assert (ref[1][1] > rho0).any() and (ref[1][0][1] > 1e-6).any()  # rho, interior lambda moved
     # the training penalty with these multipliers equals the loop formula
     x, y = epochs[0][0]
     pixels = _pixels(x, y, margin)
@@ -279,3 +284,22 @@ def test_bad_parameters():
         build_loss("crac", K, rho_period=0)
     with pytest.raises(ValueError, match=r"\(N, K, H, W\)"):
         CRaCLoss(K).observe(torch.randn(3, K), torch.zeros(3, dtype=torch.long))
+
+
+def test_defaults_are_the_published_setting_and_the_setups_label_the_yaml_one():
+    """Every command of Bala93/CRac's README runs ``lag.margin=5 lag.rho=0.1`` (rho starts at
+    its minimum 0.1, maximum 10); their YAML's margin 1 / rho 1 is kept only as ``crac_yaml``."""
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    loss = CRaCLoss(K)
+    assert loss.margin == 5.0
+    assert torch.equal(loss.rhos, torch.full((2, K), 0.1, dtype=torch.float64))
+    assert (loss.rho_min, loss.rho_max) == (0.1, 10.0)
+    for setup in ("configs/synthetic_deeplabv3.yaml", "configs/synthetic_deeplabv3_short.yaml"):
+        methods = yaml.safe_load((root / setup).read_text())["methods"]
+        assert methods["crac"] == {"name": "crac"}
+        assert methods["crac_yaml"] == {"name": "crac", "params": {
+            "margin": 1.0, "rho_init": 1.0, "rho_min": 1.0}}

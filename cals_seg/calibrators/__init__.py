@@ -14,6 +14,9 @@ network's; ``needs_image`` whether ``forward`` needs the image.
     lts        a temperature per pixel from a small conv net       no             yes
     selective  large temperature on pixels flagged as mispredicted no             no
     boundary_ts a temperature per predicted-boundary distance band no             no
+    boundary_ts_fine boundary_ts, bands chosen on held-out val     no             no
+    cms_ap     per-argmax-class affine map on gaps to the top      no             no
+    cms_op     per-argmax-class affine map on consecutive gaps     no (no order)  no
     ========== =================================================== ============== ===========
 
 Example::
@@ -44,8 +47,10 @@ from cals_seg.calibrators._evaluate import (
     table_values,
 )
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
+from cals_seg.calibrators.boundary_ts_fine import FineBoundaryTemperatureScaling
 from cals_seg.calibrators.dirichlet import DirichletCalibration
 from cals_seg.calibrators.lts import LocalTemperatureScaling
+from cals_seg.calibrators.order_keeping import ArgmaxKeepingScaling, OrderKeepingScaling
 from cals_seg.calibrators.selective import SelectiveScaling
 from cals_seg.calibrators.ts import TemperatureScaling
 from cals_seg.calibrators.vector import VectorScaling
@@ -54,7 +59,8 @@ from cals_seg.utils.registry import Registry
 
 CALIBRATORS: Registry[type[Calibrator]] = Registry("calibrator")
 for _cls in (TemperatureScaling, VectorScaling, DirichletCalibration, LocalTemperatureScaling,
-             SelectiveScaling, BoundaryTemperatureScaling):
+             SelectiveScaling, BoundaryTemperatureScaling, ArgmaxKeepingScaling,
+             OrderKeepingScaling, FineBoundaryTemperatureScaling):
     CALIBRATORS.register(_cls.name, _cls)
 
 
@@ -123,11 +129,14 @@ __all__ = [
     "CALIBRATORS",
     "TABLE_COLUMNS",
     "Batches",
+    "ArgmaxKeepingScaling",
     "BoundaryTemperatureScaling",
     "Calibrated",
     "Calibrator",
     "DirichletCalibration",
+    "FineBoundaryTemperatureScaling",
     "LocalTemperatureScaling",
+    "OrderKeepingScaling",
     "SelectiveScaling",
     "TemperatureScaling",
     "VectorScaling",

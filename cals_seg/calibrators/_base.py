@@ -64,6 +64,11 @@ class Calibrator(nn.Module):
     changes_argmax: ClassVar[bool] = True
     needs_image: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "fit" in cls.__dict__:  # every fit says when it leaves the calibrator at the identity
+            cls.fit = _flag_identity(cls.__dict__["fit"])
+
     def __init__(self, num_classes: int | None, **params: Any) -> None:
         super().__init__()
         if num_classes is not None:
@@ -99,6 +104,53 @@ class Calibrator(nn.Module):
     def extra_repr(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"num_classes={self.num_classes}" + (f", {args}" if args else "")
+
+
+# Largest change of a probability, on the first validation batch, below which a fitted
+# calibrator is reported as the identity.
+IDENTITY_ATOL = 1e-6
+
+
+def probe_identity(calibrator: Calibrator, batches: Batches) -> bool:
+    """True when ``calibrator`` leaves the probabilities of the first validation batch as they
+    are (largest change <= ``IDENTITY_ATOL``): a fit that did not move it (a flat or
+    degenerate objective, a temperature of 1, an untrained net kept by early stopping)."""
+    for logits, _, image in iterate(batches):
+        with torch.no_grad():
+            out = calibrator(logits, image)
+        before = logits.detach().float().softmax(dim=1)
+        return bool((out.detach().float().softmax(dim=1) - before).abs().max() <= IDENTITY_ATOL)
+    return True
+
+
+def _flag_identity(fit: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Wrap a ``fit``: afterwards ``fit_info["identity"]`` says whether the fitted calibrator is
+    the identity on the first validation batch, with a warning when it is (netcal issues 48 and
+    61: a fit that silently returns the identity)."""
+    import functools
+    import warnings
+
+    @functools.wraps(fit)
+    def wrapped(self: Calibrator, batches: Batches, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        depth = getattr(self, "_fit_depth", 0)
+        self._fit_depth = depth + 1
+        try:
+            info = fit(self, batches, *args, **kwargs)
+        finally:
+            self._fit_depth = depth
+        if depth == 0:
+            identity = probe_identity(self, batches)
+            if isinstance(info, dict):
+                info["identity"] = identity
+            if isinstance(self.fit_info, dict) and self.fit_info is not info:
+                self.fit_info["identity"] = identity
+            if identity:
+                warnings.warn(f"{self.name or type(self).__name__}: the fit left the calibrator "
+                              "at the identity (its probabilities equal the network's on the "
+                              "first validation batch).", stacklevel=2)
+        return info
+
+    return wrapped
 
 
 def valid_rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:

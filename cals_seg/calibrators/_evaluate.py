@@ -207,6 +207,7 @@ def load_or_fit_calibrators(
 TABLE_COLUMNS = (
     ("ece", "ECE", True),
     ("ece_band_weighted", "band-weighted ECE", True),
+    ("ba_ece", "BA-ECE", True),
     ("ece_boundary", "boundary ECE", True),
     ("ece_interior", "interior ECE", True),
     ("nll", "NLL", False),

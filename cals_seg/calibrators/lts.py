@@ -119,6 +119,8 @@ class LocalTemperatureScaling(Calibrator):
         def loss(net: nn.Module, logits: Tensor, target: Tensor, image: Tensor | None,
                  void: int) -> tuple[Tensor, int] | None:
             self._check(logits, image)
+            if logits.dtype in (torch.float16, torch.bfloat16):  # fit in float32: a bf16 fit
+                logits = logits.float()  # equals the fit on the exact upcast (tested)
             return _nll_sum(net(logits, image), target, void)
 
         self.fit_info = fit_with_holdout(self, loss, batches, ignore_index, p["epochs"],

@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--calibrators", nargs="+", default=[], metavar="NAME",
-        choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts"],
+        choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts",
+                 "cms_ap", "cms_op", "boundary_ts_fine"],
         help="post-hoc calibrators fitted on each segmentation run's validation split and "
         "evaluated on its test split: OUT/calibrators.md and .csv",
     )

@@ -8,6 +8,7 @@ NACL does, with a multiplier that the validation set re-estimates after every ep
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -26,6 +27,15 @@ from cals_seg.losses.penalties import Penalty
 from cals_seg.utils.validation import check_finite
 
 REGIONS = ("boundary", "interior")
+
+
+@dataclasses.dataclass
+class CRaCSettings(ALMSettings):
+    """The ALM settings at the CRaC authors' published runs (``lag.rho=0.1`` in every command of
+    their README): ``rho`` starts at 0.1 within [0.1, 10]; the rest as :class:`ALMSettings`."""
+
+    rho_init: float = 0.1
+    rho_min: float = 0.1
 
 
 class _RegionPenalty(torch.autograd.Function):
@@ -87,19 +97,26 @@ class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
         hbar_prev <- hbar
 
     ``P'(0) = lambda_rk``: a pixel of the other region pulls the multiplier towards its current
-    value, as in the authors' update (their gradient of the zero column). Defaults are the
-    authors' ``spatial_bndry_cls_aug_lag`` configuration.
+    value, as in the authors' update (their gradient of the zero column).
+
+    Defaults are the setting of every command the authors published (the four runs of
+    Bala93/CRac's README, ACDC and FLARE with UNet and nnU-Net: ``lag.margin=5 lag.rho=0.1``):
+    margin 5 and rho starting at 0.1 within [0.1, 10], on their ``spatial_bndry_cls_aug_lag``
+    configuration otherwise. That YAML's own ``margin: 1`` / ``rho: 1`` (interior target ``q``
+    in [0, 1], confidence near ``e / (e + K - 1)``) is never what they ran; pass
+    ``margin=1, rho_init=1, rho_min=1`` to get it.
 
     Args:
         num_classes: K.
-        margin: m, the scale of the interior target (authors: 1, where both regions share
-            ``|q - l|``).
+        margin: m, the scale of the interior target (5, the authors' published runs; their
+            YAML's 1 makes both regions share ``|q - l|``).
         penalty: ``"phr"`` (authors), ``"p2"``, ``"p3"``, a :class:`Penalty` or a callable.
         lambda_init, rho_init: initial multipliers (1e-6, the authors' ``lambd_min``) and
-            penalty parameters (1).
+            penalty parameters (0.1: the authors start rho at ``rho_min``).
         gamma, tau, rho_period: rho growth factor (1.2), improvement ratio (0.9) and epochs
             between rho updates (10).
-        lambda_min, lambda_max, rho_min, rho_max: safeguarding intervals ([1e-6, 1e6], [1, 10]).
+        lambda_min, lambda_max, rho_min, rho_max: safeguarding intervals ([1e-6, 1e6],
+            [0.1, 10]).
         ignore_index: void label.
 
     Shape:
@@ -111,14 +128,14 @@ class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     """
 
     loss_name = "crac"
-    settings_types = (ALMSettings,)
+    settings_types = (CRaCSettings,)
     log_keys = tuple(f"{key}_{region}" for key in ("lambda", "rho", "constraint")
                      for region in REGIONS)
 
     def __init__(
         self,
         num_classes: int,
-        margin: float = 1.0,
+        margin: float = 5.0,
         ignore_index: int = -100,
         **settings: Any,
     ) -> None:

@@ -17,7 +17,11 @@ meters).
 from cals_seg.metrics._base import Meter, MeterState
 from cals_seg.metrics.calibration import CalibrationMeter
 from cals_seg.metrics.groups import ShotGroupMeter
-from cals_seg.metrics.regions import BoundaryCalibrationMeter, ObjectSizeCalibrationMeter
+from cals_seg.metrics.regions import (
+    BoundaryAwareECEMeter,  # ba_ece, the field's ring metric
+    BoundaryCalibrationMeter,
+    ObjectSizeCalibrationMeter,
+)
 from cals_seg.metrics.segmentation import SegmentationMeter
 from cals_seg.utils.registry import Registry
 
@@ -32,6 +36,7 @@ for _name, _cls in (
     METERS.register(_name, _cls)
 
 __all__ = [
+    "BoundaryAwareECEMeter",
     "METERS",
     "BoundaryCalibrationMeter",
     "CalibrationMeter",

@@ -26,6 +26,7 @@ from cals_seg.data import DATASET_KINDS
 from cals_seg.errors import ConfigError
 from cals_seg.evaluation.inference import EvalProtocol
 from cals_seg.metrics import (
+    BoundaryAwareECEMeter,
     BoundaryCalibrationMeter,
     CalibrationMeter,
     ObjectSizeCalibrationMeter,
@@ -80,6 +81,7 @@ class SegmentationTask(Task):
         k, void = self.num_classes, self.ignore_index
         out["segmentation"] = SegmentationMeter(k, void)
         out["boundary"] = BoundaryCalibrationMeter(k, n_bins=n_bins, ignore_index=void)
+        out["rings"] = BoundaryAwareECEMeter(k, n_bins=n_bins, ignore_index=void)  # ba_ece
         if test:
             names = self.class_names[:1]
             background = 0 if names and names[0].lower() in ("background", "_background_") else None
