@@ -31,6 +31,7 @@ for _name, _cls in (
     ("segmentation", SegmentationMeter),
     ("boundary", BoundaryCalibrationMeter),
     ("size", ObjectSizeCalibrationMeter),
+    ("rings", BoundaryAwareECEMeter),
     ("groups", ShotGroupMeter),
 ):
     METERS.register(_name, _cls)
