@@ -480,7 +480,7 @@ class BoundaryAwareECEMeter(BoundaryCalibrationMeter):
 
     def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
         """``ba_ece`` and the per-ring numbers (class docstring)."""
-        full = super().compute_states(states)
+        full = _RegionCalibrationMeter.compute_states(self, states)  # the rings, not the bands
         total, count = states["ring_distance_sum"].cpu(), states["ring_distance_count"].cpu()
         dbar = [float(total[r]) / int(count[r]) if int(count[r]) else None
                 for r in range(self.num_groups)]
