@@ -151,7 +151,8 @@ def test_every_pixel_in_one_bin():
 
 
 # ------------------------------------------------------------------------ calibrator fits
-FAST = {"boundary_ts_fine": {"holdout_every": 2}, "dirichlet": {"max_iter": 15}, "vector": {"max_iter": 15},
+FAST = {"boundary_ts_fine": {"holdout_every": 2},
+        "dirichlet": {"max_iter": 15}, "vector": {"max_iter": 15},
         "cms_ap": {"max_iter": 15}, "cms_op": {"max_iter": 15},
         "lts": {"epochs": 1, "holdout_every": 2, "use_image": False},
         "selective": {"epochs": 1, "holdout_every": 2, "steps_per_batch": 2,
