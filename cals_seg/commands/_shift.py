@@ -1,0 +1,161 @@
+"""Shift for the commands: ``eval_seg --shift``, ``--ensemble`` and ``--calibrator-fit-shift``
+(docs/shift.md).
+
+- ``--shift NAME:SEVERITY ... | all:S | all``: the split evaluated again with each corruption
+  (:mod:`cals_seg.data.corruptions`, seeded by ``--shift-seed``) applied to its images, with the
+  temperature and calibrators fitted once (on the clean or the drifted validation images):
+  ``metrics.json["shift"]["NAME:SEVERITY"]``, the same dictionary as the clean evaluation
+  (``pre_ts``, ``post_ts``, ``calibrators``), and the table ``DIR/shift.md``.
+- ``RUN1 RUN2 ... --ensemble --out DIR``: the members' mean probability
+  (:class:`cals_seg.evaluation.ensemble.Ensemble`), refused when their data or protocol differ.
+- ``--calibrator-fit-shift``: each calibrator of ``--calibrators`` also fitted on the validation
+  images corrupted by :class:`cals_seg.data.corruptions.DriftMixture` (the held-out corruptions,
+  severities 0-5, none of the benchmark's), reported as ``NAME+drift`` beside ``NAME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from cals_seg.errors import UserError
+
+DRIFT_SUFFIX = "+drift"
+
+
+def add_shift_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--shift --shift-seed --ensemble --calibrator-fit-shift``."""
+    parser.add_argument("--shift", nargs="+", default=None, metavar="NAME:SEVERITY",
+                        help="also evaluate with each image corruption (severity 1-5; all:3 "
+                        "every corruption at 3; all: every one at every severity); "
+                        "docs/shift.md")
+    parser.add_argument("--shift-seed", type=int, default=0,
+                        help="seed of the corruptions (the same for every method compared)")
+    parser.add_argument("--ensemble", action="store_true",
+                        help="evaluate the mean probability of the runs given (needs --out)")
+    parser.add_argument("--calibrator-fit-shift", action="store_true",
+                        help="also fit each --calibrators one on corrupted validation images "
+                        "(held-out corruptions), reported as NAME+drift")
+
+
+def check_shift_arguments(args: argparse.Namespace) -> None:
+    """Parse ``--shift`` into corruptions and refuse inconsistent options (one line each)."""
+    from cals_seg.data.corruptions import parse_shifts
+
+    runs = args.run if isinstance(args.run, list) else [args.run]
+    if len(runs) > 1 and not args.ensemble:
+        raise UserError(f"{len(runs)} runs given: evaluate them together with --ensemble "
+                        "--out DIR, or one at a time.")
+    if args.ensemble and not args.out:
+        raise UserError("--ensemble: name the output folder with --out DIR.")
+    if args.ensemble and args.checkpoint not in ("best", "last"):
+        raise UserError("--ensemble: --checkpoint must be best or last (one per run folder).")
+    if args.calibrator_fit_shift and not args.calibrators:
+        raise UserError("--calibrator-fit-shift: name the calibrators to fit with --calibrators, "
+                        "e.g. --calibrators ts boundary_ts --calibrator-fit-shift.")
+    args.shift = parse_shifts(args.shift, args.shift_seed) if args.shift else []
+
+
+def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
+    """The first member's run with the :class:`Ensemble` of every member as its model; the
+    members' data and protocols checked to match."""
+    from cals_seg.config.schema import config_to_dict
+    from cals_seg.evaluation.ensemble import Ensemble, check_members, protocol_of
+
+    runs = []
+    for folder in args.run:
+        member_args = copy.copy(args)
+        member_args.run = folder
+        runs.append(open_run(member_args))
+    protocols = [protocol_of(config_to_dict(r.config),
+                             dataclasses.replace(r.task.protocol, tile_batch=1)) for r in runs]
+    check_members([str(r.path) for r in runs], protocols)
+    first = runs[0]
+    model = Ensemble([r.model for r in runs]).eval()
+    first.task.model = model
+    args.calibrator_folder = Path(args.out) / "calibrators"
+    return dataclasses.replace(first, model=model, extra={
+        **first.extra, "ensemble": {"members": [str(r.checkpoint) for r in runs],
+                                    "size": len(runs), "forward_passes_per_image": len(runs)}})
+
+
+def drift_calibrators(run: Any, args: argparse.Namespace, names: Sequence[str], folder: Path,
+                      batch_size: int, workers: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``({NAME+drift: calibrator}, {NAME+drift: fit summary})``: ``names`` fitted (or loaded
+    from ``folder/drift/``) on the validation split under :class:`DriftMixture`."""
+    from cals_seg.calibrators import load_or_fit_calibrators
+    from cals_seg.data.corruptions import DriftMixture, corrupted_dataset
+    from cals_seg.training.engine import make_loader
+
+    task = run.task
+    mixture = DriftMixture(seed=args.shift_seed)
+    loader = make_loader(corrupted_dataset(task.val_set, mixture), batch_size, False, workers)
+    cals, fits = load_or_fit_calibrators(
+        names, folder / "drift", task.num_classes, run.model, loader, run.device,
+        task.ignore_index, run.precision, task.protocol, args.refit_calibrators,
+        getattr(args, "calibrator_params", None))
+    suffix = lambda d: {f"{k}{DRIFT_SUFFIX}": v for k, v in d.items()}  # noqa: E731
+    fits = {k: {**v, "fit_data": mixture.key} for k, v in fits.items()}
+    return suffix(cals), suffix(fits)
+
+
+def fixed_test(run: Any, loader: Any, temperature: float | None,
+               calibrators: Mapping[str, Any]) -> dict[str, Any]:
+    """The metrics of ``calibrated_test`` with the temperature and calibrators already fitted:
+    ``{"temperature", "pre_ts", "post_ts" (None without T), "calibrators"}``."""
+    from cals_seg.calibrators import Calibrated
+    from cals_seg.evaluation.stream import Scaled, compute, evaluate
+
+    cfg, task, device = run.config, run.task, run.device
+    n_bins = cfg.eval.n_bins
+
+    def meters() -> dict[str, Any]:
+        return {k: m.to(device) for k, m in task.meters(n_bins, test=True).items()}
+
+    pre, post = meters(), meters() if temperature is not None else {}
+    consumers: list[Any] = list(pre.values())
+    if temperature is not None:
+        consumers.append(Scaled(temperature, post.values()))
+    calibrated = {name: meters() for name in calibrators}
+    image_consumers = [Calibrated(cal.to(device).eval(), calibrated[name])
+                       for name, cal in calibrators.items()]
+    evaluate(run.model, loader, device, consumers, run.precision, cfg.train.progress,
+             desc="shift", protocol=task.protocol, image_consumers=image_consumers)
+    out: dict[str, Any] = {"temperature": temperature if temperature is not None else 1.0,
+                           "pre_ts": compute(pre),
+                           "post_ts": compute(post) if post else None}
+    if calibrators:
+        out["calibrators"] = {name: compute(m) for name, m in calibrated.items()}
+    return out
+
+
+def shift_results(run: Any, args: argparse.Namespace, split_set: Any, result: Mapping[str, Any],
+                  calibrators: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{NAME:SEVERITY: metrics}`` of every corruption of ``args.shift`` on ``split_set``."""
+    from cals_seg.evaluation.shift import shift_evaluation
+    from cals_seg.training.engine import make_loader
+
+    e, workers = run.config.eval, run.config.data.num_workers
+    temperature = result["temperature"] if result.get("post_ts") else None
+
+    def once(dataset: Any) -> dict[str, Any]:
+        return fixed_test(run, make_loader(dataset, e.batch_size, False, workers), temperature,
+                          calibrators)
+
+    return shift_evaluation(once, split_set, args.shift)
+
+
+def write_shift(result: Mapping[str, Any], out: Path, title: str) -> None:
+    """``out/shift.md``: the clean rows, each corruption's and the severity means."""
+    from cals_seg.evaluation.shift import shift_table
+
+    if not result.get("shift"):
+        return
+    table = shift_table(result["shift"], clean=result)
+    (out / "shift.md").write_text(f"{title}: calibration under image corruptions "
+                                  "(docs/shift.md). Values in % except NLL.\n\n" + table)
+    print(table)

@@ -1,0 +1,94 @@
+"""Calibration under image corruptions: the same evaluation on a corrupted copy of the split.
+
+The corruption is a data transform (:mod:`cals_seg.data.corruptions`): the split's images are
+corrupted before its own transform, its masks are not touched, and the evaluation itself is the
+clean one (``evaluate_once(dataset) -> metrics dict``, the caller's), so every entry of
+``metrics.json["shift"]["NAME:SEVERITY"]`` is the same dictionary as the clean one::
+
+    shifted = shift_evaluation(lambda ds: calibrated_test(..., loader(ds), ...), test_set,
+                               parse_shifts(["fog:3", "all:5"], seed=0))
+    print(shift_table(shifted))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from cals_seg.data.corruptions import Corruption, corrupted_dataset
+
+# (metric key, column title, in percent) of the shift tables.
+SHIFT_COLUMNS = (
+    ("ece", "ECE", True),
+    ("ece_band_weighted", "band-weighted ECE", True),
+    ("ece_boundary", "boundary ECE", True),
+    ("ece_interior", "interior ECE", True),
+    ("nll", "NLL", False),
+    ("miou", "mIoU", True),
+)
+
+
+def shift_evaluation(evaluate_once: Callable[[Any], dict[str, Any]], dataset: Any,
+                     corruptions: Sequence[Corruption]) -> dict[str, dict[str, Any]]:
+    """``{NAME:SEVERITY: evaluate_once(corrupted copy of dataset)}`` in the order given."""
+    return {c.key: evaluate_once(corrupted_dataset(dataset, c)) for c in corruptions}
+
+
+def rows_of(result: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The rows one evaluation holds: ``uncalibrated`` (pre-TS), ``ts (the run's T)``
+    (post-TS) and each calibrator, each a metric dictionary."""
+    rows: dict[str, Mapping[str, Any]] = {"uncalibrated": result["pre_ts"]}
+    if result.get("post_ts"):
+        rows["ts (the run's T)"] = result["post_ts"]
+    rows.update(result.get("calibrators") or {})
+    return rows
+
+
+def severity_means(shift: Mapping[str, Mapping[str, Any]]
+                   ) -> dict[int, dict[str, dict[str, float]]]:
+    """``{severity: {row: {metric: mean over the corruptions evaluated at that severity}}}``."""
+    groups: dict[int, list[Mapping[str, Any]]] = {}
+    for key, result in shift.items():
+        groups.setdefault(int(key.rpartition(":")[2]), []).append(result)
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for severity, results in sorted(groups.items()):
+        per_row: dict[str, dict[str, float]] = {}
+        for row in rows_of(results[0]):
+            values = [rows_of(r).get(row) for r in results]
+            if any(v is None for v in values):
+                continue
+            per_row[row] = {k: sum(float(v[k]) for v in values) / len(values)
+                            for k, _, _ in SHIFT_COLUMNS
+                            if all(v.get(k) is not None for v in values)}
+        out[severity] = per_row
+    return out
+
+
+def _cells(metrics: Mapping[str, Any]) -> list[str]:
+    cells = []
+    for key, _, percent in SHIFT_COLUMNS:
+        value = metrics.get(key)
+        cells.append("-" if value is None else
+                     f"{100 * value:.2f}" if percent else f"{value:.4f}")
+    return cells
+
+
+def shift_table(shift: Mapping[str, Mapping[str, Any]],
+                clean: Mapping[str, Any] | None = None) -> str:
+    """Markdown: one line per corruption and row (calibrator), then the mean over corruptions
+    per severity; ``clean`` (the clean evaluation) first when given. Values in % except NLL."""
+    head = ["corruption", "calibrator", *[title for _, title, _ in SHIFT_COLUMNS]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    blocks: list[tuple[str, Mapping[str, Any]]] = []
+    if clean is not None:
+        blocks.append(("clean", rows_of(clean)))
+    blocks += [(key, rows_of(result)) for key, result in shift.items()]
+    blocks += [(f"mean at severity {s}", rows)
+               for s, rows in severity_means(shift).items()]
+    for name, rows in blocks:
+        for row, metrics in rows.items():
+            lines.append("| " + " | ".join([name, row, *_cells(metrics)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["SHIFT_COLUMNS", "rows_of", "severity_means", "shift_evaluation", "shift_table"]
