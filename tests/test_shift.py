@@ -230,3 +230,55 @@ def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
     assert eval_seg.main([str(r1), str(r3), "--ensemble", "--out", str(tmp_path / "e4")]) != 0
     err = capsys.readouterr().err
     assert "eval protocol" in err and len(err.strip().splitlines()) == 1
+
+
+def test_mean_entropy_flag_against_loops():
+    from cals_seg.evaluation.ood import MeanEntropy, entropy_limit, flagged_rate
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 5, 6, dtype=torch.float64) * 3
+    ref = MeanEntropy(temperature=1.5)
+    ref.update(logits[:2].float(), None, None)
+    ref.update(logits[2:].float(), None, None)
+    for n in range(3):
+        total = 0.0
+        for i in range(5):
+            for j in range(6):
+                z = [float(v) / 1.5 for v in logits[n, :, i, j]]
+                m = max(z)
+                e = [np.exp(v - m) for v in z]
+                p = [v / sum(e) for v in e]
+                total -= sum(q * np.log(q) for q in p)
+        assert ref.values[n] == pytest.approx(total / 30, rel=1e-5)
+    values = [0.1, 0.2, 0.3, 0.4]
+    assert entropy_limit(values, 0.5) == pytest.approx(0.25)
+    assert flagged_rate([0.1, 0.5, 0.9], 0.4) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="no validation"):
+        entropy_limit([])
+
+
+def test_predict_seg_warns_far_from_validation(tmp_path, capsys):
+    from PIL import Image
+
+    from .conftest import load_tool
+
+    run = _tiny_run(tmp_path, "r", 0)
+    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"), "--shift",
+                                       "gaussian_noise:5"]) == 0
+    flag = json.loads((tmp_path / "e" / "metrics.json").read_text())["entropy_flag"]
+    assert set(flag["rates"]) == {"gaussian_noise:5"} and 0 <= flag["clean_rate"] <= 1
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(_image(32, 32)).save(images / "a.png")
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(images / "b.png")
+    out = tmp_path / "pred"
+    assert load_tool("predict_seg").main([str(run), str(images), "--out", str(out),
+                                          "--no-progress", "--temperature", "1"]) == 0
+    saved = json.loads(next((run / "calibrators").glob("entropy_p99_T1.0000.json")).read_text())
+    lines = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    err = capsys.readouterr().err
+    for line in lines:
+        far = line["mean_entropy"] > saved["limit_nats"]
+        assert line["far_from_validation"] == far
+        assert (f"{line['input']}: mean predictive entropy" in err) == far

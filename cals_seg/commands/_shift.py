@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cals_seg.errors import UserError
+from cals_seg.errors import MissingPathError, UserError
 
 DRIFT_SUFFIX = "+drift"
 
@@ -104,9 +104,10 @@ def drift_calibrators(run: Any, args: argparse.Namespace, names: Sequence[str], 
 
 
 def fixed_test(run: Any, loader: Any, temperature: float | None,
-               calibrators: Mapping[str, Any]) -> dict[str, Any]:
+               calibrators: Mapping[str, Any], extra: Sequence[Any] = ()) -> dict[str, Any]:
     """The metrics of ``calibrated_test`` with the temperature and calibrators already fitted:
-    ``{"temperature", "pre_ts", "post_ts" (None without T), "calibrators"}``."""
+    ``{"temperature", "pre_ts", "post_ts" (None without T), "calibrators"}``; ``extra``
+    image consumers see the same pass."""
     from cals_seg.calibrators import Calibrated
     from cals_seg.evaluation.stream import Scaled, compute, evaluate
 
@@ -123,6 +124,7 @@ def fixed_test(run: Any, loader: Any, temperature: float | None,
     calibrated = {name: meters() for name in calibrators}
     image_consumers = [Calibrated(cal.to(device).eval(), calibrated[name])
                        for name, cal in calibrators.items()]
+    image_consumers += list(extra)
     evaluate(run.model, loader, device, consumers, run.precision, cfg.train.progress,
              desc="shift", protocol=task.protocol, image_consumers=image_consumers)
     out: dict[str, Any] = {"temperature": temperature if temperature is not None else 1.0,
@@ -135,18 +137,83 @@ def fixed_test(run: Any, loader: Any, temperature: float | None,
 
 def shift_results(run: Any, args: argparse.Namespace, split_set: Any, result: Mapping[str, Any],
                   calibrators: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{NAME:SEVERITY: metrics}`` of every corruption of ``args.shift`` on ``split_set``."""
+    """``{NAME:SEVERITY: metrics}`` of every corruption of ``args.shift`` on ``split_set``, and
+    the entropy flag of :mod:`cals_seg.evaluation.ood` (its limit on the validation images, the
+    fraction flagged on the clean and on each corrupted split, at the run's T)."""
+    from cals_seg.evaluation.ood import QUANTILE, MeanEntropy, entropy_limit, flagged_rate
     from cals_seg.evaluation.shift import shift_evaluation
+    from cals_seg.evaluation.stream import evaluate
     from cals_seg.training.engine import make_loader
 
     e, workers = run.config.eval, run.config.data.num_workers
     temperature = result["temperature"] if result.get("post_ts") else None
+    t = temperature or 1.0
+
+    def loader(dataset: Any) -> Any:
+        return make_loader(dataset, e.batch_size, False, workers)
+
+    def entropies(dataset: Any) -> list[float]:
+        ref = MeanEntropy(t)
+        evaluate(run.model, loader(dataset), run.device, [], run.precision,
+                 protocol=run.task.protocol, image_consumers=[ref])
+        return ref.values
+
+    limit = entropy_limit(entropies(run.task.val_set), QUANTILE)
+    flags: dict[str, Any] = {"quantile": QUANTILE, "limit_nats": limit, "temperature": t,
+                             "clean_rate": flagged_rate(entropies(split_set), limit), "rates": {}}
 
     def once(dataset: Any) -> dict[str, Any]:
-        return fixed_test(run, make_loader(dataset, e.batch_size, False, workers), temperature,
-                          calibrators)
+        ref = MeanEntropy(t)
+        metrics = fixed_test(run, loader(dataset), temperature, calibrators, [ref])
+        flags["rates"][dataset.corruption.key] = flagged_rate(ref.values, limit)
+        return metrics
 
-    return shift_evaluation(once, split_set, args.shift)
+    shifted = shift_evaluation(once, split_set, args.shift)
+    return shifted, flags
+
+
+ENTROPY_FILE = "entropy_p{q}_{how}.json"
+
+
+def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
+                      calibrator: Any) -> dict[str, Any] | None:
+    """The validation images' mean-entropy limit for ``predict_seg``: read from
+    ``<run>/calibrators/entropy_p99_<T or calibrator>.json``, else computed once over the
+    validation split with the same calibration and saved; ``None`` (with a warning) when the
+    validation images cannot be read."""
+    import json
+    import warnings
+
+    import torch
+
+    from cals_seg.evaluation.inference import predict_image
+    from cals_seg.evaluation.ood import QUANTILE, entropy_limit
+    from cals_seg.tasks.segmentation import segmentation_splits
+    from cals_seg.utils.io import write_json
+
+    how = f"calibrator-{calibrator_name}" if calibrator_name else f"T{temperature:.4f}"
+    path = run.path / "calibrators" / ENTROPY_FILE.format(q=round(100 * QUANTILE), how=how)
+    if path.is_file():
+        return json.loads(path.read_text())
+    try:
+        if not Path(run.config.data.root).is_dir():  # nothing is generated or downloaded here
+            raise MissingPathError(f"data.root {run.config.data.root} does not exist")
+        val = segmentation_splits(run.config)["val"]
+        values = []
+        for i in range(len(val)):
+            pred = predict_image(run.model, val[i]["image"][None], temperature, run.protocol,
+                                 run.precision, calibrator=calibrator)
+            values.append(float(pred.entropy[0].double().mean()))
+        limit = entropy_limit(values, QUANTILE)
+    except (OSError, UserError, ValueError) as err:
+        warnings.warn(f"no far-from-validation check: the validation images of {run.path} "
+                      f"could not be read ({str(err).splitlines()[0]}).", stacklevel=1)
+        return None
+    info = {"quantile": QUANTILE, "limit_nats": limit, "images": len(values), "calibration": how,
+            "torch": torch.__version__}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, info)
+    return info
 
 
 def write_shift(result: Mapping[str, Any], out: Path, title: str) -> None:
@@ -156,6 +223,12 @@ def write_shift(result: Mapping[str, Any], out: Path, title: str) -> None:
     if not result.get("shift"):
         return
     table = shift_table(result["shift"], clean=result)
+    flags = result.get("entropy_flag")
+    if flags:
+        rates = ", ".join(f"{k} {100 * v:.0f}%" for k, v in flags["rates"].items())
+        table += (f"\nImages whose mean predictive entropy is above the validation's "
+                  f"{100 * flags['quantile']:.0f}th percentile ({flags['limit_nats']:.4f} nats): "
+                  f"clean {100 * flags['clean_rate']:.0f}%, {rates}.\n")
     (out / "shift.md").write_text(f"{title}: calibration under image corruptions "
                                   "(docs/shift.md). Values in % except NLL.\n\n" + table)
     print(table)

@@ -231,7 +231,8 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     if getattr(args, "shift", None):
         from cals_seg.commands._shift import shift_results
 
-        result["shift"] = shift_results(run, args, split_set, result, calibrators)
+        result["shift"], result["entropy_flag"] = shift_results(run, args, split_set, result,
+                                                                calibrators)
     if getattr(args, "conformal", None):
         from cals_seg.commands._cli import USER_ERRORS, report
         from cals_seg.commands._conformal import conformal_evaluation
