@@ -282,3 +282,37 @@ def test_predict_seg_warns_far_from_validation(tmp_path, capsys):
         far = line["mean_entropy"] > saved["limit_nats"]
         assert line["far_from_validation"] == far
         assert (f"{line['input']}: mean predictive entropy" in err) == far
+
+
+def _metrics(ece: float) -> dict:
+    return {"ece": ece, "ece_band_weighted": 2 * ece, "nll": ece, "miou": 0.5}
+
+
+def test_severity_means_tables_and_curves(tmp_path):
+    from cals_seg.evaluation.shift import (
+        compare_table,
+        severity_curves,
+        severity_means,
+        shift_table,
+    )
+    from cals_seg.visualization.shift import plot_severity_curves
+
+    result = {"pre_ts": _metrics(0.1), "post_ts": _metrics(0.05), "temperature": 1.2,
+              "shift": {"fog:1": {"pre_ts": _metrics(0.2), "post_ts": _metrics(0.1)},
+                        "contrast:1": {"pre_ts": _metrics(0.4), "post_ts": _metrics(0.3)},
+                        "fog:5": {"pre_ts": _metrics(0.6), "post_ts": _metrics(0.5)}}}
+    means = severity_means(result["shift"])
+    assert means[1]["uncalibrated"]["ece"] == pytest.approx(0.3)
+    assert means[1]["ts (the run's T)"]["ece_band_weighted"] == pytest.approx(0.4)
+    assert means[5]["uncalibrated"]["ece"] == pytest.approx(0.6)
+    table = shift_table(result["shift"], clean=result)
+    assert "| mean at severity 1 | uncalibrated | 30.00 | 60.00 |" in table
+    assert "| clean | uncalibrated | 10.00 |" in table
+    curves = severity_curves({"ce": result}, "ece")
+    assert curves["ce, uncalibrated"] == [(0, 0.1), (1, pytest.approx(0.3)), (5, 0.6)]
+    line = [x for x in compare_table({"ce": result}, ["ece"]).splitlines()
+            if "uncalibrated" in x][0]
+    assert line == "| ce | uncalibrated | 10.00 | 30.00 | 60.00 |"
+    plot_severity_curves({k: [(s, 100 * v) for s, v in p] for k, p in curves.items()},
+                         tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
