@@ -285,7 +285,8 @@ def test_predict_seg_warns_far_from_validation(tmp_path, capsys):
 
 
 def _metrics(ece: float) -> dict:
-    return {"ece": ece, "ece_band_weighted": 2 * ece, "nll": ece, "miou": 0.5}
+    return {"ece": ece, "ece_band_weighted": 2 * ece, "nll": ece, "miou": 0.5,
+            "ece_band": [3 * ece, ece / 2]}
 
 
 def test_severity_means_tables_and_curves(tmp_path):
@@ -305,8 +306,10 @@ def test_severity_means_tables_and_curves(tmp_path):
     assert means[1]["uncalibrated"]["ece"] == pytest.approx(0.3)
     assert means[1]["ts (the run's T)"]["ece_band_weighted"] == pytest.approx(0.4)
     assert means[5]["uncalibrated"]["ece"] == pytest.approx(0.6)
+    assert means[1]["uncalibrated"]["ece_boundary"] == pytest.approx(0.9)
+    assert means[1]["uncalibrated"]["ece_interior"] == pytest.approx(0.15)
     table = shift_table(result["shift"], clean=result)
-    assert "| mean at severity 1 | uncalibrated | 30.00 | 60.00 |" in table
+    assert "| mean at severity 1 | uncalibrated | 30.00 | 60.00 | 90.00 | 15.00 |" in table
     assert "| clean | uncalibrated | 10.00 |" in table
     curves = severity_curves({"ce": result}, "ece")
     assert curves["ce, uncalibrated"] == [(0, 0.1), (1, pytest.approx(0.3)), (5, 0.6)]

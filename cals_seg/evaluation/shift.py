@@ -28,6 +28,17 @@ SHIFT_COLUMNS = (
 )
 
 
+def metric(metrics: Mapping[str, Any], key: str) -> float | None:
+    """``metrics[key]``; ``ece_boundary`` / ``ece_interior`` are the first / last entry of
+    ``ece_band`` (the band nearest to / farthest from the boundaries). ``None`` when absent."""
+    if key in ("ece_boundary", "ece_interior"):
+        bands = metrics.get("ece_band") or []
+        value = (bands[0] if key == "ece_boundary" else bands[-1]) if bands else None
+    else:
+        value = metrics.get(key)
+    return None if value is None else float(value)
+
+
 def shift_evaluation(evaluate_once: Callable[[Any], dict[str, Any]], dataset: Any,
                      corruptions: Sequence[Corruption]) -> dict[str, dict[str, Any]]:
     """``{NAME:SEVERITY: evaluate_once(corrupted copy of dataset)}`` in the order given."""
@@ -57,9 +68,9 @@ def severity_means(shift: Mapping[str, Mapping[str, Any]]
             values = [rows_of(r).get(row) for r in results]
             if any(v is None for v in values):
                 continue
-            per_row[row] = {k: sum(float(v[k]) for v in values) / len(values)
+            per_row[row] = {k: sum(metric(v, k) for v in values) / len(values)
                             for k, _, _ in SHIFT_COLUMNS
-                            if all(v.get(k) is not None for v in values)}
+                            if all(metric(v, k) is not None for v in values)}
         out[severity] = per_row
     return out
 
@@ -67,7 +78,7 @@ def severity_means(shift: Mapping[str, Mapping[str, Any]]
 def _cells(metrics: Mapping[str, Any]) -> list[str]:
     cells = []
     for key, _, percent in SHIFT_COLUMNS:
-        value = metrics.get(key)
+        value = metric(metrics, key)
         cells.append("-" if value is None else
                      f"{100 * value:.2f}" if percent else f"{value:.4f}")
     return cells
@@ -103,9 +114,9 @@ def severity_curves(evaluations: Mapping[str, Mapping[str, Any]], key: str = "ec
     for method, result in evaluations.items():
         means = severity_means(result.get("shift") or {})
         for row, metrics in rows_of(result).items():
-            if rows is not None and row not in rows or metrics.get(key) is None:
+            if rows is not None and row not in rows or metric(metrics, key) is None:
                 continue
-            points = [(0, float(metrics[key]))]
+            points = [(0, metric(metrics, key))]
             points += [(s, m[row][key]) for s, m in means.items() if key in m.get(row, {})]
             curves[f"{method}, {row}"] = points
     return curves
@@ -127,7 +138,7 @@ def compare_table(evaluations: Mapping[str, Mapping[str, Any]],
         for row, clean in rows_of(result).items():
             cells = [method, row]
             for k in keys:
-                values = [clean.get(k)] + [means.get(s, {}).get(row, {}).get(k)
+                values = [metric(clean, k)] + [means.get(s, {}).get(row, {}).get(k)
                                            for s in severities]
                 scale = 100 if percent.get(k, False) else 1
                 cells += ["-" if v is None else f"{scale * v:.2f}" if scale == 100
@@ -136,5 +147,5 @@ def compare_table(evaluations: Mapping[str, Mapping[str, Any]],
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["SHIFT_COLUMNS", "compare_table", "rows_of", "severity_curves", "severity_means",
-           "shift_evaluation", "shift_table"]
+__all__ = ["SHIFT_COLUMNS", "compare_table", "metric", "rows_of", "severity_curves",
+           "severity_means", "shift_evaluation", "shift_table"]
