@@ -31,7 +31,7 @@ SHIFT_COLUMNS = (
 def metric(metrics: Mapping[str, Any], key: str) -> float | None:
     """``metrics[key]``; ``ece_boundary`` / ``ece_interior`` are the first / last entry of
     ``ece_band`` (the band nearest to / farthest from the boundaries). ``None`` when absent."""
-    if key in ("ece_boundary", "ece_interior"):
+    if key in ("ece_boundary", "ece_interior") and key not in metrics:
         bands = metrics.get("ece_band") or []
         value = (bands[0] if key == "ece_boundary" else bands[-1]) if bands else None
     else:
