@@ -79,6 +79,7 @@ def run_test_pass(
     calibrators: Mapping[str, Calibrator] | None = None,
     progress: bool = False,
     desc: str = "test",
+    extra: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """THE test pass: metrics of the raw logits, of the logits divided by ``temperature`` and of
     every fitted calibrator, all from ONE pass of the network over ``loader``.
@@ -114,6 +115,7 @@ def run_test_pass(
     sets = {name: infer.meters(meters) for name in calibrators or {}}
     image_consumers = [Calibrated(cal.to(infer.device).eval(), sets[name])
                        for name, cal in (calibrators or {}).items()]  # fmt: skip
+    image_consumers += list(extra)  # more consumers of (logits, target, image) in the same pass
     infer.evaluate(loader, consumers, progress, desc, image_consumers)
     return {
         "pre_ts": compute(pre),

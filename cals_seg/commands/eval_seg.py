@@ -10,6 +10,8 @@ per-image calibration maps.
         [--calibrator-param lts.epochs=20 ...]
         [--conformal alpha=0.1 [mode=risk|image:0.9|class|band] [score=lac|aps]
                      [calibrator=NAME]]
+        [--shift NAME:SEVERITY ... | all:3 | all] [--shift-seed 0] [--calibrator-fit-shift]
+    python tools/eval_seg.py RUN1 RUN2 ... --ensemble --out DIR [options above]
     python tools/eval_seg.py CONFIG --checkpoint FILE ...     (older form: another config)
 
 Every metric is taken at each image's own resolution against its unmodified mask; the network
@@ -41,6 +43,12 @@ the held-out validation images and measured on the split: metrics.json["conforma
 --out DIR may not lie inside (or hold) data.root, and a file there is replaced only when
 eval_seg wrote it (DIR/.cals_seg_outputs.json lists them). Writing into the run (the default DIR,
 or --calibrators) holds the run folder's lock: refused while another process trains the run.
+With --shift, the split is evaluated again with each image corruption (docs/shift.md; masks
+untouched, seeded by --shift-seed): metrics.json["shift"]["NAME:SEVERITY"] holds the same
+dictionary as the clean evaluation and DIR/shift.md the table (with the mean over corruptions per
+severity). --calibrator-fit-shift also fits each calibrator on corrupted validation images
+(corruptions the benchmark does not use), reported as NAME+drift. --ensemble evaluates the mean
+probability of the runs given (their data and protocol must match).
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from cals_seg.commands._cli import (
     add_set_argument,
     protocol_overrides,
 )
+from cals_seg.commands._shift import add_shift_arguments
 from cals_seg.errors import MissingPathError, UserError
 
 # The names of cals_seg.calibrators.CALIBRATORS (listed here so that --help does not import torch;
@@ -73,8 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("run", metavar="RUN_DIR",
-                        help="a run folder (or, older form, a YAML config with --checkpoint)")
+    parser.add_argument("run", metavar="RUN_DIR", nargs="+",
+                        help="a run folder (or, older form, a YAML config with --checkpoint); "
+                        "several with --ensemble")
     parser.add_argument("--checkpoint", default="best",
                         help="best (default), last, or a checkpoint file")
     parser.add_argument("--split", default="test", choices=["train", "val", "test"])
@@ -97,9 +107,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prediction sets with a guarantee: alpha=0.1 [mode=risk|image:0.9|"
                         "class|band (comma-separated)] [score=lac|aps] [calibrator=NAME]")
     add_protocol_arguments(parser)
+    add_shift_arguments(parser)
     add_method_argument(parser)
     add_set_argument(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if len(args.run) == 1 and not args.ensemble:
+        args.run = args.run[0]
+    return args
 
 
 def calibrator_params(items: list[str]) -> dict[str, dict]:
@@ -157,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             from cals_seg.commands._conformal import parse_conformal
 
             args.conformal = parse_conformal(args.conformal)
-        run = open_run(args)
+        from cals_seg.commands._shift import check_shift_arguments, open_ensemble
+
+        check_shift_arguments(args)
+        run = open_ensemble(args, open_run) if args.ensemble else open_run(args)
         check_voc_data(run.task, tuple(dict.fromkeys(("val", args.split))))  # files named
         claim_outputs(run, args)
     except USER_ERRORS as err:
@@ -216,24 +233,33 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     if names:
         from cals_seg.calibrators import load_or_fit_calibrators
         from cals_seg.commands._cli import USER_ERRORS, report
-        from cals_seg.runs.run import Run
         from cals_seg.utils.distributed import is_distributed
 
+        cal_folder = getattr(args, "calibrator_folder", None) or \
+            run.checkpoint.resolve().parent / "calibrators"
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
         for name in dict.fromkeys(names):  # one that cannot be fitted is reported, not fatal
             try:
                 one, fit = load_or_fit_calibrators(
-                    [name], Run(run.checkpoint.resolve().parent).calibrators, task.num_classes,
-                    infer, val_loader, task.ignore_index, args.refit_calibrators,
-                    getattr(args, "calibrator_params", None))
+                    [name], cal_folder, task.num_classes, infer, val_loader, task.ignore_index,
+                    args.refit_calibrators, getattr(args, "calibrator_params", None))
             except (*USER_ERRORS, ValueError) as err:
                 skipped[name] = calibrator_skip(name, err)
                 report(UserError(f"calibrator {name} skipped: {skipped[name]}"))
                 continue
             calibrators.update(one)
             fits.update(fit)
+        if getattr(args, "calibrator_fit_shift", False) and calibrators:
+            from cals_seg.commands._shift import drift_calibrators
+
+            try:
+                drifted = drift_calibrators(run, args, list(calibrators), cal_folder,
+                                            e.batch_size, workers)
+            except USER_ERRORS as err:
+                return report(err)
+            calibrators, fits = calibrators | drifted[0], fits | drifted[1]
     result = calibrated_test(
         infer, task, val_loader, make_loader(split_set, e.batch_size, False, workers), e.n_bins,
         e.temperature_scaling, cfg.train.progress, calibrators=calibrators,
@@ -242,6 +268,13 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
                   precision=infer.amp, family=run.family, score_metric=run.score_metric)
     if fits:
         result["calibrator_fits"] = fits
+    if run.extra.get("ensemble"):
+        result["ensemble"] = run.extra["ensemble"]
+    if getattr(args, "shift", None):
+        from cals_seg.commands._shift import shift_results
+
+        result["shift"], result["entropy_flag"] = shift_results(run, args, split_set, result,
+                                                                calibrators)
     if getattr(args, "conformal", None):
         from cals_seg.commands._cli import USER_ERRORS, report
         from cals_seg.commands._conformal import conformal_evaluation
@@ -297,6 +330,10 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
                 ece=result[key]["ece"],
             )
     write_calibrator_outputs(result, out, f"{cfg.name}, {args.split} split")
+    if result.get("shift"):
+        from cals_seg.commands._shift import write_shift
+
+        write_shift(result, out, f"{cfg.name}, {args.split} split")
     if result.get("conformal"):
         from cals_seg.commands._conformal import conformal_table
 

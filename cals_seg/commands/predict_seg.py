@@ -35,6 +35,10 @@ resolution whatever the network input (see cals_seg.evaluation.inference).
 DIR may not be, lie inside or hold an input folder, and an existing file there is replaced only
 when predict_seg wrote it (listed in DIR/.cals_seg_outputs.json); both are refused before any
 prediction.
+Far from the validation data: an image whose mean predictive entropy is above the 99th
+percentile of the validation images' (computed once with the same calibration and kept in
+<run>/calibrators/entropy_p99_<T or calibrator>.json) gets a warning and
+``"far_from_validation": true`` in its JSON line (docs/shift.md); --no-ood-check skips it.
 
 Exit status: 0, or 1 when some inputs could not be read (each is named, the rest are written),
 or 2 on a usage error or, with --strict, at the first unreadable input.
@@ -112,6 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first unreadable input (default: name it, go on)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
+    parser.add_argument("--no-ood-check", dest="ood_check", action="store_false",
+                        help="no warning for images far from the validation data")
     add_protocol_arguments(parser)
     add_set_argument(parser)
     args = parser.parse_args(argv)
@@ -161,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         planned = [f"{name}_{kind}" for name in output_names(files) for kind in kinds]
         out_folder.check_free([*planned, "predictions.jsonl"])
         out_folder.claim([*planned, "predictions.jsonl"])
+        reference = None
+        if args.ood_check:
+            from cals_seg.commands._shift import entropy_reference
+
+            reference = entropy_reference(run, temperature, args.calibrator,
+                                          args.calibrator_module)
     except USER_ERRORS as err:
         return report(err)
     cfg, model, protocol, device, amp = run.config, run.model, run.protocol, run.device, \
@@ -192,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
                 **summary(pred, args.threshold, names),
                 "outputs": write_outputs(out, name, image, pred, k, args.threshold, palette),
             }
+            if reference is not None:
+                far = record["mean_entropy"] > reference["limit_nats"]
+                record["far_from_validation"] = bool(far)
+                if far:
+                    tqdm.write(f"warning: {path}: mean predictive entropy "
+                               f"{record['mean_entropy']:.4f} nats is above the validation "
+                               f"images' 99th percentile ({reference['limit_nats']:.4f}); the "
+                               "image may be far from the training data and its confidences "
+                               "less reliable.", file=sys.stderr)
             if conformal is not None:
                 from cals_seg.commands._conformal import image_sets, set_summary, write_set_outputs
 

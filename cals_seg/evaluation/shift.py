@@ -1,0 +1,151 @@
+"""Calibration under image corruptions: the same evaluation on a corrupted copy of the split.
+
+The corruption is a data transform (:mod:`cals_seg.data.corruptions`): the split's images are
+corrupted before its own transform, its masks are not touched, and the evaluation itself is the
+clean one (``evaluate_once(dataset) -> metrics dict``, the caller's), so every entry of
+``metrics.json["shift"]["NAME:SEVERITY"]`` is the same dictionary as the clean one::
+
+    shifted = shift_evaluation(lambda ds: calibrated_test(..., loader(ds), ...), test_set,
+                               parse_shifts(["fog:3", "all:5"], seed=0))
+    print(shift_table(shifted))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from cals_seg.data.corruptions import Corruption, corrupted_dataset
+
+# (metric key, column title, in percent) of the shift tables.
+SHIFT_COLUMNS = (
+    ("ece", "ECE", True),
+    ("ece_band_weighted", "band-weighted ECE", True),
+    ("ece_boundary", "boundary ECE", True),
+    ("ece_interior", "interior ECE", True),
+    ("nll", "NLL", False),
+    ("miou", "mIoU", True),
+)
+
+
+def metric(metrics: Mapping[str, Any], key: str) -> float | None:
+    """``metrics[key]``; ``ece_boundary`` / ``ece_interior`` are the first / last entry of
+    ``ece_band`` (the band nearest to / farthest from the boundaries). ``None`` when absent."""
+    if key in ("ece_boundary", "ece_interior") and key not in metrics:
+        bands = metrics.get("ece_band") or []
+        value = (bands[0] if key == "ece_boundary" else bands[-1]) if bands else None
+    else:
+        value = metrics.get(key)
+    return None if value is None else float(value)
+
+
+def shift_evaluation(evaluate_once: Callable[[Any], dict[str, Any]], dataset: Any,
+                     corruptions: Sequence[Corruption]) -> dict[str, dict[str, Any]]:
+    """``{NAME:SEVERITY: evaluate_once(corrupted copy of dataset)}`` in the order given."""
+    return {c.key: evaluate_once(corrupted_dataset(dataset, c)) for c in corruptions}
+
+
+def rows_of(result: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The rows one evaluation holds: ``uncalibrated`` (pre-TS), ``ts (the run's T)``
+    (post-TS) and each calibrator, each a metric dictionary."""
+    rows: dict[str, Mapping[str, Any]] = {"uncalibrated": result["pre_ts"]}
+    if result.get("post_ts"):
+        rows["ts (the run's T)"] = result["post_ts"]
+    rows.update(result.get("calibrators") or {})
+    return rows
+
+
+def severity_means(shift: Mapping[str, Mapping[str, Any]]
+                   ) -> dict[int, dict[str, dict[str, float]]]:
+    """``{severity: {row: {metric: mean over the corruptions evaluated at that severity}}}``."""
+    groups: dict[int, list[Mapping[str, Any]]] = {}
+    for key, result in shift.items():
+        groups.setdefault(int(key.rpartition(":")[2]), []).append(result)
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for severity, results in sorted(groups.items()):
+        per_row: dict[str, dict[str, float]] = {}
+        for row in rows_of(results[0]):
+            values = [rows_of(r).get(row) for r in results]
+            if any(v is None for v in values):
+                continue
+            per_row[row] = {k: sum(metric(v, k) for v in values) / len(values)
+                            for k, _, _ in SHIFT_COLUMNS
+                            if all(metric(v, k) is not None for v in values)}
+        out[severity] = per_row
+    return out
+
+
+def _cells(metrics: Mapping[str, Any]) -> list[str]:
+    cells = []
+    for key, _, percent in SHIFT_COLUMNS:
+        value = metric(metrics, key)
+        cells.append("-" if value is None else
+                     f"{100 * value:.2f}" if percent else f"{value:.4f}")
+    return cells
+
+
+def shift_table(shift: Mapping[str, Mapping[str, Any]],
+                clean: Mapping[str, Any] | None = None) -> str:
+    """Markdown: one line per corruption and row (calibrator), then the mean over corruptions
+    per severity; ``clean`` (the clean evaluation) first when given. Values in % except NLL."""
+    head = ["corruption", "calibrator", *[title for _, title, _ in SHIFT_COLUMNS]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    blocks: list[tuple[str, Mapping[str, Any]]] = []
+    if clean is not None:
+        blocks.append(("clean", rows_of(clean)))
+    blocks += [(key, rows_of(result)) for key, result in shift.items()]
+    blocks += [(f"mean at severity {s}", rows)
+               for s, rows in severity_means(shift).items()]
+    for name, rows in blocks:
+        for row, metrics in rows.items():
+            lines.append("| " + " | ".join([name, row, *_cells(metrics)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+
+
+
+def severity_curves(evaluations: Mapping[str, Mapping[str, Any]], key: str = "ece_band_weighted",
+                    rows: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
+    """``{"METHOD, ROW": [(0, clean), (s, mean over corruptions at s), ...]}`` of ``key`` for
+    each evaluation (a ``metrics.json`` with ``"shift"``, keyed by method) and each of its rows
+    (``rows``: only these)."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for method, result in evaluations.items():
+        means = severity_means(result.get("shift") or {})
+        for row, metrics in rows_of(result).items():
+            if rows is not None and row not in rows or metric(metrics, key) is None:
+                continue
+            points = [(0, metric(metrics, key))]
+            points += [(s, m[row][key]) for s, m in means.items() if key in m.get(row, {})]
+            curves[f"{method}, {row}"] = points
+    return curves
+
+
+def compare_table(evaluations: Mapping[str, Mapping[str, Any]],
+                  keys: Sequence[str] = ("ece", "ece_band_weighted", "nll", "miou")) -> str:
+    """Markdown: one line per method and row (calibrator), the clean value and the mean over
+    corruptions at each severity evaluated, for each of ``keys`` (% except NLL)."""
+    percent = {k: p for k, _, p in SHIFT_COLUMNS}
+    titles = {k: t for k, t, _ in SHIFT_COLUMNS}
+    severities = sorted({int(k.rpartition(":")[2]) for r in evaluations.values()
+                         for k in (r.get("shift") or {})})
+    head = ["method", "calibrator"] + [f"{titles.get(k, k)} {s}" for k in keys
+                                       for s in ("clean", *severities)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, result in evaluations.items():
+        means = severity_means(result.get("shift") or {})
+        for row, clean in rows_of(result).items():
+            cells = [method, row]
+            for k in keys:
+                values = [metric(clean, k)] + [means.get(s, {}).get(row, {}).get(k)
+                                           for s in severities]
+                scale = 100 if percent.get(k, False) else 1
+                cells += ["-" if v is None else f"{scale * v:.2f}" if scale == 100
+                          else f"{v:.4f}" for v in values]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["SHIFT_COLUMNS", "compare_table", "metric", "rows_of", "severity_curves",
+           "severity_means", "shift_evaluation", "shift_table"]

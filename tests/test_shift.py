@@ -1,0 +1,321 @@
+"""Corruptions (seeded, masks untouched, severity monotone), the shift evaluation, ensembles and
+calibrators fitted for drift."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cals_seg.data.corruptions import (
+    CORRUPTIONS,
+    FIT_CORRUPTIONS,
+    SEVERITIES,
+    Corruption,
+    DriftMixture,
+    corrupted_dataset,
+    motion_kernel,
+    parse_shifts,
+    plasma_fractal,
+)
+from cals_seg.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+# ImageNet-C's own parameters are not monotone in PSNR for these (glass blur: severity 2 has one
+# iteration, 1 and 3 two and three; pixelate: the sampling grid's phase; fog: the fractal's
+# decay and the final rescaling; saturate: factors .3 .1 2 5 20): severity 5 is still the worst.
+NOT_MONOTONE = {"glass_blur", "pixelate", "fog", "saturate"}
+
+
+def _image(h: int = 96, w: int = 128) -> np.ndarray:
+    """Smooth colour waves and two flat rectangles (edges), uint8 (h, w, 3)."""
+    yy, xx = np.mgrid[:h, :w] / max(h, w)
+    base = np.stack([0.5 + 0.3 * np.sin(6 * xx + 1), 0.5 + 0.3 * np.cos(5 * yy),
+                     0.5 + 0.25 * np.sin(4 * (xx + yy))], -1)
+    base[20:60, 30:70] = [0.9, 0.2, 0.1]
+    base[50:90, 80:120] = [0.1, 0.3, 0.8]
+    return (base * 255).astype(np.uint8)
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 10 * np.log10(255.0**2 / max(mse, 1e-12))
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS + FIT_CORRUPTIONS)
+def test_each_corruption_is_seeded_and_keeps_the_mask(name):
+    image = _image(40, 56)
+    mask = np.arange(40 * 56, dtype=np.uint8).reshape(40, 56)
+    for severity in SEVERITIES:
+        tf = Corruption(name, severity, seed=3)
+        out = tf(image=image, mask=mask, index=5)
+        assert out["mask"] is mask and out["image"].shape == image.shape
+        assert out["image"].dtype == np.uint8
+        assert np.array_equal(out["image"], Corruption(name, severity, 3).apply(image, 5))
+        assert not np.array_equal(out["image"], image)
+    assert np.array_equal(image, _image(40, 56))  # the input is not modified
+    random = name in ("gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise", "fog",
+                      "glass_blur", "motion_blur")
+    if random:  # another image index or seed draws another corruption
+        a = Corruption(name, 3, 3).apply(image, 5)
+        assert not np.array_equal(a, Corruption(name, 3, 3).apply(image, 6))
+        assert not np.array_equal(a, Corruption(name, 3, 4).apply(image, 5))
+
+
+@pytest.mark.parametrize("name", CORRUPTIONS + FIT_CORRUPTIONS)
+def test_severity_lowers_the_psnr(name):
+    image = _image()
+    psnr = [np.mean([_psnr(image, Corruption(name, s, seed).apply(image, 0))
+                     for seed in range(3)]) for s in SEVERITIES]
+    if name in NOT_MONOTONE:
+        assert psnr[4] < psnr[0] or name == "saturate" and psnr[4] < psnr[2]
+    else:
+        assert all(np.diff(psnr) < 0), psnr
+
+
+def test_hand_cases():
+    image = np.full((4, 4, 3), 100, np.uint8)
+    image[0, 0] = (200, 40, 10)
+    # contrast: (x - mean) c + mean, per channel
+    x = image / 255.0
+    mean = x.mean(axis=(0, 1))
+    want = np.clip((x - mean) * 0.4 + mean, 0, 1) * 255
+    got = Corruption("contrast", 1).apply(image, 0)
+    assert np.abs(got - want).max() <= 0.5 + 1e-9
+    # brightness: V + 0.5 scales every channel by V' / V (a grey pixel: 100 + 127.5)
+    assert (Corruption("brightness", 5).apply(image, 0)[1, 1] == 228).all()
+    # impulse noise: only 0 and 255 appear where values changed
+    noisy = Corruption("impulse_noise", 5).apply(image, 0)
+    changed = noisy != image
+    assert changed.any() and set(np.unique(noisy[changed])) <= {0, 255}
+    # the motion kernel sums to 1, starts at the centre and is one-sided
+    k = motion_kernel(10, 3.0, 0.0)
+    assert k.sum() == pytest.approx(1.0) and k[10, 10] == k.max() and k[10, :10].sum() == 0
+    p = plasma_fractal(64, 2.0, np.random.default_rng(0))
+    assert p.shape == (64, 64) and p.min() == 0 and p.max() == 1
+
+
+def test_parse_shifts():
+    assert [c.key for c in parse_shifts(["fog:3", "fog:3", "contrast:1"])] == \
+        ["fog:3", "contrast:1"]
+    assert len(parse_shifts(["all:3"])) == len(CORRUPTIONS)
+    assert len(parse_shifts(["all"])) == 5 * len(CORRUPTIONS)
+    for bad in ("fog", "fog:0", "fog:6", "snow:2", "speckle_noise:2", "fog:x"):
+        with pytest.raises(UserError, match="--shift"):
+            parse_shifts([bad])
+    for name in ("gaussian_noise", "motion_blur", "jpeg_compression", "fog", "brightness",
+                 "contrast"):
+        assert name in CORRUPTIONS
+    assert not set(FIT_CORRUPTIONS) & set(CORRUPTIONS)
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = ["a", "b", "c"]
+        self.loads = 0
+
+    def load_image(self, sample_id: str) -> np.ndarray:
+        self.loads += 1
+        return _image(24, 32) + self.ids.index(sample_id)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"image": self.load_image(self.ids[i]), "mask": np.full((24, 32), i)}
+
+
+def test_corrupted_dataset_and_drift_mixture():
+    clean = _Samples()
+    tf = Corruption("gaussian_noise", 2, seed=1)
+    shifted = corrupted_dataset(clean, tf)
+    for i in range(3):
+        assert np.array_equal(shifted[i]["image"], tf.apply(clean[i]["image"], i))
+        assert np.array_equal(shifted[i]["mask"], clean[i]["mask"])
+    assert clean.load_image.__self__ is clean  # the original dataset is unchanged
+    mixture = DriftMixture(seed=0)
+    chosen = [mixture.choice(i) for i in range(60)]
+    assert {c.name for c in chosen if c} == set(FIT_CORRUPTIONS)
+    assert None in chosen and {c.severity for c in chosen if c} == set(SEVERITIES)
+    drifted = corrupted_dataset(clean, mixture)
+    for i in range(3):
+        c = mixture.choice(i)
+        want = clean[i]["image"] if c is None else c.apply(clean[i]["image"], i)
+        assert np.array_equal(drifted[i]["image"], want)
+    with pytest.raises(UserError, match="load_image"):
+        corrupted_dataset([1, 2], tf)
+
+
+def test_ensemble_is_the_mean_probability():
+    from cals_seg.evaluation.ensemble import Ensemble
+    from cals_seg.evaluation.inference import EvalProtocol, segment_logits
+
+    torch.manual_seed(0)
+    nets = [torch.nn.Conv2d(3, 4, 3, padding=1).double() for _ in range(3)]
+    x = torch.randn(2, 3, 20, 26, dtype=torch.float64)
+    probs = [torch.softmax(net(x), 1) for net in nets]
+    with torch.no_grad():
+        got = torch.softmax(Ensemble(nets)(x), 1).double()  # float32 log-probabilities
+        want = sum(probs) / 3
+        assert torch.allclose(got, want, atol=1e-6)
+        # one member: the run's probabilities under any protocol (tiles, resize)
+        for protocol in (EvalProtocol(), EvalProtocol(mode="slide", window=12, stride=7),
+                         EvalProtocol(resize=13)):
+            one = segment_logits(Ensemble(nets[:1]).float(), x.float(), protocol)
+            ref = segment_logits(nets[0].float(), x.float(), protocol)
+            assert torch.allclose(torch.softmax(one, 1), torch.softmax(ref, 1), atol=1e-5)
+
+
+def test_different_protocols_are_refused():
+    from cals_seg.evaluation.ensemble import check_members, protocol_of
+    from cals_seg.evaluation.inference import EvalProtocol
+
+    a = protocol_of({"data": {"name": "voc", "num_classes": 21}}, EvalProtocol())
+    check_members(["r1", "r2"], [a, dict(a)])
+    b = protocol_of({"data": {"name": "voc", "num_classes": 21}}, EvalProtocol(resize=512))
+    with pytest.raises(UserError, match="r2 has eval protocol"):
+        check_members(["r1", "r2"], [a, b])
+
+
+def _tiny_run(tmp_path: Path, name: str, seed: int, extra: tuple[str, ...] = ()) -> Path:
+    from cals_seg.config.schema import load_config, save_config
+    from cals_seg.tasks.segmentation import build_model
+
+    sets = [f"data.root={tmp_path / 'data'}",
+            "data.synthetic={num_train: 20, num_test: 3, image_size: 32}",
+            "train.amp=none", "train.threads=1", "train.progress=false", "eval.num_maps=0",
+            "train.device=cpu", "model.encoder_name=tu-mobilenetv3_small_050",
+            "model.params={encoder_output_stride: 16, decoder_channels: 16}", *extra]
+    cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", sets, "ce")
+    torch.manual_seed(seed)
+    run = tmp_path / name
+    run.mkdir()
+    save_config(cfg, run / "config.yaml")
+    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
+               run / "checkpoint_best.pt")
+    return run
+
+
+def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
+    from .conftest import load_tool
+
+    eval_seg = load_tool("eval_seg")
+    r1, r2 = _tiny_run(tmp_path, "r1", 0), _tiny_run(tmp_path, "r2", 1)
+    out = tmp_path / "e1"
+    assert eval_seg.main([str(r1), "--out", str(out), "--shift", "fog:1", "contrast:5",
+                          "--calibrators", "ts", "--calibrator-fit-shift"]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert list(m["shift"]) == ["fog:1", "contrast:5"]
+    for entry in m["shift"].values():
+        assert set(entry["pre_ts"]) == set(m["pre_ts"])
+        assert set(entry["calibrators"]) == {"ts", "ts+drift"}
+        assert entry["temperature"] == m["temperature"]
+    assert m["shift"]["contrast:5"]["pre_ts"]["ece"] != m["pre_ts"]["ece"]
+    assert (r1 / "calibrators" / "drift" / "ts.pt").is_file()
+    assert "mean at severity 5" in (out / "shift.md").read_text()
+    # the ensemble of one run is the run
+    ens = tmp_path / "ens1"
+    assert eval_seg.main([str(r1), "--ensemble", "--out", str(ens)]) == 0
+    one = json.loads((ens / "metrics.json").read_text())
+    for key in ("ece", "nll", "miou", "ece_band_weighted"):
+        assert one["pre_ts"][key] == pytest.approx(m["pre_ts"][key], abs=1e-5)
+    assert one["ensemble"]["size"] == 1
+    # two runs: an ensemble; without --ensemble refused
+    assert eval_seg.main([str(r1), str(r2), "--ensemble", "--out", str(tmp_path / "e2")]) == 0
+    assert json.loads((tmp_path / "e2" / "metrics.json").read_text())["ensemble"]["size"] == 2
+    capsys.readouterr()
+    assert eval_seg.main([str(r1), str(r2), "--out", str(tmp_path / "e3")]) != 0
+    assert "--ensemble" in capsys.readouterr().err
+    r3 = _tiny_run(tmp_path, "r3", 2, ("eval.resize=48",))
+    assert eval_seg.main([str(r1), str(r3), "--ensemble", "--out", str(tmp_path / "e4")]) != 0
+    err = capsys.readouterr().err
+    assert "eval protocol" in err and len(err.strip().splitlines()) == 1
+
+
+def test_mean_entropy_flag_against_loops():
+    from cals_seg.evaluation.ood import MeanEntropy, entropy_limit, flagged_rate
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 5, 6, dtype=torch.float64) * 3
+    ref = MeanEntropy(temperature=1.5)
+    ref.update(logits[:2].float(), None, None)
+    ref.update(logits[2:].float(), None, None)
+    for n in range(3):
+        total = 0.0
+        for i in range(5):
+            for j in range(6):
+                z = [float(v) / 1.5 for v in logits[n, :, i, j]]
+                m = max(z)
+                e = [np.exp(v - m) for v in z]
+                p = [v / sum(e) for v in e]
+                total -= sum(q * np.log(q) for q in p)
+        assert ref.values[n] == pytest.approx(total / 30, rel=1e-5)
+    values = [0.1, 0.2, 0.3, 0.4]
+    assert entropy_limit(values, 0.5) == pytest.approx(0.25)
+    assert flagged_rate([0.1, 0.5, 0.9], 0.4) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="no validation"):
+        entropy_limit([])
+
+
+def test_predict_seg_warns_far_from_validation(tmp_path, capsys):
+    from PIL import Image
+
+    from .conftest import load_tool
+
+    run = _tiny_run(tmp_path, "r", 0)
+    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"), "--shift",
+                                       "gaussian_noise:5"]) == 0
+    flag = json.loads((tmp_path / "e" / "metrics.json").read_text())["entropy_flag"]
+    assert set(flag["rates"]) == {"gaussian_noise:5"} and 0 <= flag["clean_rate"] <= 1
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    Image.fromarray(_image(32, 32)).save(images / "a.png")
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(images / "b.png")
+    out = tmp_path / "pred"
+    assert load_tool("predict_seg").main([str(run), str(images), "--out", str(out),
+                                          "--no-progress", "--temperature", "1"]) == 0
+    saved = json.loads(next((run / "calibrators").glob("entropy_p99_T1.0000.json")).read_text())
+    lines = [json.loads(x) for x in (out / "predictions.jsonl").read_text().splitlines()]
+    err = capsys.readouterr().err
+    for line in lines:
+        far = line["mean_entropy"] > saved["limit_nats"]
+        assert line["far_from_validation"] == far
+        assert (f"{line['input']}: mean predictive entropy" in err) == far
+
+
+def _metrics(ece: float) -> dict:
+    return {"ece": ece, "ece_band_weighted": 2 * ece, "nll": ece, "miou": 0.5,
+            "ece_band": [3 * ece, ece / 2]}
+
+
+def test_severity_means_tables_and_curves(tmp_path):
+    from cals_seg.evaluation.shift import (
+        compare_table,
+        severity_curves,
+        severity_means,
+        shift_table,
+    )
+    from cals_seg.visualization.shift import plot_severity_curves
+
+    result = {"pre_ts": _metrics(0.1), "post_ts": _metrics(0.05), "temperature": 1.2,
+              "shift": {"fog:1": {"pre_ts": _metrics(0.2), "post_ts": _metrics(0.1)},
+                        "contrast:1": {"pre_ts": _metrics(0.4), "post_ts": _metrics(0.3)},
+                        "fog:5": {"pre_ts": _metrics(0.6), "post_ts": _metrics(0.5)}}}
+    means = severity_means(result["shift"])
+    assert means[1]["uncalibrated"]["ece"] == pytest.approx(0.3)
+    assert means[1]["ts (the run's T)"]["ece_band_weighted"] == pytest.approx(0.4)
+    assert means[5]["uncalibrated"]["ece"] == pytest.approx(0.6)
+    assert means[1]["uncalibrated"]["ece_boundary"] == pytest.approx(0.9)
+    assert means[1]["uncalibrated"]["ece_interior"] == pytest.approx(0.15)
+    table = shift_table(result["shift"], clean=result)
+    assert "| mean at severity 1 | uncalibrated | 30.00 | 60.00 | 90.00 | 15.00 |" in table
+    assert "| clean | uncalibrated | 10.00 |" in table
+    curves = severity_curves({"ce": result}, "ece")
+    assert curves["ce, uncalibrated"] == [(0, 0.1), (1, pytest.approx(0.3)), (5, 0.6)]
+    line = [x for x in compare_table({"ce": result}, ["ece"]).splitlines()
+            if "uncalibrated" in x][0]
+    assert line == "| ce | uncalibrated | 10.00 | 30.00 | 60.00 |"
+    plot_severity_curves({k: [(s, 100 * v) for s, v in p] for k, p in curves.items()},
+                         tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
