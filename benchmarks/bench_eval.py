@@ -235,6 +235,17 @@ def main(argv: list[str] | None = None) -> int:
             peak = "n/a" if r["peak_logits"] is None else f"{r['peak_logits']:.2f}"
             cells.append(f"{ratio} | {peak}")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    limits = {"CalibrationMeter": 3.0, "apply boundary_ts": 1.5, "apply lts": 5.0}
+    for label in args.shapes:
+        for r in results[label]:
+            if r["name"] in limits:
+                limit = limits[r["name"]]
+                print(f"TARGET | eval {label}: {r['name']} time / softmax | {r['ratio']:.4g} | "
+                      f"<= {limit:g} | {'MET' if r['ratio'] <= limit else 'NOT MET'}")
+            if r["name"] in args.meters and r["peak_logits"] is not None:
+                met = r["peak_logits"] <= 2.0
+                print(f"TARGET | eval {label}: {r['name']} peak extra memory / logits | "
+                      f"{r['peak_logits']:.4g} | <= 2 | {'MET' if met else 'NOT MET'}")
     if not args.no_loop:
         print()
         print("| evaluation loop (DeepLabV3 ResNet-18 forward + every meter) | images / s |")
