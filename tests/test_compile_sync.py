@@ -424,10 +424,8 @@ def test_f_cross_entropy_reference_is_unchanged():
 
 # ---------------------------------------------------------------- the drop-in call
 # Every loss built with its default settings (no test margins, no deferred_checks set), called
-# directly as a user's loop calls it. cals_alm_bands is left out: without a band map from the
-# data it makes the map on the host (a distance transform), and with one it checks the map on
-# the host.
-DEFAULT_NAMES = tuple(n for n in LOSSES if n != "cals_alm_bands")
+# directly as a user's loop calls it (cals_alm_bands makes its band map on the device).
+DEFAULT_NAMES = tuple(LOSSES)
 
 
 @pytest.mark.parametrize("name", DEFAULT_NAMES)
@@ -467,3 +465,22 @@ def test_observe_and_update_report_earlier_bad_labels():
     loss(logits, bad)
     with pytest.raises(ValueError, match=r"holds 1 value\(s\)"):
         loss.update_multipliers(0)
+
+
+def test_band_map_check_is_deferred():
+    """cals_alm_bands: a band map with values outside [0, B) at valid pixels is counted on the
+    device and reported by check() (eager: at once)."""
+    logits, target = _data(2, 6, 7, seed=7)
+    loss = build_loss("cals_alm_bands", K, ignore_index=VOID)
+    band = loss.band_map(target)
+    bad = band.clone()
+    bad[target != VOID] = 5
+    with HostReads() as reads:
+        loss(logits, target, band=bad)
+    assert reads.calls == []
+    with pytest.raises(ValueError, match=r"`band` holds values outside \[0, 3\).*deferred"):
+        loss.check()
+    loss.check()
+    loss.deferred_checks = False
+    with pytest.raises(ValueError, match=r"`band` holds values outside \[0, 3\)"):
+        loss(logits, target, band=bad)

@@ -62,3 +62,18 @@ def test_predicted_bands_of_boundary_ts():
     pred = logits.argmax(dim=1).numpy()
     assert torch.equal(predicted_bands(logits, (3.0, 8.0)),
                        torch.from_numpy(boundary_bands(pred, (3.0, 8.0))))
+
+
+def test_ground_truth_bands_with_void_equal_the_loss_bands():
+    """cals_alm_bands' device map equals the numpy distance_bands (void: -1, a void neighbour
+    counts as different, a void pixel is no boundary pixel)."""
+    from cals_seg.losses import build_loss
+    from cals_seg.losses._bands import distance_bands
+
+    labels = _maps(11, 2, 41, 57, 3, 10)
+    g = torch.Generator().manual_seed(11)
+    labels[torch.rand(labels.shape, generator=g) < 0.05] = 255
+    labels[:, 10:14, 20:30] = 255
+    loss = build_loss("cals_alm_bands", 3, ignore_index=255, bands=[2.0, 5.5])
+    expected = distance_bands(labels.numpy(), (2.0, 5.5), 255)
+    assert torch.equal(loss.band_map(labels), torch.from_numpy(expected))

@@ -42,7 +42,7 @@ _REQUIRED_METHODS = ("_observe", "_update")
 
 
 # SegLoss's per-call label-check counts (transient, never saved: not state)
-_CHECK_ATTRIBUTES = ("bad_labels", "_unchecked_bad_labels")
+_CHECK_ATTRIBUTES = ("bad_labels", "_unchecked_bad_labels", "_unchecked_bad_bands")
 
 
 class _BuiltChecked(type):

@@ -18,12 +18,13 @@ from torch import Tensor
 from cals_seg.metrics.regions import band_thresholds
 
 
-def boundary_mask(label_map: Tensor) -> Tensor:
-    """Pixels with at least one of their 8 neighbours inside the image of another value.
+def boundary_mask(label_map: Tensor, ignore_index: int | None = None) -> Tensor:
+    """Valid pixels with at least one of their 8 neighbours inside the image of another value.
 
-    The rule of :func:`cals_seg.metrics.regions.boundary_pixels` with no void and no padding:
-    each of the four neighbour directions compares the overlapping slices once and marks both
-    pixels of a differing pair.
+    The rule of :func:`cals_seg.metrics.regions.boundary_pixels` (no padding): each of the four
+    neighbour directions compares the overlapping slices once and marks both pixels of a
+    differing pair; a void neighbour (``ignore_index``) counts as different, a void pixel is
+    never a boundary pixel. ``ignore_index=None``: no void (a predicted map).
 
     Shape:
         - label_map: ``(N, H, W)`` integer; returns ``(N, H, W)`` bool.
@@ -42,6 +43,8 @@ def boundary_mask(label_map: Tensor) -> Tensor:
         diff = t[a] != t[b]
         out[a] |= diff
         out[b] |= diff
+    if ignore_index is not None:
+        out &= t != ignore_index
     return out
 
 
@@ -81,20 +84,33 @@ def squared_distance_below(boundary: Tensor, limit: int) -> Tensor:
     return out.clamp_(max=limit)
 
 
-def label_map_bands(label_map: Tensor, bands: Sequence[float]) -> Tensor:
-    """Band of every pixel of a map without void (a predicted map): the boundary rule of
-    :func:`boundary_mask`, and with ``edges = [0, *bands, inf]`` band ``i`` where
-    ``edges[i] <= d < edges[i + 1]``, decided as :func:`cals_seg.metrics.regions.boundary_bands`
-    does (``d < b <=> D < ceil(b^2)`` on the exact squared distance ``D``); equal to it.
+def int_thresholds(bands: Sequence[float]) -> tuple[int, ...]:
+    """:func:`cals_seg.metrics.regions.band_thresholds` as Python ints."""
+    return tuple(int(t) for t in band_thresholds(bands))
+
+
+def label_map_bands(label_map: Tensor, bands: Sequence[float],
+                    ignore_index: int | None = None,
+                    thresholds: Sequence[int] | None = None) -> Tensor:
+    """Band of every pixel: the boundary rule of :func:`boundary_mask`, and with
+    ``edges = [0, *bands, inf]`` band ``i`` where ``edges[i] <= d < edges[i + 1]``, decided as
+    :func:`cals_seg.metrics.regions.boundary_bands` does (``d < b <=> D < ceil(b^2)`` on the
+    exact squared distance ``D``); equal to it (void pixels get the band of their distance
+    too, as there).
+
+    ``thresholds``: :func:`int_thresholds` of ``bands`` made beforehand (no numpy in the call:
+    what a compiled caller passes).
 
     Shape:
         - label_map: ``(N, H, W)`` integer; returns ``(N, H, W)`` int64 in ``[0, len(bands)]``.
     """
-    thresholds = [int(t) for t in band_thresholds(bands)]
+    if thresholds is None:
+        thresholds = int_thresholds(bands)
     out = torch.zeros(label_map.shape, dtype=torch.int64, device=label_map.device)
     if not thresholds:
         return out
-    dist2 = squared_distance_below(boundary_mask(label_map), max(thresholds))
+    boundary = boundary_mask(label_map, ignore_index)
+    dist2 = squared_distance_below(boundary, max(thresholds))
     for t in thresholds:
         out += dist2 >= t
     return out
