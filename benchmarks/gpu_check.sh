@@ -9,7 +9,8 @@
 # 2. three 3-epoch synthetic DeepLabV3 CALS-ALM runs: train.amp fp16, bf16, and bf16 with
 #    train.channels_last + train.compile; checks history.jsonl (3 epochs, every lambda finite)
 #    and test_metrics.json (pre_ts.ece finite);
-# 3. bench_loss (8x21x512x512), bench_metrics (against torchmetrics), bench_train_step
+# 3. bench_loss (8x21x512x512), bench_metrics (against torchmetrics), bench_eval (meters and
+#    calibrators at Cityscapes / ADE20K shapes, as ratios to softmax), bench_train_step
 #    (DeepLabV3-ResNet50, 512x512, batch 8, amp auto -> bf16 and fp16), then the torch.compile
 #    work last: the sync-free and compiled-criterion CUDA tests (tests/test_cuda_compile.py:
 #    torch.cuda.set_sync_debug_mode("error") around training steps, eager and compiled), the
@@ -186,6 +187,7 @@ if [ "$DRY" -eq 1 ]; then
   LOSS_ARGS=(--shape 2 5 32 32 --repeats 1 --losses F.cross_entropy ce cals_alm)
   COMPILE_ARGS=(--shape 2 5 32 32 --repeats 1 --losses F.cross_entropy cals_alm --compile eager)
   METRIC_ARGS=(--pixels 2e4 --batch 2 5 32 32 --repeats 1 --no-pinned)
+  EVAL_ARGS=(--quick --no-loop)
   STEP_ARGS=(--size 32 --batch 2 --encoder resnet18 --steps 1)
   STEP_COMPILE_ARGS=(--size 32 --batch 2 --encoder resnet18 --steps 1 --compile eager)
   STEP_AMPS=(auto)
@@ -194,6 +196,7 @@ else
   LOSS_ARGS=(--shape 8 21 512 512 --repeats 10)
   COMPILE_ARGS=(--shape 8 21 512 512 --repeats 10 --losses F.cross_entropy ce cals_alm --compile)
   METRIC_ARGS=(--pixels 1e8 --batch 8 21 512 512 --repeats 2)
+  EVAL_ARGS=(--repeats 3)
   STEP_ARGS=(--size 512 --batch 8 --encoder resnet50 --steps 15)
   STEP_COMPILE_ARGS=(--size 512 --batch 8 --encoder resnet50 --steps 10 --compile)
   STEP_AMPS=(auto fp16)
@@ -202,6 +205,8 @@ stage bench_loss 60 "$PY" benchmarks/bench_loss.py --device $DEV "${LOSS_ARGS[@]
 BENCH_OUTS=("$WORK/bench_loss.out")
 stage bench_metrics 90 "$PY" benchmarks/bench_metrics.py --device $DEV "${METRIC_ARGS[@]}"
 BENCH_OUTS+=("$WORK/bench_metrics.out")
+stage bench_eval 90 "$PY" benchmarks/bench_eval.py --device $DEV "${EVAL_ARGS[@]}"
+BENCH_OUTS+=("$WORK/bench_eval.out")
 for amp in "${STEP_AMPS[@]}"; do
   stage "bench_train_step_$amp" 60 "$PY" benchmarks/bench_train_step.py --device $DEV \
     --amp "$amp" "${STEP_ARGS[@]}"
@@ -263,7 +268,9 @@ BENCH_OUTS+=("$WORK/bench_train_step_compiled.out")
   echo "Targets: CALS-ALM forward+backward at most 1.5x F.cross_entropy (eager, and compiled);"
   echo "a DeepLabV3 training step with CALS-ALM at most 1.02x CE's (eager, and compiled); CalibrationMeter +"
   echo "SegmentationMeter at least 5x torchmetrics' throughput at the same pixel count; the loss's"
-  echo "peak memory at most CE's plus one logits-sized tensor."
+  echo "peak memory at most CE's plus one logits-sized tensor; at Cityscapes / ADE20K shapes, the"
+  echo "CalibrationMeter update at most 3x softmax, boundary_ts 1.5x, lts 5x, each meter's peak"
+  echo "extra memory at most 2 logits tensors."
   echo
   "$PY" benchmarks/gpu_check_report.py targets "${BENCH_OUTS[@]}"
   echo

@@ -189,6 +189,10 @@ def test_band_argument_is_checked():
     loss = BandCALSALMLoss(K, ignore_index=IGN)
     with pytest.raises(ValueError, match="band"):
         loss(x, y, band=torch.zeros(2, 3, 3, dtype=torch.long))
+    loss(x, y, band=torch.full_like(y, 3))  # deferred by default: reported by check()
+    with pytest.raises(ValueError, match=r"outside \[0, 3\)"):
+        loss.check()
+    loss.deferred_checks = False
     with pytest.raises(ValueError, match=r"outside \[0, 3\)"):
         loss(x, y, band=torch.full_like(y, 3))
     with pytest.raises(ValueError, match=r"\(N, K, H, W\)"):

@@ -33,7 +33,8 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
     assert "- mode: dry" in md
     stages = md.split("## 5. Stages")[1]
     for name in ("environment", "cuda_tests", "synthetic_data", "run_amp_auto",
-                 "run_channels_last", "bench_loss", "bench_metrics", "bench_train_step_auto",
+                 "run_channels_last", "bench_loss", "bench_metrics", "bench_eval",
+                 "bench_train_step_auto",
                  "cuda_compile_tests", "bench_loss_compiled", "bench_train_step_compiled"):
         assert re.search(rf"^\| {name} \| ok \| \d+ \| \d+ \|$", stages, re.M), (name, stages)
     # the CUDA tests ran and skipped (no GPU here)
@@ -65,5 +66,7 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
         assert verdict in ("MET", "NOT MET") and limit.split()[0] in ("<=", ">="), found
     compiled_step = [w for s, w in targets if s == "bench_train_step_compiled"]
     assert any("torch.compile" in w for w in compiled_step), targets
+    assert any(s == "bench_eval" and "CalibrationMeter time / softmax" in w
+               for s, w in targets), targets
     metrics = [k for k in targets if k[0] == "bench_metrics"]
     assert len(metrics) == 2, targets  # torchmetrics may be missing here: n/a is allowed

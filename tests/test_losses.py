@@ -276,8 +276,15 @@ def test_bad_input_errors(name):
         loss(x, y[:, :-1])
     bad = y.clone()
     bad[0, 0, 0] = K
-    with pytest.raises(ValueError, match=r"outside \[0, 5\)"):
+    loss.check()  # nothing pending
+    loss(x, bad)  # the default check is deferred: counted on the device, reported by check()
+    with pytest.raises(ValueError, match=r"holds 1 value\(s\) outside \[0, 5\).*deferred"):
+        loss.check()
+    loss.check()  # reported once
+    loss.deferred_checks = False  # the eager check raises at once, listing the values
+    with pytest.raises(ValueError, match=r"values \[5\] outside \[0, 5\)"):
         loss(x, bad)
+    loss.deferred_checks = True
     with pytest.raises(ValueError, match="floating point"):
         loss(x.long(), y)
     with pytest.raises(ValueError, match="classes"):

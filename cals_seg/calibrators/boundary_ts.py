@@ -3,7 +3,7 @@
 The bands are those of :class:`cals_seg.metrics.BoundaryCalibrationMeter`, computed on the
 argmax map of the logits instead of the ground truth: a pixel is a boundary pixel when one of
 its 8 neighbours is predicted as another class, ``d(p)`` is the exact Euclidean distance to the
-nearest boundary pixel of its image (OpenCV's exact distance transform), and with
+nearest boundary pixel of its image (an exact distance transform on the logits' device), and with
 ``edges = [0, *bands, inf]`` (default ``bands = (3, 8)``) band ``i`` holds
 ``edges[i] <= d < edges[i + 1]``. Band ``i`` gets its own temperature::
 
@@ -34,19 +34,20 @@ from torch import Tensor
 from cals_seg.calibrators._base import Batches, Calibrator, iterate, valid_rows
 from cals_seg.calibrators.temperature import _grid_nll, _parabola_vertex, fit_temperature
 from cals_seg.errors import UserError
-from cals_seg.metrics.regions import boundary_bands
+from cals_seg.metrics._distance import label_map_bands
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int
 
 
 def predicted_bands(logits: Tensor, bands: Sequence[float]) -> Tensor:
-    """Band of every pixel from the boundaries of ``argmax(logits)``.
+    """Band of every pixel from the boundaries of ``argmax(logits)``, computed on the logits'
+    device (:func:`cals_seg.metrics._distance.label_map_bands`: exact distances, the bands of
+    :func:`cals_seg.metrics.regions.boundary_bands`).
 
     Shape:
         - logits: ``(N, K, H, W)``; returns ``(N, H, W)`` int64 on the logits' device.
     """
-    pred = logits.detach().argmax(dim=1).cpu().numpy()
-    return torch.from_numpy(boundary_bands(pred, bands)).to(logits.device)
+    return label_map_bands(logits.detach().argmax(dim=1), bands)
 
 
 class BoundaryTemperatureScaling(Calibrator):

@@ -10,6 +10,13 @@ logits::
     t_l = g1 * conv_a(l) + (1 - g1) * conv_b(l),      g1 = sigmoid(conv_g1(l))
     log T = g2 * t_l + (1 - g2) * conv_img(x),         g2 = sigmoid(conv_g2(l))
 
+With ``downsample = s > 1`` the network runs on the logits and image average-pooled by ``s``
+(windows of ``s x s`` pixels) and ``log T`` is upsampled bilinearly to the full size, so the
+convolutions cost ``1 / s^2`` of the full-resolution ones (the authors also predict a
+lower-resolution temperature map); a map too small for the reflection padding at that size is
+computed at full resolution. The default ``downsample = 1`` is the full-resolution model. The
+factor is part of the fitted model: fit and apply with the same one.
+
 The authors' model writes ``T = relu(1 + ...) + 1e-8``; here the branches give ``log T``
 (``T = exp(log T)``, clamped to ``[1e-2, 1e2]``), which is positive everywhere and, with every
 convolution zero-initialised, exactly 1 at initialisation: the untrained calibrator is the
@@ -61,6 +68,7 @@ class LocalTemperatureScaling(Calibrator):
         image_channels: channels of the image.
         kernel_size, dilation: of every convolution.
         epochs, patience, lr, holdout_every: of the fit (:func:`._base.fit_with_holdout`).
+        downsample: the temperature map's resolution divisor ``s`` (>= 1; see above).
 
     Shape:
         - logits: ``(N, K, H, W)``; image: ``(N, C, H, W)`` (H, W > 4); output like logits.
@@ -72,15 +80,17 @@ class LocalTemperatureScaling(Calibrator):
 
     def __init__(self, num_classes: int, use_image: bool = True, image_channels: int = 3,
                  kernel_size: int = 5, dilation: int = 2, epochs: int = 10, patience: int = 3,
-                 lr: float = 1e-3, holdout_every: int = 5) -> None:
+                 lr: float = 1e-3, holdout_every: int = 5, downsample: int = 1) -> None:
         check_int("image_channels", image_channels)
+        check_int("downsample", downsample)
         check_int("kernel_size", kernel_size)
         check_int("dilation", dilation)
         if kernel_size % 2 == 0:
             raise UserError(f"Expected an odd `kernel_size`, but got {kernel_size}.")
         super().__init__(num_classes, use_image=bool(use_image), image_channels=image_channels,
                          kernel_size=kernel_size, dilation=dilation, epochs=epochs,
-                         patience=patience, lr=lr, holdout_every=holdout_every)
+                         patience=patience, lr=lr, holdout_every=holdout_every,
+                         **({"downsample": downsample} if downsample != 1 else {}))
         self.needs_image = bool(use_image)
         k, args = num_classes, (kernel_size, dilation)
         self.t_a, self.t_b, self.gate_ab = _conv(k, *args), _conv(k, *args), _conv(k, *args)
@@ -88,13 +98,24 @@ class LocalTemperatureScaling(Calibrator):
         self.t_image = _conv(image_channels, *args) if use_image else None
 
     def log_temperature(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
-        """``log T`` per pixel, ``(N, 1, H, W)``."""
+        """``log T`` per pixel, ``(N, 1, H, W)`` (computed at ``1 / downsample`` of the size and
+        upsampled bilinearly when ``downsample > 1``)."""
         x = logits.float()
+        img = image.float() if image is not None and self.t_image is not None else None
+        s = self.params.get("downsample", 1)
+        size = x.shape[-2:]
+        pad = self.params["dilation"] * (self.params["kernel_size"] - 1) // 2
+        low = s > 1 and min(-(-size[0] // s), -(-size[1] // s)) > pad
+        if low:
+            x = F.avg_pool2d(x, s, ceil_mode=True)
+            img = None if img is None else F.avg_pool2d(img, s, ceil_mode=True)
         g1 = torch.sigmoid(self.gate_ab(x))
         t = g1 * self.t_a(x) + (1 - g1) * self.t_b(x)
         if self.t_image is not None:
             g2 = torch.sigmoid(self.gate_image(x))
-            t = g2 * t + (1 - g2) * self.t_image(image.float())
+            t = g2 * t + (1 - g2) * self.t_image(img)
+        if low:
+            t = F.interpolate(t, size=size, mode="bilinear", align_corners=False)
         return t.clamp(-LOG_T_MAX, LOG_T_MAX)
 
     def _check(self, logits: Tensor, image: Tensor | None) -> None:

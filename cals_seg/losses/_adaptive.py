@@ -41,6 +41,10 @@ RESERVED_LOG_PREFIXES = ("train_", "val_")
 _REQUIRED_METHODS = ("_observe", "_update")
 
 
+# SegLoss's per-call label-check counts (transient, never saved: not state)
+_CHECK_ATTRIBUTES = ("bad_labels", "_unchecked_bad_labels", "_unchecked_bad_bands")
+
+
 class _BuiltChecked(type):
     """Metaclass: run :meth:`AdaptiveLoss._check_declarations` once ``__init__`` has finished.
     The class keeps the signature of its ``__init__`` (``inspect.signature(cls)``)."""
@@ -149,7 +153,8 @@ class AdaptiveLoss(SegLoss, metaclass=_BuiltChecked):
 
     def _check_declarations(self) -> None:
         name = type(self).__name__
-        loose = sorted(k for k, v in vars(self).items() if torch.is_tensor(v))
+        loose = sorted(k for k, v in vars(self).items()
+                       if torch.is_tensor(v) and k not in _CHECK_ATTRIBUTES)
         if loose:
             raise TypeError(
                 f"{name} keeps tensor attribute(s) {loose} outside its declared state: they "
@@ -180,8 +185,10 @@ class AdaptiveLoss(SegLoss, metaclass=_BuiltChecked):
             logits: ``(N, K, *S)``; target: ``(N, *S)``.
 
         Raises:
-            ValueError: bad shapes or labels (as the forward pass), or NaN / inf logits.
+            ValueError: bad shapes or labels (as the forward pass with ``deferred_checks =
+                False``), or NaN / inf logits; or bad targets of earlier calls (:meth:`check`).
         """
+        self.check()  # bad targets of earlier (deferred) calls are reported first
         with autocast_off(logits.device):
             logits3, target2, valid = self._prepare(as_float32(logits), target)
             increments = self._observe(logits3, target2, valid)
@@ -199,8 +206,10 @@ class AdaptiveLoss(SegLoss, metaclass=_BuiltChecked):
         zero the statistics, and return the history entries (keys among ``log_keys``).
 
         Raises:
+            ValueError: bad targets of earlier deferred calls (:meth:`check`).
             RuntimeError: nothing was observed since the last update.
         """
+        self.check()
         stats = {k: v.clone() for k, v in self.statistics().items()}
         all_reduce_sum_(list(stats.values()))
         for value in self.statistics().values():

@@ -42,13 +42,17 @@ class SegLoss(nn.Module):
     (a dict of 0-dim tensors, e.g. ``{"ce": ..., "penalty": ...}``) for logging; no ``.item()``
     is called inside the loss, so logging costs no device synchronisation unless it is read.
 
-    Label check: by default every call checks that the targets are in ``[0, K)`` or
-    ``ignore_index`` and raises ``ValueError`` at once, which reads a device flag on the host
-    (a synchronisation per call, and a graph break under ``torch.compile``). With
-    ``deferred_checks = True`` (what the trainer sets, see ``train.debug_checks``) the call
-    never synchronises: out-of-range targets are treated as ``ignore_index`` and their count is
-    left in ``self.bad_labels`` (0-dim int64 tensor) for the caller to check when it wants
-    (:func:`cals_seg.training.engine.train_one_epoch` checks it every ``CHECK_EVERY`` steps).
+    Label check: by default (``deferred_checks = True``) a call never synchronises and
+    compiles to one graph: targets outside ``[0, K)`` other than ``ignore_index`` are treated as
+    ``ignore_index`` (so no kernel indexes with them), their count is left in
+    ``self.bad_labels`` (0-dim int64 tensor, this call's) and added to a device-side count of
+    the calls not yet checked. That count is read, and a non-zero one raises ``ValueError``,
+    at the first host read the criterion owns: :meth:`check`, ``observe`` and
+    ``update_multipliers`` (adaptive losses), so bad labels are never silent.
+    :func:`cals_seg.training.engine.train_one_epoch` reads ``bad_labels`` every
+    ``CHECK_EVERY`` steps. ``deferred_checks = False`` (``train.debug_checks``) checks each
+    call on the host instead and raises at once, listing the values (a synchronisation per
+    call, and a graph break under ``torch.compile``).
 
     Args:
         num_classes: K.
@@ -71,8 +75,27 @@ class SegLoss(nn.Module):
         self.num_classes = num_classes
         self.ignore_index = ignore_index
         self.terms: dict[str, Tensor] = {}
-        self.deferred_checks = False
+        self.deferred_checks = True
         self.bad_labels: Tensor | None = None
+        # the sum of bad_labels since the last check() (a CPU 0-dim tensor adds to any device)
+        self._unchecked_bad_labels = torch.zeros((), dtype=torch.int64)
+
+    def check(self) -> None:
+        """Read the device-side count of bad targets of the calls since the last check (one
+        host read) and raise if there were any; the count starts again from zero.
+
+        Raises:
+            ValueError: targets outside ``[0, K)`` other than ``ignore_index`` were seen.
+        """
+        pending = self._unchecked_bad_labels
+        self._unchecked_bad_labels = torch.zeros_like(pending)
+        count = int(pending)
+        if count:
+            raise ValueError(
+                f"{bad_labels_message(count, self.num_classes, self.ignore_index)} (found by the "
+                "criterion's deferred label check; set `criterion.deferred_checks = False` to "
+                "stop at the first such batch and list the values)"
+            )
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
         """Scalar loss.
@@ -86,8 +109,9 @@ class SegLoss(nn.Module):
         the float32 ones.
 
         Raises:
-            ValueError: bad shapes or dtypes; targets out of range (unless
-                ``deferred_checks``: then they count in ``self.bad_labels`` and are ignored).
+            ValueError: bad shapes or dtypes; targets out of range only with
+                ``deferred_checks = False`` (by default they are ignored, counted in
+                ``self.bad_labels`` and reported by :meth:`check`).
         """
         with autocast_off(logits.device):
             return self._forward(*self._prepare(as_float32(logits), target,
@@ -106,9 +130,11 @@ class SegLoss(nn.Module):
         """:func:`check_and_flatten`, or with ``deferred`` :func:`flatten_deferred` (the count
         of bad targets left in ``self.bad_labels``)."""
         if deferred:
-            logits3, target2, valid, self.bad_labels = flatten_deferred(
+            logits3, target2, valid, bad = flatten_deferred(
                 logits, target, self.num_classes, self.ignore_index
             )
+            self.bad_labels = bad
+            self._unchecked_bad_labels = bad + self._unchecked_bad_labels
             return logits3, target2, valid
         return check_and_flatten(logits, target, self.num_classes, self.ignore_index)
 

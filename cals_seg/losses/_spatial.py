@@ -90,6 +90,11 @@ def gaussian_svls_kernel(kernel_size: int = 3, sigma: float = 1.0) -> Tensor:
     return g / rest
 
 
+def mean_weights(kernel_size: int = 3) -> list[list[float]]:
+    """The mean kernel as nested lists of 1.0 (exact in every dtype)."""
+    return [[1.0] * kernel_size for _ in range(kernel_size)]
+
+
 def mean_kernel(kernel_size: int = 3) -> Tensor:
     """The NACL / CRaC window: every offset weight 1 (``q`` = label proportions)."""
     return torch.ones((kernel_size, kernel_size), dtype=torch.float64)
@@ -112,7 +117,8 @@ def padded_labels(target: Tensor, valid: Tensor, num_classes: int, pad: int,
 
 
 def neighbourhood_distribution(
-    target: Tensor, valid: Tensor, num_classes: int, kernel: Tensor, padding: str = "zeros",
+    target: Tensor, valid: Tensor, num_classes: int, kernel: Tensor | list[list[float]],
+    padding: str = "zeros",
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """The weighted label distribution ``q`` of every pixel's window (module docstring).
@@ -121,19 +127,21 @@ def neighbourhood_distribution(
         target: ``(N, H, W)`` int64 (void positions may hold any value).
         valid: ``(N, H, W)`` bool.
         num_classes: K.
-        kernel: ``(k, k)`` non-negative weights with a positive centre, k odd.
+        kernel: ``(k, k)`` non-negative weights with a positive centre, k odd: a tensor (its
+            values rounded to ``dtype``), or nested lists of floats already exact in ``dtype``
+            (what the losses pass: no tensor is read on the host inside a call).
         padding: ``"zeros"`` or ``"replicate"``.
         dtype: of the result (the logits' float32, or float64 in the tests' references).
 
     Returns:
         ``(N, K, H, W)`` in ``dtype``; every row sums to 1.
     """
-    k = kernel.shape[0]
+    weights = kernel.to(dtype).tolist() if isinstance(kernel, Tensor) else kernel
+    k = len(weights)
     pad = k // 2
     n, h, w = target.shape
     labels = padded_labels(target, valid, num_classes, pad, padding)
     acc = torch.zeros((n, num_classes + 1, h, w), dtype=dtype, device=target.device)
-    weights = kernel.to(dtype).tolist()
     for dy in range(k):
         for dx in range(k):
             if weights[dy][dx] == 0.0:

@@ -29,10 +29,11 @@ from cals_seg.losses._auto_margin import (
     solve_temperature,
 )
 from cals_seg.losses._band_penalty import band_penalty
-from cals_seg.losses._bands import BandMap, distance_bands
+from cals_seg.losses._bands import BandMap
 from cals_seg.losses._base import as_float32, autocast_off
 from cals_seg.losses._functional import ce_sum, class_sums
 from cals_seg.losses._spatial import SpatialLoss
+from cals_seg.metrics._distance import int_thresholds, label_map_bands
 from cals_seg.utils.validation import check_finite
 
 MARGIN_STEERS = ("band", "adjacent", "pooled_gate")
@@ -111,6 +112,8 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
         **settings: Any,
     ) -> None:
         super().__init__(num_classes, ignore_index)
+        # pixels of deferred calls' band maps outside [0, B) (read by check())
+        self._unchecked_bad_bands = torch.zeros((), dtype=torch.int64)
         alm, auto = self.settings(settings)
         bands = tuple(bands) if isinstance(bands, list | tuple) else bands
         if not isinstance(bands, tuple) or not all(
@@ -121,6 +124,7 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
                 f"Expected `bands` to be increasing positive finite distances, but got {bands!r}."
             )
         self.bands = tuple(float(b) for b in bands)
+        self._thresholds = int_thresholds(self.bands)  # made here: no numpy inside a call
         self.auto_margin, margin = auto.start(margin)
         self._set_alm_rules(alm)
         auto.keep(self)
@@ -152,10 +156,26 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
         return {"band": BandMap(self.bands, self.ignore_index)}
 
     def band_map(self, target: Tensor) -> Tensor:
-        """The bands of ``target (N, H, W)`` (CPU, the meter's rule), on its device; -1 at
-        void pixels."""
-        bands = distance_bands(target.cpu().numpy(), self.bands, self.ignore_index)
-        return torch.from_numpy(bands).to(target.device)
+        """The bands of ``target (N, H, W)`` (the meter's rule, :func:`distance_bands`),
+        computed on its device (exact distances in torch); -1 at void pixels."""
+        band = label_map_bands(target, self.bands, self.ignore_index, self._thresholds)
+        return band.masked_fill_(target == self.ignore_index, -1)
+
+    def check(self) -> None:
+        """:meth:`SegLoss.check`, and the band maps: raise if a deferred call got a ``band``
+        map with values outside ``[0, B)`` at valid pixels (those pixels were left out of the
+        penalty)."""
+        pending = self._unchecked_bad_bands
+        self._unchecked_bad_bands = torch.zeros_like(pending)
+        super().check()
+        count = int(pending)
+        if count:
+            raise ValueError(f"{self._bad_band_message()} ({count} pixel(s), found by the "
+                             "criterion's deferred check)")
+
+    def _bad_band_message(self) -> str:
+        return (f"`band` holds values outside [0, {self.num_bands}) at valid pixels; it must "
+                f"come from BandMap(bands={self.bands}) of the same (augmented) mask.")
 
     # ------------------------------------------------------------------ training loss
     def forward(self, logits: Tensor, target: Tensor, band: Tensor | None = None) -> Tensor:
@@ -177,11 +197,13 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
                     f"target's), but got {band.dtype} {tuple(band.shape)}."
                 )
             band = band.to(target.device)
-            if bool((((band < 0) | (band >= self.num_bands)) & valid).any()):
-                raise ValueError(
-                    f"`band` holds values outside [0, {self.num_bands}) at valid pixels; it must "
-                    f"come from BandMap(bands={self.bands}) of the same (augmented) mask."
-                )
+            bad = ((band < 0) | (band >= self.num_bands)) & valid
+            if not self.deferred_checks:
+                if bool(bad.any()):
+                    raise ValueError(self._bad_band_message())
+            else:  # counted on the device, reported by check(); those pixels get no penalty
+                self._unchecked_bad_bands = bad.sum() + self._unchecked_bad_bands
+                band = band.masked_fill(bad, -1)
             band = band.to(torch.int8).masked_fill_(~valid, -1)  # 1 byte per pixel
             n, k = logits.shape[:2]
             flat = logits.reshape(n, k, -1)

@@ -19,7 +19,7 @@ from cals_seg.losses._alm import ALMRules, ALMSettings
 from cals_seg.losses._functional import ce_sum
 from cals_seg.losses._spatial import (
     SpatialLoss,
-    mean_kernel,
+    mean_weights,
     mixed_windows,
     neighbourhood_distribution,
 )
@@ -159,7 +159,7 @@ class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
         """``t (N, K, H, W)`` in ``dtype`` (``q`` on the boundary, ``m q`` in the interior) and
         the boundary map ``(N, H, W)`` bool."""
         k = self.num_classes
-        q = neighbourhood_distribution(target, valid, k, mean_kernel(3), "zeros", dtype)
+        q = neighbourhood_distribution(target, valid, k, mean_weights(3), "zeros", dtype)
         boundary = mixed_windows(target, valid, k, 3)
         if self.margin != 1.0:
             q = torch.where(boundary.unsqueeze(1), q, q * self.margin)

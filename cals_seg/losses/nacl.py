@@ -9,7 +9,7 @@ from cals_seg.losses._functional import ce_sum
 from cals_seg.losses._spatial import (
     SpatialLoss,
     check_kernel_size,
-    mean_kernel,
+    mean_weights,
     neighbourhood_distribution,
 )
 
@@ -50,7 +50,7 @@ class NACLLoss(SpatialLoss):
     def proportions(self, target: Tensor, valid: Tensor,
                     dtype: torch.dtype = torch.float32) -> Tensor:
         """``q (N, K, H, W)`` in ``dtype`` from ``target`` and ``valid`` ``(N, H, W)``."""
-        kernel = mean_kernel(self.kernel_size)
+        kernel = mean_weights(self.kernel_size)
         return neighbourhood_distribution(target, valid, self.num_classes, kernel, "zeros", dtype)
 
     def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:

@@ -43,14 +43,19 @@ class SVLSLoss(SpatialLoss):
         super().__init__(num_classes, ignore_index)
         self.kernel_size = check_kernel_size(kernel_size)
         self.sigma = float(sigma)
-        self.kernel = gaussian_svls_kernel(kernel_size, sigma).tolist()  # plain floats
+        kernel = gaussian_svls_kernel(kernel_size, sigma)
+        self.kernel = kernel.tolist()  # plain floats
+        # the weights rounded to each computing dtype, made here: a call reads no tensor
+        self._weights = {dt: kernel.to(dt).tolist() for dt in (torch.float32, torch.float64)}
 
     def soft_labels(self, target: Tensor, valid: Tensor,
                     dtype: torch.dtype = torch.float32) -> Tensor:
         """``q (N, K, H, W)`` in ``dtype`` from ``target`` and ``valid`` ``(N, H, W)``."""
-        kernel = torch.tensor(self.kernel, dtype=torch.float64)
+        weights = self._weights.get(dtype)
+        if weights is None:
+            weights = torch.tensor(self.kernel, dtype=torch.float64).to(dtype).tolist()
         k = self.num_classes
-        return neighbourhood_distribution(target, valid, k, kernel, "replicate", dtype)
+        return neighbourhood_distribution(target, valid, k, weights, "replicate", dtype)
 
     def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
         q = self.soft_labels(target, valid, logits.dtype)

@@ -16,6 +16,7 @@ from torch import Tensor
 from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
     NUM_FINE_CELLS,
+    _edge_thresholds,
     bin_index,
     fine_cell,
     max_argmax,
@@ -32,6 +33,51 @@ def _bincount(index: Tensor, size: int, weights: Tensor | None = None) -> Tensor
     w = None if weights is None else weights.reshape(-1)
     out = torch.bincount(index.reshape(-1), weights=w, minlength=size + 1)[:size]
     return out if w is None else out.to(w.dtype)  # (empty input gives int64 even with weights)
+
+
+_SUM_BLOCK = 16384  # positions per block of the float64 class totals
+
+
+def _classwise_prob_sums(p: Tensor, invalid: Tensor, n_bins: int) -> Tensor:
+    """``out[i, k, b]``: float64 sum of ``p[i, k, j]`` over the valid positions ``j`` of image
+    ``i`` with ``bin(p[i, k, j]) = b``.
+
+    No pass of scatters over all ``N K P`` probabilities: a value is in bin 0 exactly when it is
+    ``<= t_1``, the largest value of its dtype not above ``1 / n`` (``bin_index``'s edges), and
+    since ``sum_k p_k = 1`` fewer than ``n`` classes per position are above it. So the sums of
+    bins ``>= 1`` come from an ``index_add`` over those few values only, and bin 0 is the total
+    ``sum_j p[i, k, j]`` over the valid positions (float64-accumulated, in cache-sized blocks)
+    minus them. The void positions of ``p`` are set to 0 here (in place), which takes them out of
+    both. Temporaries: a one-byte mask of ``(N, K, P)`` and index / value arrays of the values
+    above ``t_1`` (fewer than ``n`` per position; one to three in practice).
+
+    Shape:
+        - p: ``(N, K, P)`` float32 or float64 (its void positions are zeroed); invalid:
+          ``(N, P)`` bool.
+        - returns: ``(N, K, n_bins)`` float64.
+    """
+    n, k, npos = p.shape
+    f64 = torch.float64
+    inv_n, inv_j = invalid.nonzero(as_tuple=True)
+    if inv_n.numel():  # zero the void positions (a write per void position, not a full pass)
+        p[inv_n, :, inv_j] = 0.0
+    # (N, K) in float64: the float64 upcast of a block of positions stays in the cache (a
+    # whole-tensor ``sum(dtype=float64)`` writes a float64 copy of p first: 10x slower)
+    total = torch.zeros((n, k), dtype=f64, device=p.device)
+    for start in range(0, npos, _SUM_BLOCK):
+        total += p[:, :, start:start + _SUM_BLOCK].sum(dim=2, dtype=f64)
+    out = torch.zeros(n * k * n_bins, dtype=f64, device=p.device)
+    if n_bins > 1:
+        t1 = _edge_thresholds(n_bins, p.dtype)[0]
+        flat = p.view(-1)
+        idx = (flat > t1).nonzero().squeeze(1)  # flat (i, k, j) indices above t_1
+        nk = idx.div(npos, rounding_mode="floor")  # i * K + k
+        values = flat[idx]
+        cell = nk.mul_(n_bins).add_(bin_index(values, n_bins))
+        out.index_add_(0, cell, values.to(f64))
+    out = out.view(n, k, n_bins)
+    out[:, :, 0] = total - out.sum(dim=2)
+    return out
 
 
 # Not split (over 80 lines): one pass, so that each (N, K, *S) temporary is freed right after
@@ -68,11 +114,12 @@ def _calibration_update(
       over the images of the batch that have a valid position; ``num_images`` counts those.
 
     Everything is vectorised with flat ``bincount`` s over ``N * n_bins`` (top label),
-    ``N * K * n_bins`` (classwise) and ``NUM_FINE_CELLS`` cells. Temporaries of size
-    ``(N, K, *S)``: the float32 probabilities and a one-byte arg-max mask; classwise adds an
-    int32 cell index and one float64 buffer at a time (the exact binning's scratch, then the
-    float64 copy of ``p`` that ``bincount`` needs as weights for float64 sums), i.e. a peak of
-    about four float32-sized buffers. float16 / bfloat16 logits add their float32 upcast.
+    ``N * K * n_bins`` (classwise) and ``NUM_FINE_CELLS`` cells. The class-wise sums of ``p_k``
+    scatter only the values above the first bin edge (``_classwise_prob_sums``): fewer than
+    ``n_bins`` per position, one or two in practice. Temporaries of size ``(N, K, *S)``: the
+    float32 probabilities and a one-byte arg-max mask; classwise adds a one-byte mask, i.e. a
+    peak of about 1.5 float32-sized buffers besides the logits. float16 / bfloat16 logits add
+    their float32 upcast.
 
     ``inputs="probs"``: ``logits`` holds probabilities, used as the logits ``log p``
     (``cals_seg.metrics._functional.as_logits``).
@@ -122,14 +169,12 @@ def _calibration_update(
     count_n = count_nb.sum(dim=1)
     denom = count_n.clamp(min=1).to(f64)
     if classwise:
-        # Cell of (image, class, bin(p_k)) for every class of every position: int32, in place.
+        prob_nkb = _classwise_prob_sums(p, invalid, n_bins)
         cells = n * k * n_bins
         idt = i32 if cells < 2**31 - 1 else torch.int64
-        first = torch.arange(0, cells, n_bins, device=x.device, dtype=idt).view(n, k, 1)
-        cw = bin_index(p, n_bins).to(idt).add_(first).masked_fill_(invalid.unsqueeze(1), cells)
-        prob_nkb = _bincount(cw, cells, p.to(f64)).view(n, k, n_bins)
-        del cw
-        ycell = y.mul(n_bins).add_(first.view(n, k)[:, :1]).add_(bin_index(p_y, n_bins))
+        first = torch.arange(0, cells, k * n_bins, device=x.device, dtype=idt)
+        ycell = y.to(idt, copy=True).mul_(n_bins).add_(first.unsqueeze(1))
+        ycell.add_(bin_index(p_y, n_bins))
         hits_nkb = _bincount(ycell.masked_fill_(invalid, cells), cells).view(n, k, n_bins)
         del ycell
         stats["cw_prob"] = prob_nkb.sum(dim=0)
