@@ -15,7 +15,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 IMPORT_RE = re.compile(
     r"^[ \t]*from[ \t]+(cals_seg[\w.]*)[ \t]+import[ \t]+(?:\(([^)]*)\)|([\w, \t]+))", re.M)
-DOTTED_RE = re.compile(r"\bcals_seg(?:\.\w+)+")
+DOTTED_RE = re.compile(r"(?<![\w./-])cals_seg(?:\.\w+)+")
 
 
 def _import_lines() -> list[tuple[str, str, str]]:

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from cals_seg.runs.loading import load_run
 from PIL import Image
 from torch import nn
 
@@ -32,6 +31,7 @@ from cals_seg.models.external import (
     map_keys,
     suggest_key_map,
 )
+from cals_seg.runs.run import load_run
 
 K = 11  # the embedded synthetic dataset's classes
 # A random network's validation NLL may be lowest at the largest temperature searched.

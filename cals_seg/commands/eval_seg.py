@@ -187,6 +187,7 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     calibrators, the default output folder), and an output folder that neither overlaps the
     data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``).
     """
+    from cals_seg.runs.run import EVAL_METRICS_FILE
     from cals_seg.utils.distributed import is_main_process
     from cals_seg.utils.lock import RunLock
     from cals_seg.utils.paths import OutputFolder
@@ -200,7 +201,7 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     outputs = OutputFolder(out, "eval_seg", inputs=[run.config.data.root])
     split_set = getattr(run.task, f"{args.split}_set")
     num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
-    names = ["metrics.json", "calibrators.md", "lambda_curves.png", "ece_bands.png",
+    names = [EVAL_METRICS_FILE, "calibrators.md", "lambda_curves.png", "ece_bands.png",
              "ece_sizes.png", "risk_coverage.png",
              *[f"reliability_{k}.png" for k in ("pre_ts", "post_ts", *args.calibrators)],
              *[f"reliability_bands_{k}.png" for k in ("pre_ts", "post_ts", *args.calibrators)],

@@ -245,6 +245,7 @@ class _Training:
 def fit(cfg: Config, task: Task, resume: str | Path | None = None) -> dict[str, Any]:
     """:func:`train_and_test` holding the run folder's lock (:class:`RunLock`): one process
     trains or resumes a run at a time; a second is refused naming the holder's pid."""
+    check_loggers(cfg.train.loggers)  # a missing package: its install command, before any folder
     if not is_main_process():  # the main process holds the lock for the process group
         return train_and_test(cfg, task, resume)
     with RunLock(resume if resume is not None else cfg.run_dir, "train"):
@@ -329,24 +330,7 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
     run.check_start(resume is not None)
     check_model_input(cfg, task)
     bounded = bounded_input(cfg)
-    check_best_metric(task, t.best_metric, e.n_bins)
-    check_loggers(t.loggers)  # a missing package: its install command, before the folder is made
-    check_task_data(task, t.batch_size, bounded, get_world_size())
-    if main and task.family == "segmentation":  # crops of mostly padding: slow, say so
-        crops = crop_warning(cfg.data.crop_size, sample_sizes(task.train_set),
-                             cfg.data.scale_range)
-        if crops:
-            print(f"warning: {crops}", file=sys.stderr, flush=True)
     device = resolve_device(t.device)
-    if task.family == "segmentation":  # a batch that cannot fit is refused before any work
-        check_batch_memory(t.batch_size, cfg.data.crop_size, task.num_classes, device,
-                           "data.crop_size", "lower it (--set data.crop_size=512) or "
-                           "train.batch_size")
-        side = max([v for v in (e.pad, e.resize) if v] + [e.window if e.mode == "slide" else 0])
-        if side:
-            check_batch_memory(e.batch_size, side, task.num_classes, device,
-                               "eval.pad / eval.resize / eval.window",
-                               "lower it, or eval.batch_size")
     amp = resolve_amp(t.amp, device, warn=main)
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -364,6 +348,22 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
     criterion = build_loss(cfg.loss.name, task.num_classes, ignore_index=task.ignore_index,
                            **cfg.loss.params).to(device)
     request_extra_inputs(task.train_set, criterion)  # e.g. the band map, made by the loader
+    if task.family == "segmentation":  # a batch that cannot fit is refused before any work
+        check_batch_memory(t.batch_size, cfg.data.crop_size, task.num_classes, device,
+                           "data.crop_size", "lower it (--set data.crop_size=512) or "
+                           "train.batch_size")
+        side = max([v for v in (e.pad, e.resize) if v] + [e.window if e.mode == "slide" else 0])
+        if side:
+            check_batch_memory(e.batch_size, side, task.num_classes, device,
+                               "eval.pad / eval.resize / eval.window",
+                               "lower it, or eval.batch_size")
+    check_best_metric(task, t.best_metric, e.n_bins)
+    check_task_data(task, t.batch_size, bounded, get_world_size())
+    if main and task.family == "segmentation":  # crops of mostly padding: slow, say so
+        crops = crop_warning(cfg.data.crop_size, sample_sizes(task.train_set),
+                             cfg.data.scale_range)
+        if crops:
+            print(f"warning: {crops}", file=sys.stderr, flush=True)
     optimizer = build_optimizer(cfg, model)
     workers = cfg.data.num_workers
     s = _Training(
