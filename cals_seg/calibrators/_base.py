@@ -115,12 +115,18 @@ def probe_identity(calibrator: Calibrator, batches: Batches) -> bool:
     """True when ``calibrator`` leaves the probabilities of the first validation batch as they
     are (largest change <= ``IDENTITY_ATOL``): a fit that did not move it (a flat or
     degenerate objective, a temperature of 1, an untrained net kept by early stopping)."""
-    for logits, _, image in iterate(batches):
-        with torch.no_grad():
-            out = calibrator(logits, image)
-        before = logits.detach().float().softmax(dim=1)
-        return bool((out.detach().float().softmax(dim=1) - before).abs().max() <= IDENTITY_ATOL)
-    return True
+    training = calibrator.training
+    calibrator.eval()  # the probe must not move a state (batch-norm statistics, say)
+    try:
+        for logits, _, image in iterate(batches):
+            with torch.no_grad():
+                out = calibrator(logits, image)
+            before = logits.detach().float().softmax(dim=1)
+            return bool((out.detach().float().softmax(dim=1) - before).abs().max()
+                        <= IDENTITY_ATOL)
+        return True
+    finally:
+        calibrator.train(training)
 
 
 def _flag_identity(fit: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:

@@ -20,7 +20,8 @@ import torch
 from cals_seg.errors import MissingPathError, UserError
 
 CONFORMAL_KEYS = ("alpha", "mode", "score", "calibrator", "seed", "every")
-CALIBRATOR_NAMES = ("ts", "vector", "dirichlet", "lts", "selective", "boundary_ts")
+CALIBRATOR_NAMES = ("ts", "vector", "dirichlet", "lts", "selective", "boundary_ts", "cms_ap",
+                    "cms_op", "boundary_ts_fine")
 
 
 def parse_conformal(items: list[str]) -> dict[str, Any]:
