@@ -568,7 +568,11 @@ def test_ctrl_c_during_training_says_how_to_resume(finished, monkeypatch, capsys
 
 
 def test_ctrl_c_in_any_tool_is_one_line(tmp_path):
-    script = "import cals_seg.commands._cli, os, signal; os.kill(os.getpid(), signal.SIGINT)"
+    # SIGINT as a terminal delivers it (a shell started in the background ignores it, and Python
+    # then installs no handler): the default handler first, then the signal
+    script = ("import cals_seg.commands._cli, os, signal; "
+              "signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "os.kill(os.getpid(), signal.SIGINT)")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert proc.stderr.strip().startswith("interrupted (Ctrl-C)")
