@@ -244,7 +244,8 @@ def test_selective_lowers_validation_nll_on_a_planted_case():
     target = logits.argmax(dim=1)
     wrong = target == 3
     target[wrong] = torch.randint(0, 3, (int(wrong.sum()),), generator=g)
-    cal = build_calibrator("selective", k, epochs=8, lr=0.01, pixels_per_step=4096)
+    cal = build_calibrator("selective", k, epochs=20, lr=0.01, patience=20,
+                           pixels_per_step=4096)
     info = cal.fit(batches_of(logits, target, size=4), ignore_index=VOID)
     assert info["temperature"] > 5
     flagged = cal.flagged(logits)
