@@ -28,6 +28,34 @@ configs are trained with ``tools/train_seg.py``, others with ``tools/train_cls.p
     OUT/ece_vs_score.png              ECE against mIoU / accuracy (the paper's Figure 1)
     OUT/reliability_grid.png          one reliability diagram per method (first seed)
     OUT/lambda_curves_<method>.png    learned class-wise multipliers of the CALS runs (first seed)
+
+Runs made elsewhere: a folder given instead of a config (a run of tools/import_model.py, or a
+trained run of another study) is one row of its own, named after the folder; it is not trained
+but evaluated once by tools/eval_seg.py into OUT/eval/<row>/<run>/ (with --calibrators, --shift
+and --conformal as for the trained runs), and the tables read that evaluation (--seeds does not
+apply to it):
+
+    python tools/compare.py configs/synthetic_deeplabv3_ce.yaml runs/my_imported_net \
+        --out runs/compare --calibrators ts boundary_ts
+
+Prediction sets, shift and ensembles (docs/conformal.md, docs/shift.md), for segmentation runs:
+
+    --conformal alpha=0.1 [mode=risk,image:0.9,class,band] [score=lac|aps] [calibrator=NAME]
+        the conformal evaluation of tools/eval_seg.py --conformal on each run (fitted on its
+        held-out validation images, measured on its test split), and again after each
+        calibrator of --calibrators: OUT/conformal.md and .csv, one row per method,
+        calibration and mode: alpha, test risk, coverage, set size, fraction of pixels with more
+        than one class, coverage in the boundary band (mean ± std over seeds)
+    --shift NAME:SEVERITY ... | all:3 | all  [--shift-seed 0] [--calibrator-fit-shift]
+        each run evaluated by tools/eval_seg.py --shift into OUT/eval/<row>/<run>/:
+        OUT/shift.md and .csv (ECE, band-weighted, boundary and interior ECE, NLL, mIoU per
+        corruption and severity and the mean over corruptions per severity, for every method
+        and calibration, clean-fitted NAME next to drift-fitted NAME+drift) and
+        OUT/shift_ece_severity.png (band-weighted ECE against severity)
+    --ensemble
+        the deep ensemble of each method's seeds (tools/eval_seg.py RUN... --ensemble; two
+        seeds or more), clean and under --shift, with its inference cost measured here:
+        OUT/ensemble.md and .csv, and an "<method> ensemble" row in the shift tables
 """
 
 from __future__ import annotations
@@ -49,8 +77,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "configs", nargs="+", type=Path,
-        help="configs, one per method (configs/<setup>_<method>.yaml), or setup files with "
-        "--methods",
+        help="configs, one per method (configs/<setup>_<method>.yaml), setup files with "
+        "--methods, or run folders (tools/import_model.py or another study; evaluated, not "
+        "trained)",
     )
     parser.add_argument(
         "--methods", nargs="+", default=None,
@@ -73,6 +102,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="post-hoc calibrators fitted on each segmentation run's validation split and "
         "evaluated on its test split: OUT/calibrators.md and .csv",
     )
+    parser.add_argument("--conformal", nargs="+", default=None, metavar="KEY=VALUE",
+                        help="prediction sets with a guarantee, as tools/eval_seg.py's: alpha=0.1 "
+                        "[mode=risk|image:0.9|class|band (comma-separated)] [score=lac|aps] "
+                        "[calibrator=NAME]: OUT/conformal.md and .csv")
+    parser.add_argument("--shift", nargs="+", default=None, metavar="NAME:SEVERITY",
+                        help="evaluate each run with each image corruption (severity 1-5; all:3, "
+                        "all): OUT/shift.md, .csv and shift_ece_severity.png")
+    parser.add_argument("--shift-seed", type=int, default=0, help="seed of the corruptions")
+    parser.add_argument("--calibrator-fit-shift", action="store_true",
+                        help="with --shift: also fit each --calibrators one on corrupted "
+                        "validation images (held-out corruptions), shown as NAME+drift")
+    parser.add_argument("--ensemble", action="store_true",
+                        help="the ensemble of each method's seeds, clean and under --shift, with "
+                        "its cost: OUT/ensemble.md and .csv")
     add_set_argument(parser)
     return parser.parse_args(argv)
 
@@ -91,6 +134,11 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
 
     jobs, prepared = [], set()
     for config in args.configs:
+        if config.is_dir():  # a run folder: evaluated, not trained
+            row = given_run_row(config, rows)
+            rows[row] = {"summaries": [], "failed": [], "given": True}
+            jobs.append((row, config, GIVEN, None))
+            continue
         for method in args.methods or [None]:
             cfg = load_config(config, [*args.set, f"output_dir={args.out / 'runs'}"], method)
             check_config(cfg, reads_data=True, writes_run=True)  # as the runs will see it
@@ -106,11 +154,40 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
     return jobs
 
 
+GIVEN = "<run folder>"  # the method of a job whose run folder was given (not trained)
+
+
+def given_run_row(folder: Path, rows: dict[str, dict[str, Any]]) -> str:
+    """The row of a run folder given on the command line: its name (``parent/name`` when
+    taken), after checking that it is a segmentation run with a config and a checkpoint.
+
+    Raises:
+        UserError: not a run folder, or not a segmentation run (one line, naming the fix).
+    """
+    from cals_seg.errors import MissingPathError, UserError
+    from cals_seg.runs.run import Run
+    from cals_seg.tasks import task_family
+
+    run = Run(folder)
+    if not run.has_config() or not run.best.is_file():
+        raise MissingPathError(
+            f"{folder} is a folder but not a run (it needs config.yaml and "
+            f"{run.best.name}); give a config, or make the run with tools/import_model.py.")
+    if task_family(run.read_config()) != "segmentation":
+        raise UserError(f"{folder}: only segmentation runs can be given as folders; give the "
+                        "config of a classification run instead.")
+    row = folder.resolve().name
+    return row if row not in rows else f"{folder.resolve().parent.name}/{row}"
+
+
 def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, Any]],
-            calibrators: list[str] = ()) -> tuple[dict[str, Path], str]:
+            calibrators: list[str] = (), args: argparse.Namespace | None = None
+            ) -> tuple[dict[str, Path], str]:
     """Summaries of the finished runs into ``rows`` (failures listed; with ``calibrators``,
-    each segmentation run's post-hoc calibrators too); returns the first run of each row and
-    the headline metric's name, read from the runs' own files."""
+    each segmentation run's post-hoc calibrators too; with ``args.shift`` / ``args.conformal``
+    each segmentation run's shift and conformal evaluations under ``row["shift"]`` /
+    ``row["conformal"]``); returns the first run of each row and the headline metric's name,
+    read from the runs' own files (a given run folder: from its evaluation by eval_seg)."""
 
     from cals_seg.errors import UntrustedCheckpointError, UserError
     from cals_seg.runs.run import Run
@@ -130,19 +207,31 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
             print(f"FAILED {method} seed {seed}: {error}", file=sys.stderr)
             row["failed"].append((seed, error))
             continue
+        given = row.get("given", False)
+        evaluation = None
         try:
             cfg = Run(run_dir).read_config()
-            if task_family(cfg) == "segmentation":
+            segmentation = task_family(cfg) == "segmentation"
+            if segmentation and not given:
                 backfill_test_metrics(run_dir)
                 if calibrators:
                     add_calibrators(run_dir, list(calibrators))
+            if segmentation and args is not None and (given or args.shift):
+                evaluation = eval_seg_metrics([run_dir], eval_folder(args.out, method, run_dir),
+                                              args)
+            if segmentation and args is not None and args.conformal:
+                row.setdefault("conformal", []).append(conformal_metrics(
+                    run_dir, eval_folder(args.out, method, run_dir), args))
         except UntrustedCheckpointError:  # never go on past a file that could run code
             raise
         except UserError as err:
             print(f"FAILED {method} seed {seed}: {err}", file=sys.stderr)
             row["failed"].append((seed, f"adding the new test metrics: {err}"))
             continue
-        metrics = Run(run_dir).read_test_metrics()
+        if evaluation is not None and args.shift:
+            row.setdefault("shift", []).append(evaluation)
+        metrics = evaluation if given else Run(run_dir).read_test_metrics()
+        row.setdefault("metrics", []).append((run_dir, metrics))
         metric = metrics.get("score_metric") or score_metric(cfg)  # older runs: from the config
         history = Run(run_dir).history()
         row["summaries"].append(summarise(metrics, metric, history))
@@ -150,6 +239,180 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
             row.setdefault("calibrators", []).append(calibrator_rows(metrics, list(calibrators)))
         first_run.setdefault(method, run_dir)
     return first_run, SCORE_NAMES.get(metric, metric or "mIoU")
+
+
+def eval_folder(out: Path, row: str, run_dir: Path) -> Path:
+    """Where compare has tools/eval_seg.py evaluate ``run_dir`` of ``row``:
+    ``OUT/eval/<row>/<run folder name>``."""
+    return out / "eval" / row.replace("/", "_") / run_dir.name
+
+
+def _stamp(runs: list[Path]) -> list[str]:
+    """What an evaluation of ``runs`` depends on besides the options: each checkpoint file and
+    its modification time (a retrained run is evaluated again)."""
+    from cals_seg.runs.run import Run
+
+    out = []
+    for run in runs:
+        best = Run(run).best
+        out.append(f"{best.resolve()}@{best.stat().st_mtime_ns if best.is_file() else 0}")
+    return out
+
+
+def eval_seg_argv(args: argparse.Namespace) -> list[str]:
+    """The options compare passes to tools/eval_seg.py: no calibration maps, its
+    ``--calibrators`` and ``--shift`` ones."""
+    argv = ["--num-maps", "0"]
+    if args.calibrators:
+        argv += ["--calibrators", *args.calibrators]
+    if args.shift:
+        argv += ["--shift", *args.shift, "--shift-seed", str(args.shift_seed)]
+        if args.calibrator_fit_shift:
+            argv.append("--calibrator-fit-shift")
+    return argv
+
+
+def eval_seg_metrics(runs: list[Path], folder: Path, args: argparse.Namespace,
+                     ensemble: bool = False) -> dict[str, Any]:
+    """``folder/metrics.json`` of ``tools/eval_seg.py RUN... --out folder`` with
+    :func:`eval_seg_argv` (``--ensemble`` of the runs with ``ensemble``), run in this process
+    unless the same request (options and checkpoints) was evaluated there before.
+
+    Raises:
+        UserError: eval_seg refused or failed (its one-line message is on stderr).
+    """
+    import json
+
+    from cals_seg.commands import eval_seg
+    from cals_seg.errors import UserError
+    from cals_seg.utils.io import write_json
+
+    argv = [*map(str, runs), "--out", str(folder), *eval_seg_argv(args)]
+    argv += ["--ensemble"] if ensemble else []
+    request = {"argv": argv, "checkpoints": _stamp(runs)}
+    done, metrics = folder / "compare_request.json", folder / "metrics.json"
+    if done.is_file() and metrics.is_file() and json.loads(done.read_text()) == request:
+        print(f"reusing {metrics}", flush=True)
+        return json.loads(metrics.read_text())
+    done.unlink(missing_ok=True)
+    print("$ tools/eval_seg.py " + " ".join(argv), flush=True)
+    code = eval_seg.main(argv)
+    if code not in (0, 1) or not metrics.is_file():  # 1: a calibrator skipped, named
+        raise UserError(f"tools/eval_seg.py {' '.join(argv)} exited with status {code} (its "
+                        "message is above)")
+    write_json(done, request)
+    return json.loads(metrics.read_text())
+
+
+def conformal_metrics(run_dir: Path, folder: Path, args: argparse.Namespace
+                      ) -> dict[str, dict[str, Any]]:
+    """``{calibration: {MODE: result}}`` of one run: eval_seg's conformal evaluation
+    (:func:`cals_seg.commands._conformal.conformal_evaluation`) of ``args.conformal`` on the
+    run's test split, on the logits (or after its ``calibrator=``) and after each calibrator of
+    ``args.calibrators``; kept in ``folder/conformal.json`` and reused for the same checkpoint.
+    A calibration that cannot be fitted is named on stderr and left out."""
+    import json
+
+    from cals_seg.commands._cli import USER_ERRORS
+    from cals_seg.commands._conformal import conformal_evaluation
+    from cals_seg.runs.run import load_run
+    from cals_seg.utils.io import write_json
+
+    spec = args.conformal
+    calibrations = list(dict.fromkeys([spec["calibrator"], *args.calibrators]))
+    key = {c: json.dumps({**spec, "calibrator": c}, sort_keys=True) for c in calibrations}
+    path = folder / "conformal.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    if saved.get("checkpoints") != _stamp([run_dir]):
+        saved = {"checkpoints": _stamp([run_dir]), "results": {}}
+    missing = [c for c in calibrations if key[c] not in saved["results"]]
+    if missing:
+        run = load_run(run_dir, with_data=True, family="segmentation")
+        for c in missing:
+            print(f"{run_dir.name}: conformal {spec['alpha']:g} {','.join(spec['mode'])} after "
+                  f"{c or 'no calibrator'}", flush=True)
+            try:
+                saved["results"][key[c]] = conformal_evaluation(
+                    run, {**spec, "calibrator": c}, run.task.val_set, run.task.test_set)
+            except (*USER_ERRORS, ValueError) as err:
+                print(f"FAILED conformal after {c} on {run_dir}: {err}", file=sys.stderr)
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(path, saved)
+    return {c or "uncalibrated": saved["results"][key[c]] for c in calibrations
+            if key[c] in saved["results"]}
+
+
+def ensemble_cost(runs: list[Path]) -> dict[str, Any]:
+    """Inference seconds per test image of the first run and of the ensemble of ``runs``,
+    measured here one after the other on the same loader (after a warm-up pass of the first
+    run; data loading included in both), and their ratio."""
+    import time
+
+    import torch
+
+    from cals_seg.evaluation.ensemble import Ensemble
+    from cals_seg.evaluation.stream import predict
+    from cals_seg.runs.run import load_run
+    from cals_seg.training.engine import make_loader
+
+    first = load_run(runs[0], with_data=True, family="segmentation")
+    members = [first.model] + [load_run(r, family="segmentation", device=str(first.device)).model
+                               for r in runs[1:]]
+    e = first.config.eval
+    loader = make_loader(first.task.test_set, e.batch_size, False, first.config.data.num_workers)
+
+    def seconds(model: Any) -> float:
+        start, images = time.perf_counter(), 0
+        with torch.no_grad():
+            for logits, _ in predict(model, loader, first.device, first.precision,
+                                     protocol=first.task.protocol):
+                images += len(logits)
+        return (time.perf_counter() - start) / max(images, 1)
+
+    seconds(first.model)  # warm-up: one-time costs out of the timing
+    single = seconds(first.model)
+    together = seconds(Ensemble(members).eval())
+    return {"members": len(runs), "forward_passes_per_image": len(runs),
+            "seconds_per_image_single": single, "seconds_per_image": together,
+            "cost_ratio": together / single if single > 0 else None,
+            "device": str(first.device)}
+
+
+def evaluate_ensembles(args: argparse.Namespace, rows: dict[str, dict[str, Any]]
+                       ) -> dict[str, dict[str, Any]]:
+    """``{"<row> ensemble": {"metrics", "cost", "members"}}``: for each trained segmentation
+    row with two seeds or more, tools/eval_seg.py RUN... --ensemble (clean, --calibrators and
+    --shift as for its runs) into ``OUT/eval/<row>/ensemble`` and :func:`ensemble_cost`."""
+    import json
+
+    from cals_seg.commands._cli import USER_ERRORS
+    from cals_seg.runs.run import Run
+    from cals_seg.tasks import task_family
+    from cals_seg.utils.io import write_json
+
+    out = {}
+    for name, row in rows.items():
+        members = [d for d, _ in row.get("metrics", [])
+                   if task_family(Run(d).read_config()) == "segmentation"]
+        if row.get("given") or len(members) < 2:
+            if not row.get("given") and row.get("metrics"):
+                print(f"--ensemble: {name} has {len(members)} segmentation run(s); an ensemble "
+                      "needs two seeds or more (--seeds 0 1 2)", file=sys.stderr)
+            continue
+        folder = args.out / "eval" / name.replace("/", "_") / "ensemble"
+        try:
+            metrics = eval_seg_metrics(members, folder, args, ensemble=True)
+        except USER_ERRORS as err:
+            print(f"FAILED {name} ensemble: {err}", file=sys.stderr)
+            continue
+        path, stamp = folder / "cost.json", _stamp(members)
+        cost = json.loads(path.read_text()) if path.is_file() else {}
+        if cost.get("checkpoints") != stamp:
+            cost = {**ensemble_cost(members), "checkpoints": stamp}
+            write_json(path, cost)
+        out[f"{name} ensemble"] = {"metrics": metrics, "cost": cost, "members": len(members),
+                                   "row": name}
+    return out
 
 
 def plot_study(out: Path, rows: dict[str, dict[str, Any]], first_run: dict[str, Path],
@@ -172,7 +435,7 @@ def plot_study(out: Path, rows: dict[str, dict[str, Any]], first_run: dict[str, 
         )
     grid = []
     for method, run_dir in first_run.items():
-        metrics = Run(run_dir).read_test_metrics()
+        metrics = rows[method]["metrics"][0][1]  # the test metrics (or eval_seg's) read before
         grid.append((method, metrics["pre_ts"]["reliability"]))
         plotting.plot_multiplier_curves(
             Run(run_dir).history(), out / f"lambda_curves_{method}.png",
@@ -180,6 +443,48 @@ def plot_study(out: Path, rows: dict[str, dict[str, Any]], first_run: dict[str, 
         )
     if grid:
         plotting.plot_reliability_grid(grid, out / "reliability_grid.png")
+
+
+EXTRA_OUTPUTS = ["conformal.md", "conformal.csv", "shift.md", "shift.csv",
+                 "shift_ece_severity.png", "ensemble.md", "ensemble.csv"]
+
+
+def check_extras(args: argparse.Namespace) -> None:
+    """``--conformal`` parsed into its spec, ``--shift`` checked, and the options that need
+    another refused, before any run starts.
+
+    Raises:
+        UserError: one line naming the option and the fix.
+    """
+    from cals_seg.data.corruptions import parse_shifts
+    from cals_seg.errors import UserError
+
+    if args.conformal is not None:
+        from cals_seg.commands._conformal import parse_conformal
+
+        args.conformal = parse_conformal(args.conformal)
+    if args.shift:
+        parse_shifts(args.shift, args.shift_seed)  # refused here, passed on as given
+    if args.calibrator_fit_shift and not (args.shift and args.calibrators):
+        raise UserError("--calibrator-fit-shift: give --shift NAME:SEVERITY ... and the "
+                        "calibrators to fit with --calibrators, e.g. --calibrators ts.")
+
+
+def write_extras(args: argparse.Namespace, rows: dict[str, dict[str, Any]],
+                 ensembles: dict[str, dict[str, Any]]) -> None:
+    """OUT/conformal.*, OUT/shift.* and shift_ece_severity.png, OUT/ensemble.* (each when its
+    option was given)."""
+    from cals_seg.training import study
+
+    if args.conformal:
+        study.write_conformal_results(args.out, {m: r.get("conformal", []) for m, r in
+                                                 rows.items()})
+    if args.shift:
+        evaluations = {m: r.get("shift", []) for m, r in rows.items()}
+        evaluations.update({name: [e["metrics"]] for name, e in ensembles.items()})
+        study.write_shift_results(args.out, evaluations)
+    if args.ensemble:
+        study.write_ensemble_results(args.out, ensembles, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,13 +500,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     try:
         check_folder("--out", str(args.out), must_exist=False, writable=True)
+        check_extras(args)
         jobs = plan(args, rows)
         from cals_seg.utils.paths import OutputFolder
 
         # the tables and figures: never over a file compare did not write (runs/ is resumed)
         outputs = OutputFolder(args.out, "compare", inputs=[])
         names = ["results.md", "results.csv", "calibrators.md", "calibrators.csv",
-                 "ece_vs_score.png", "reliability_grid.png"]
+                 "ece_vs_score.png", "reliability_grid.png", *EXTRA_OUTPUTS]
         outputs.check_free(names)
         outputs.claim(names)
     except USER_ERRORS as err:
@@ -212,11 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(
             pool.map(
-                lambda j: run_one(j[1], j[2], j[3], args.out, args.set, args.checkpoints), jobs
+                lambda j: (j[1], None) if j[2] == GIVEN else
+                run_one(j[1], j[2], j[3], args.out, args.set, args.checkpoints), jobs
             )
         )
     try:
-        first_run, score_name = collect(jobs, results, rows, args.calibrators)
+        first_run, score_name = collect(jobs, results, rows, args.calibrators, args)
+        ensembles = evaluate_ensembles(args, rows) if args.ensemble else {}
     except UntrustedCheckpointError as err:
         return report(err)
     write_results(args.out, rows, score_name)
@@ -224,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         from cals_seg.training.study import write_calibrator_results
 
         write_calibrator_results(args.out, rows)
+    write_extras(args, rows, ensembles)
     plot_study(args.out, rows, first_run, score_name)
     print(
         f"wrote {args.out / 'results.md'}, results.csv and the figures in {args.out} "
