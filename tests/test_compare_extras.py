@@ -153,7 +153,8 @@ def test_ensemble_of_the_seeds_with_shift_and_cost(tmp_path, capsys):
     shift = {(r["method"], r["calibration"], r["corruption"]): r
              for r in _csv(out / "shift.csv")}
     got = shift[("ce ensemble", "uncalibrated", "gaussian_noise:2")]
-    assert float(got["ece_mean"]) == pytest.approx(ref["shift"]["gaussian_noise:2"]["pre_ts"]["ece"])
+    want = ref["shift"]["gaussian_noise:2"]["pre_ts"]["ece"]
+    assert float(got["ece_mean"]) == pytest.approx(want)
     # the single runs: mean over the two seeds of their own eval_seg evaluations
     single = [json.loads((out / "eval" / "ce" / r.name / "metrics.json").read_text())
               for r in runs]

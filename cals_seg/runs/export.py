@@ -30,6 +30,13 @@ The ``.onnx`` file holds its weights (one self-contained file to copy) unless th
 protobuf's 2 GB limit; then they are written to ``FILE.data``, which must stay next to it
 (:func:`written_files` names every file an export wrote).
 
+With a fitted conformal threshold (``export_run(..., conformal=...)``, ``tools/export.py RUN
+--conformal ALPHA``), the program has a second output, ``sets``: the prediction sets
+``(N, K, H, W)`` bool that ``predict_seg --conformal`` writes (:class:`ConformalSegmenter`)::
+
+    probs, sets = torch.export.load("model.pt2").module()(images)
+    probs, sets = session.run(None, {"image": images.numpy()})
+
 The ONNX export needs the ``onnx`` and ``onnxscript`` packages, checking it ``onnxruntime``
 (``pip install "cals_seg[export]"``).
 """
@@ -52,7 +59,7 @@ from cals_seg.evaluation.inference import IMAGENET_MEAN, IMAGENET_STD, input_mul
 FORMATS = ("onnx", "pt2")
 # Post-hoc calibrators an exported program can apply: the run's temperature, or none (T = 1).
 CALIBRATORS = ("ts", "none")
-INPUT_NAME, OUTPUT_NAMES = "image", {False: "probs", True: "logits"}
+INPUT_NAME, OUTPUT_NAMES, SETS_NAME = "image", {False: "probs", True: "logits"}, "sets"
 
 
 def _zero_pad(x: Tensor, dim: int, size: Any, length: Any) -> Tensor:
@@ -102,6 +109,10 @@ class CalibratedSegmenter(nn.Module):
         self.register_buffer("scale", 255.0 * torch.tensor(std, dtype=f32).view(1, 3, 1, 1))
 
     def forward(self, x: Tensor) -> Tensor:
+        return self.outputs(x)[0]
+
+    def outputs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(forward(x), the cropped logits)``."""
         h, w = x.shape[-2], x.shape[-1]
         m = self.multiple
         if m > 1:
@@ -112,8 +123,48 @@ class CalibratedSegmenter(nn.Module):
             out = out.index_select(2, torch.arange(h, device=x.device))
             out = out.index_select(3, torch.arange(w, device=x.device))
         if self.logits:
-            return out
-        return torch.softmax(out / self.temperature, dim=1)
+            return out, out
+        return torch.softmax(out / self.temperature, dim=1), out
+
+
+class ConformalSegmenter(nn.Module):
+    """A :class:`CalibratedSegmenter` that also returns the conformal prediction sets of a
+    fitted :class:`~cals_seg.evaluation.conformal.ConformalSets` (what ``predict_seg
+    --conformal`` writes): class ``k`` is in a pixel's set when its score (LAC ``1 - p_k`` or
+    randomised APS, :func:`~cals_seg.evaluation._scores.class_scores`, on ``p = softmax`` of the
+    network's logits, T = 1) is at most the threshold (one number, or the threshold of class
+    ``k`` in ``class`` mode).
+
+    The scores are compared with the thresholds ``g / grid`` in float32, which is exact:
+    ``grid`` is a power of two and the toolkit's rule, ``ceil(s * grid) <= g``, holds iff
+    ``s <= g / grid`` for the same float32 score ``s``.
+
+    Shape:
+        ``x (N, 3, H, W)`` float32 in ``[0, 255]`` -> ``(probs or logits (N, K, H, W) float32,
+        sets (N, K, H, W) bool)``.
+    """
+
+    def __init__(self, segmenter: CalibratedSegmenter, sets: Any) -> None:
+        super().__init__()
+        if sets.kind == "band":
+            raise UserError("export --conformal: mode=band needs the distance to the predicted "
+                            "boundaries, which is not exported; use mode=risk, image:TAU or "
+                            "class.")
+        self.segmenter = segmenter
+        self.multiple, self.logits = segmenter.multiple, segmenter.logits
+        self.score, self.seed = sets.score, sets.seed
+        index = sets.threshold_index.detach().to("cpu", torch.float64) / sets.grid
+        shape = (1, -1, 1) if sets.kind == "class" else (1, 1, 1)
+        self.register_buffer("threshold", index.to(torch.float32).view(shape))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        from cals_seg.evaluation._scores import class_scores
+
+        out, raw = self.segmenter.outputs(x)
+        n, k, h, w = raw.shape
+        probs = torch.softmax(raw.float(), dim=1).reshape(n, k, h * w)
+        scores = class_scores(probs, self.score, self.seed)
+        return out, (scores <= self.threshold).reshape(n, k, h, w)
 
 
 def _dynamic_shapes(min_size: int) -> dict[str, dict[int, Any]]:
@@ -122,10 +173,11 @@ def _dynamic_shapes(min_size: int) -> dict[str, dict[int, Any]]:
                   3: dim("width", min=min_size)}}
 
 
-def export_program(module: CalibratedSegmenter, path: str | Path, fmt: str,
+def export_program(module: CalibratedSegmenter | ConformalSegmenter, path: str | Path, fmt: str,
                    min_size: int | None = None) -> Path:
     """Write ``module`` as ONNX (``fmt="onnx"``) or a ``torch.export`` program (``"pt2"``),
     with dynamic batch size, height and width (sides ``>= min_size``, default ``2 * multiple``).
+    A :class:`ConformalSegmenter` has a second output, ``sets``.
 
     Raises:
         ValueError: an unknown format.
@@ -156,11 +208,17 @@ def export_program(module: CalibratedSegmenter, path: str | Path, fmt: str,
             ) from None
     # One self-contained file (weights inside), unless they pass protobuf's 2 GB limit: then
     # the weights go to FILE.data next to it, and written_files() names both.
+    if isinstance(module, ConformalSegmenter) and module.score == "aps":
+        raise UserError("--format onnx --conformal score=aps: the APS randomisation reads the "
+                        "bits of the probabilities, which ONNX cannot; use --format pt2, or "
+                        "score=lac.")
     external = _weight_bytes(module) > ONNX_SINGLE_FILE_LIMIT
+    names = [OUTPUT_NAMES[module.logits]]
+    names += [SETS_NAME] if isinstance(module, ConformalSegmenter) else []
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, example, str(path), dynamo=True, dynamic_shapes=dynamic,
-                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAMES[module.logits]],
+                          input_names=[INPUT_NAME], output_names=names,
                           verbose=False, external_data=external)
     return path
 
@@ -186,9 +244,10 @@ def written_files(path: str | Path) -> list[Path]:
 
 def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: str = "ts",
                logits: bool = False, checkpoint: str = "best",
-               min_size: int | None = None) -> dict[str, Any]:
+               min_size: int | None = None, conformal: Any = None) -> dict[str, Any]:
     """Export a trained segmentation run; writes ``out`` and ``<out>.json`` (what the program
-    expects and returns: input name and range, normalisation, class names, temperature).
+    expects and returns: input name and range, normalisation, class names, temperature, and
+    the conformal threshold).
 
     Args:
         run: a run directory (or a checkpoint file inside one).
@@ -199,6 +258,9 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         checkpoint: ``best`` or ``last`` (for a run directory; read by
             :func:`cals_seg.runs.run.load_run`).
         min_size: smallest height / width the program accepts (default ``2 * stride``).
+        conformal: a fitted :class:`~cals_seg.evaluation.conformal.ConformalSets` (on the
+            run's logits, mode ``risk``, ``image:TAU`` or ``class``): the program also returns
+            its prediction sets, ``(N, K, H, W)`` bool (:class:`ConformalSegmenter`).
 
     Returns:
         The metadata written to ``<out>.json``.
@@ -228,6 +290,8 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
                       "image as given: resize or tile images before calling it.", stacklevel=2)
     module = CalibratedSegmenter(model, temperature, multiple=input_multiple(model),
                                  logits=logits)
+    if conformal is not None:
+        module = ConformalSegmenter(module, conformal)
     path = export_program(module, out, fmt, min_size)
     info = {
         "format": fmt,
@@ -243,9 +307,17 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         "num_classes": cfg.data.num_classes,
         "class_names": list(loaded.class_names),
     }
+    if conformal is not None:
+        info["outputs"] = [OUTPUT_NAMES[logits], SETS_NAME]
+        info["conformal"] = {
+            "output": {"name": SETS_NAME, "shape": ["N", "K", "H", "W"], "dtype": "bool",
+                       "what": "class k is in the pixel's set (scores of softmax(logits), T = 1)"},
+            "alpha": conformal.alpha, "mode": conformal.mode, "score": conformal.score,
+            "seed": conformal.seed, "threshold": conformal.thresholds(),
+            "calibration_images": conformal.calibration_images}
     Path(f"{path}.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
-__all__ = ["CALIBRATORS", "FORMATS", "CalibratedSegmenter", "export_program", "export_run",
-           "written_files"]
+__all__ = ["CALIBRATORS", "FORMATS", "CalibratedSegmenter", "ConformalSegmenter", "export_program",
+           "export_run", "written_files"]

@@ -1,0 +1,102 @@
+"""tools/export.py --conformal: the exported program's second output equals the sets that
+predict_seg --conformal writes for the same images (pt2 and, when installed, ONNX), for LAC
+and APS, one threshold and one per class; band mode is refused with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from .conftest import load_tool
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore:.*temperature.json",
+                                        "ignore:The validation NLL is minimal")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    """A random-weight run of the synthetic setup and a folder of two images whose sides are
+    no multiple of the network's stride."""
+    from cals_seg.config.schema import load_config, save_config
+    from cals_seg.tasks.segmentation import build_model
+
+    tmp = tmp_path_factory.mktemp("export_conformal")
+    sets = [f"data.root={tmp / 'data'}", "data.synthetic={num_train: 30, num_test: 2, "
+            "image_size: 32}", "train.amp=none", "train.threads=1", "train.progress=false",
+            "eval.num_maps=0", "train.device=cpu", "model.encoder_name=tu-mobilenetv3_small_050",
+            "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
+    cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", sets, "ce")
+    torch.manual_seed(0)
+    run = tmp / "run"
+    run.mkdir()
+    save_config(cfg, run / "config.yaml")
+    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
+               run / "checkpoint_best.pt")
+    images = tmp / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    for name, shape in (("a", (37, 45, 3)), ("b", (40, 33, 3))):
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(images / f"{name}.png")
+    return run, images
+
+
+def _predicted_sets(run: Path, images: Path, out: Path, spec: list[str]) -> dict[str, np.ndarray]:
+    assert load_tool("predict_seg").main([str(run), str(images), "--out", str(out),
+                                          "--conformal", *spec, "--no-progress"]) == 0
+    return {p.stem: np.load(out / f"{p.stem}_sets.npz")["sets"] for p in images.glob("*.png")}
+
+
+def _pixels(images: Path, stem: str) -> torch.Tensor:
+    rgb = np.asarray(Image.open(images / f"{stem}.png").convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(rgb).permute(2, 0, 1)[None].contiguous()
+
+
+@pytest.mark.parametrize("spec", [["0.3"], ["alpha=0.2", "mode=class", "score=aps"]],
+                         ids=["risk-lac", "class-aps"])
+def test_exported_sets_equal_predict_seg(tiny, tmp_path, spec, capsys):
+    run, images = tiny
+    want = _predicted_sets(run, images, tmp_path / "pred", spec)
+    program_file = tmp_path / "model.pt2"
+    export = load_tool("export")
+    assert export.main([str(run), "--format", "pt2", "--out", str(program_file),
+                        "--calibrator", "none", "--conformal", *spec]) == 0, capsys.readouterr()
+    info = json.loads(Path(f"{program_file}.json").read_text())
+    assert info["outputs"] == ["probs", "sets"]
+    saved = json.loads(next((run / "calibrators").glob(
+        f"conformal_{info['conformal']['mode']}_{info['conformal']['score']}_a*.json"))
+        .read_text())
+    assert info["conformal"]["threshold"] == saved["threshold"]
+    program = torch.export.load(program_file).module()
+    for stem, sets in want.items():
+        probs, got = program(_pixels(images, stem))
+        assert got.dtype == torch.bool and got.shape == (1, *sets.shape)
+        assert np.array_equal(got[0].numpy(), sets), stem
+        assert torch.allclose(probs.sum(dim=1), torch.ones(1), atol=1e-5)
+    if spec == ["0.3"]:  # ONNX too, where installed
+        ort = pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+        onnx_file = tmp_path / "model.onnx"
+        assert export.main([str(run), "--format", "onnx", "--out", str(onnx_file),
+                            "--calibrator", "none", "--conformal", *spec]) == 0
+        session = ort.InferenceSession(str(onnx_file))
+        assert [o.name for o in session.get_outputs()] == ["probs", "sets"]
+        for stem, sets in want.items():
+            _, got = session.run(None, {"image": _pixels(images, stem).numpy()})
+            assert got.dtype == bool and np.array_equal(got[0], sets), stem
+
+
+def test_band_mode_is_refused(tiny, tmp_path, capsys):
+    run, _ = tiny
+    capsys.readouterr()
+    assert load_tool("export").main([str(run), "--format", "pt2", "--out",
+                                     str(tmp_path / "m.pt2"), "--conformal", "alpha=0.1",
+                                     "mode=band"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "mode=band" in err and "\n" not in err
+    assert not (tmp_path / "m.pt2").exists()
