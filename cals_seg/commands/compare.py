@@ -204,7 +204,8 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
     for (method, _, _, seed), (run_dir, error) in zip(jobs, results, strict=True):
         row = rows[method]
         if error is not None:
-            print(f"FAILED {method} seed {seed}: {error}", file=sys.stderr)
+            print(f"FAILED {method}{'' if seed is None else f' seed {seed}'}: {error}",
+                  file=sys.stderr)
             row["failed"].append((seed, error))
             continue
         given = row.get("given", False)
@@ -225,8 +226,10 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
         except UntrustedCheckpointError:  # never go on past a file that could run code
             raise
         except UserError as err:
-            print(f"FAILED {method} seed {seed}: {err}", file=sys.stderr)
-            row["failed"].append((seed, f"adding the new test metrics: {err}"))
+            print(f"FAILED {method}{'' if seed is None else f' seed {seed}'}: {err}",
+                  file=sys.stderr)
+            what = "evaluating it" if given else "adding the new test metrics"
+            row["failed"].append((seed, f"{what}: {err}"))
             continue
         if evaluation is not None and args.shift:
             row.setdefault("shift", []).append(evaluation)

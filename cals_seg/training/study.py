@@ -321,7 +321,8 @@ def write_results(out: Path, rows: dict[str, dict[str, Any]], score_name: str) -
     )
     if failures:
         text += "\nFailed runs (not in the means):\n\n"
-        text += "".join(f"- {m}, seed {seed}: {err}\n" for m, seed, err in failures)
+        text += "".join(f"- {m}{'' if seed is None else f', seed {seed}'}: {err}\n"
+                        for m, seed, err in failures)
     atomic_write(out / "results.md", lambda tmp: Path(tmp).write_text(text))
     table_csv = io.StringIO(newline="")
     writer = csv.writer(table_csv)
