@@ -23,8 +23,12 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
+# TEST_WORKERS test processes (pytest-xdist), each test file in one of them (module fixtures are
+# built once); every test runs on one torch thread, so two workers use two cores.
+TEST_WORKERS ?= 2
+
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The results table of docs/results.md: eight methods x three seeds on the embedded dataset, two
 # runs side by side with one thread each (docs/results.md gives the duration on each CPU kind).

@@ -23,7 +23,7 @@ def test_gpu_check_dry_writes_every_section(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable,
                TMPDIR=str(tmp_path))
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=420)
+                          env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert (tmp_path / "out" / "gpu_check.log").is_file()
