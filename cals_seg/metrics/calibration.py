@@ -35,8 +35,8 @@ def _bincount(index: Tensor, size: int, weights: Tensor | None = None) -> Tensor
     return out if w is None else out.to(w.dtype)  # (empty input gives int64 even with weights)
 
 
-# Positions per block of the per-position pass on the CPU: about 1 MiB of float32 logits.
-_BLOCK_ELEMENTS = 2**18
+# Positions per block of the per-position pass on the CPU: about 4 MiB of float32 logits.
+_BLOCK_ELEMENTS = 2**20
 
 
 def _block_size(x: Tensor) -> int:
