@@ -214,6 +214,27 @@ def _check_target(target: Tensor, shape: tuple[int, ...], against: str) -> None:
         )
 
 
+# Logits per block of positions on the CPU (4 MiB of float32): see ``position_block``.
+BLOCK_ELEMENTS = 2**20
+
+
+def position_block(x: Tensor, elements: int | None = None) -> int:
+    """Positions per block for a loop of passes over the logits ``(N, K, P)``.
+
+    On the CPU about ``elements`` (default :data:`BLOCK_ELEMENTS`) logits, so that each pass
+    over a block reads it from the cache (the whole tensor would go through the main memory
+    once per pass), rounded down to a multiple of 64 positions: torch's softmax over the class
+    dimension is vectorised along the positions, and blocks that start at multiples of the
+    vector width give bitwise the softmax of the whole tensor. Off the CPU: every position
+    (one kernel per pass).
+    """
+    n, k, npos = x.shape
+    if x.device.type != "cpu":
+        return max(npos, 1)
+    per = (elements or BLOCK_ELEMENTS) // max(n * k, 1)
+    return max(64, per - per % 64)
+
+
 def max_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     """Per-position maximum over classes and the first index that attains it.
 

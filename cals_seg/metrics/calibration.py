@@ -15,11 +15,13 @@ from torch import Tensor
 
 from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
+    BLOCK_ELEMENTS,
     NUM_FINE_CELLS,
     _edge_thresholds,
     bin_index,
     fine_cell,
     max_argmax,
+    position_block,
     prepare_logits,
 )
 from cals_seg.utils.validation import check_finite
@@ -33,19 +35,6 @@ def _bincount(index: Tensor, size: int, weights: Tensor | None = None) -> Tensor
     w = None if weights is None else weights.reshape(-1)
     out = torch.bincount(index.reshape(-1), weights=w, minlength=size + 1)[:size]
     return out if w is None else out.to(w.dtype)  # (empty input gives int64 even with weights)
-
-
-# Positions per block of the per-position pass on the CPU: about 4 MiB of float32 logits.
-_BLOCK_ELEMENTS = 2**20
-
-
-def _block_size(x: Tensor) -> int:
-    """Positions per block: all of them off the CPU (one kernel each), else about
-    ``_BLOCK_ELEMENTS`` logits, so that the passes over a block read it from the cache."""
-    n, k, npos = x.shape
-    if x.device.type != "cpu" or npos <= 1:
-        return max(npos, 1)
-    return max(1, _BLOCK_ELEMENTS // max(n * k, 1))
 
 
 def _classwise_rest_sums(q: Tensor, n_bins: int, out: Tensor) -> None:
@@ -96,6 +85,7 @@ def _classwise_prob_sums(p: Tensor, invalid: Tensor, n_bins: int) -> Tensor:
 
 
 _SUM_BLOCK = 16384  # positions per block of _classwise_prob_sums
+_BLOCK_ELEMENTS = BLOCK_ELEMENTS  # logits per block of _calibration_update (tests shrink it)
 
 
 # Not split (over 80 lines): the block loop keeps every (N, K, block) temporary in the cache;
@@ -131,13 +121,18 @@ def _calibration_update(
     - ``image_sums``: per-image ECE, MCE, accuracy, NLL, Brier and CWCE (``IMAGE_KEYS``) summed
       over the images of the batch that have a valid position; ``num_images`` counts those.
 
-    Everything is vectorised with flat ``bincount`` s over ``N * n_bins`` (top label),
-    ``N * K * n_bins`` (classwise) and ``NUM_FINE_CELLS`` cells. The class-wise sums of ``p_k``
-    scatter only the values above the first bin edge (``_classwise_prob_sums``): fewer than
-    ``n_bins`` per position, one or two in practice. Temporaries of size ``(N, K, *S)``: the
-    float32 probabilities and a one-byte arg-max mask; classwise adds a one-byte mask, i.e. a
-    peak of about 1.5 float32-sized buffers besides the logits. float16 / bfloat16 logits add
-    their float32 upcast.
+    Every pass over the ``(N, K, P)`` logits (maximum and arg-max, finiteness, softmax, its
+    maximum, the gathers at the label, the class-wise values, ``r`` and ``r2``) runs in one
+    loop over blocks of positions (:func:`position_block`: about 4 MiB of logits on the CPU,
+    read from the cache by every pass after the first; bitwise the softmax of the whole
+    tensor); what a block leaves per position (cells, the confidence) is a ``(N, P)`` buffer,
+    and the histograms are flat ``bincount`` s over ``N * n_bins`` (top label),
+    ``N * K * n_bins`` (classwise) and ``NUM_FINE_CELLS`` cells at the end. The class-wise sums
+    of ``p_k`` scatter only the values other than the arg-max above the first bin edge
+    (:func:`_classwise_rest_sums`; the arg-max's ``c`` goes to the bin of ``c`` with the
+    top-label cells). Temporaries of size ``(N, K, *S)``: none on the CPU besides a
+    float16 / bfloat16 input's float32 upcast (the block's are a few MiB); off the CPU (one
+    block) the float32 probabilities and a float32 arg-max temporary.
 
     ``inputs="probs"``: ``logits`` holds probabilities, used as the logits ``log p``
     (``cals_seg.metrics._functional.as_logits``).
@@ -166,7 +161,7 @@ def _calibration_update(
     brier_n = torch.zeros(n, dtype=f64, device=dev)
     image = torch.arange(n, device=dev, dtype=i32).unsqueeze(1)
     image_k = image.to(idt) * k  # i * K
-    block = _block_size(x)
+    block = position_block(x, _BLOCK_ELEMENTS) if npos > 1 else 1
     for start in range(0, npos, block):
         end = min(start + block, npos)
         xb, yb, vb = x[:, :, start:end], y[:, start:end], invalid[:, start:end]

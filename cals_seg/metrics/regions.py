@@ -24,8 +24,10 @@ from torch import Tensor
 
 from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
+    BLOCK_ELEMENTS,
     bin_index,
     max_argmax,
+    position_block,
     prepare_logits,
 )
 from cals_seg.metrics.calibration import ece_split, reliability_data
@@ -195,7 +197,7 @@ class SizeGroups:
 # --------------------------------------------------------------------------------------------
 
 
-_BLOCK_ELEMENTS = 2**20  # logits per block on the CPU (4 MiB of float32): passes in the cache
+_BLOCK_ELEMENTS = BLOCK_ELEMENTS  # logits per block on the CPU (position_block; tests shrink it)
 
 
 def _grouped_update(
@@ -206,8 +208,8 @@ def _grouped_update(
     Confidence, prediction and bins are those of ``CalibrationMeter`` (``torch.softmax`` in
     float32, top label, exact equal-width bins), so the groups' bins add up to its bins over
     the grouped pixels. Positions whose ``group`` is ``num_groups`` (or more), and void ones,
-    are dropped. On the CPU the logits go in blocks of positions of about 4 MiB (each pass
-    over a block reads it from the cache); elsewhere in one block.
+    are dropped. The logits go in blocks of positions (:func:`position_block`: cache-sized on
+    the CPU, bitwise the softmax of the whole tensor; elsewhere one block).
 
     Shape:
         - x: ``(N, K, P)`` logits, y / valid / group: ``(N, P)`` (from ``prepare_logits``;
@@ -221,8 +223,8 @@ def _grouped_update(
     drop = (g >= num_groups).logical_or_(~valid)
     first = g.to(torch.int32).mul_(n_bins)  # group * n_bins, then + bin
     conf_all = torch.empty((n, npos), dtype=x.dtype, device=dev)
-    block = npos if dev.type != "cpu" else max(1, _BLOCK_ELEMENTS // max(n * k, 1))
-    for start in range(0, npos, max(block, 1)):
+    block = position_block(x, _BLOCK_ELEMENTS)
+    for start in range(0, npos, block):
         end = min(start + block, npos)
         xb = x[:, :, start:end]
         maxima, pred = max_argmax(xb)
