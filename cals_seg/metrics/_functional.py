@@ -260,6 +260,23 @@ def max_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     return maxima.squeeze(1), first.long()
 
 
+def argmax_map(logits: Tensor) -> Tensor:
+    """``logits.argmax(dim=1)`` (the first maximal class) of finite logits, several times
+    faster on the CPU: :func:`max_argmax` over blocks of positions (:func:`position_block`).
+    Non-finite positions get some index in ``[0, K)``.
+
+    Shape:
+        - logits: ``(N, K, *S)``; returns ``(N, *S)`` int64.
+    """
+    n, k = logits.shape[:2]
+    x = logits.reshape(n, k, -1)
+    out = torch.empty((n, x.shape[2]), dtype=torch.int64, device=x.device)
+    block = position_block(x)
+    for start in range(0, x.shape[2], block):
+        out[:, start:start + block] = max_argmax(x[:, :, start:start + block])[1]
+    return out.clamp_(0, k - 1).view(n, *logits.shape[2:])
+
+
 # --------------------------------------------------------------------------------------------
 # Binning.
 # --------------------------------------------------------------------------------------------
