@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.utils.distributed import all_reduce_sum_, is_distributed
+from cals_seg.utils.validation import check_finite
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -260,10 +261,12 @@ def max_argmax(logits: Tensor) -> tuple[Tensor, Tensor]:
     return maxima.squeeze(1), first.long()
 
 
-def argmax_map(logits: Tensor) -> Tensor:
+def argmax_map(logits: Tensor, check: bool = False) -> Tensor:
     """``logits.argmax(dim=1)`` (the first maximal class) of finite logits, several times
-    faster on the CPU: :func:`max_argmax` over blocks of positions (:func:`position_block`).
-    Non-finite positions get some index in ``[0, K)``.
+    faster on the CPU: :func:`max_argmax` over blocks of positions (:func:`position_block`; no
+    logits-sized temporary). Non-finite positions get some index in ``[0, K)``, or with
+    ``check`` raise ``ValueError`` (:func:`cals_seg.utils.validation.check_finite`, block by
+    block).
 
     Shape:
         - logits: ``(N, K, *S)``; returns ``(N, *S)`` int64.
@@ -273,7 +276,10 @@ def argmax_map(logits: Tensor) -> Tensor:
     out = torch.empty((n, x.shape[2]), dtype=torch.int64, device=x.device)
     block = position_block(x)
     for start in range(0, x.shape[2], block):
-        out[:, start:start + block] = max_argmax(x[:, :, start:start + block])[1]
+        xb = x[:, :, start:start + block]
+        maxima, out[:, start:start + block] = max_argmax(xb)
+        if check and not bool(xb.amin(dim=1).add_(maxima).sum().isfinite()):
+            check_finite(xb)
     return out.clamp_(0, k - 1).view(n, *logits.shape[2:])
 
 
