@@ -142,3 +142,15 @@ def test_max_argmax_equals_torch_max():
             maxima, index = max_argmax(x)
             want_max, want_index = x.max(dim=1)
             assert torch.equal(maxima, want_max) and torch.equal(index, want_index), (dtype, k)
+
+
+def test_given_groups_are_not_modified():
+    k = 4
+    target = make_maps(n=2, k=k, seed=13)
+    logits = make_logits(target, k, seed=14)
+    for dtype in (torch.int32, torch.int64, torch.uint8):
+        meter = BoundaryCalibrationMeter(k, ignore_index=VOID)
+        maps = _loader_maps(meter, target).to(dtype)
+        kept = maps.clone()
+        meter.update(logits, target, groups=maps)
+        assert torch.equal(maps, kept), dtype

@@ -202,7 +202,7 @@ def _calibration_update(
         fine[:, start:end] = fcell.mul_(2).add_(correct)
         conf_all[:, start:end] = conf
         if ycell is not None and pcell is not None:
-            cell = yb.to(idt).add_(image_k).mul_(n_bins).add_(bin_index(p_y, n_bins))
+            cell = yb.to(idt, copy=True).add_(image_k).mul_(n_bins).add_(bin_index(p_y, n_bins))
             ycell[:, start:end] = cell.masked_fill_(vb, cw_cells)
             cell = pred.to(idt).add_(image_k).mul_(n_bins).add_(b_conf)
             pcell[:, start:end] = cell.masked_fill_(vb, cw_cells)

@@ -221,7 +221,7 @@ def _grouped_update(
     cells = num_groups * n_bins
     g = group.to(dev).reshape(valid.shape)
     drop = (g >= num_groups).logical_or_(~valid)
-    first = g.to(torch.int32).mul_(n_bins)  # group * n_bins, then + bin
+    first = g.to(torch.int32, copy=True).mul_(n_bins)  # group * n_bins, then + bin
     conf_all = torch.empty((n, npos), dtype=x.dtype, device=dev)
     block = position_block(x, _BLOCK_ELEMENTS)
     for start in range(0, npos, block):
