@@ -16,6 +16,11 @@ the CPU the largest resident set seen by a sampling thread (every 0.5 ms, from
 previous call returned to the system first (``malloc_trim``). It is an estimate on the CPU: a
 short-lived temporary can fall between two samples.
 
+The region meters (``BoundaryCalibrationMeter``, ``ObjectSizeCalibrationMeter``) get three
+rows: ``update`` computing the ground-truth analysis itself, ``update`` given it
+(``groups=``, what the evaluation's main process does when the loader makes the maps), and the
+analysis alone (``group_fn`` on each mask, on the CPU: the loader's share).
+
 Calibrators are applied with their parameters as built (the apply cost does not depend on the
 fitted values), but ``selective`` gets ``T_mis = 2`` (at 1 it returns the logits untouched).
 Each item gets a warm-up call first. ``--quick`` runs tiny shapes once each (a smoke test: its
@@ -164,6 +169,13 @@ def bench_shape(label: str, k: int, h: int, w: int, args, device, mem: PeakMemor
     rows.append(base)
     for name, meter in build_meters(k, args.meters).items():
         rows.append(row(name, lambda m=meter: m.update(logits, target)))
+        if hasattr(meter, "group_fn"):  # a region meter: its analysis made by the loader
+            fn, masks = meter.group_fn(), target.cpu().numpy()
+            groups = meter.group_map(target).to(device)
+            rows.append(row(f"{name} (groups given)",
+                            lambda m=meter, g=groups: m.update(logits, target, groups=g)))
+            rows.append(row(f"{name}: analysis in the loader",
+                            lambda f=fn, ms=masks: [f(mask) for mask in ms]))
     for name, cal in build_calibrators(k, args.calibrators, device).items():
         rows.append(row(f"apply {name}", lambda c=cal: c(logits, image)))
     for r in rows:
@@ -250,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             peak = "n/a" if r["peak_logits"] is None else f"{r['peak_logits']:.2f}"
             cells.append(f"{ratio} | {peak}")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    limits = {"CalibrationMeter": 3.0, "apply boundary_ts": 1.5, "apply lts": 5.0}
+    limits = {"CalibrationMeter": 3.0, "apply boundary_ts": 1.5, "apply lts": 5.0,
+              "BoundaryCalibrationMeter (groups given)": 1.0,
+              "ObjectSizeCalibrationMeter (groups given)": 1.0}
     for label in args.shapes:
         for r in results[label]:
             if r["name"] in limits:

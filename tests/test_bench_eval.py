@@ -23,10 +23,14 @@ def test_bench_eval_quick_prints_every_row():
             if line.startswith("| ") and not line.startswith("| update")}
     for name in ("softmax", "CalibrationMeter", "SegmentationMeter", "BoundaryCalibrationMeter",
                  "ObjectSizeCalibrationMeter", "apply ts", "apply vector", "apply dirichlet",
-                 "apply selective", "apply boundary_ts", "apply lts", "cityscapes", "ade20k"):
+                 "apply selective", "apply boundary_ts", "apply lts", "cityscapes", "ade20k",
+                 "BoundaryCalibrationMeter (groups given)",
+                 "ObjectSizeCalibrationMeter: analysis in the loader"):
         assert name in rows, (name, out)
     cells = [c.strip() for c in rows["CalibrationMeter"].strip("|").split("|")]
     assert len(cells) == 5 and all(math.isfinite(float(c)) for c in cells[1:] if c != "n/a")
     targets = re.findall(r"^TARGET \| (.+?) \| (\S+) \| (<= \S+) \| (MET|NOT MET)$", out, re.M)
-    assert len(targets) == 2 * (3 + 4), out  # per shape: 3 time ratios and 4 meters' memory
+    # per shape: 5 time ratios (calibration meter, the two region meters given their groups,
+    # boundary_ts, lts) and 4 meters' memory
+    assert len(targets) == 2 * (5 + 4), out
     assert all(math.isfinite(float(t[1])) for t in targets)

@@ -34,7 +34,13 @@ from torch import Tensor
 from cals_seg.calibrators._base import Batches, Calibrator, iterate, valid_rows
 from cals_seg.calibrators.temperature import _grid_nll, _parabola_vertex, fit_temperature
 from cals_seg.errors import UserError
-from cals_seg.metrics._distance import label_map_bands
+from cals_seg.metrics._distance import (
+    boundary_mask,
+    capped_squared_distance,
+    int_thresholds,
+    label_map_bands,
+)
+from cals_seg.metrics._functional import argmax_map
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int
 
@@ -42,12 +48,13 @@ from cals_seg.utils.validation import check_int
 def predicted_bands(logits: Tensor, bands: Sequence[float]) -> Tensor:
     """Band of every pixel from the boundaries of ``argmax(logits)``, computed on the logits'
     device (:func:`cals_seg.metrics._distance.label_map_bands`: exact distances, the bands of
-    :func:`cals_seg.metrics.regions.boundary_bands`).
+    :func:`cals_seg.metrics.regions.boundary_bands`). The arg-max is
+    :func:`cals_seg.metrics._functional.argmax_map` (that of ``argmax(dim=1)``, faster).
 
     Shape:
         - logits: ``(N, K, H, W)``; returns ``(N, H, W)`` int64 on the logits' device.
     """
-    return label_map_bands(logits.detach().argmax(dim=1), bands)
+    return label_map_bands(argmax_map(logits.detach()), bands)
 
 
 class BoundaryTemperatureScaling(Calibrator):
@@ -167,9 +174,20 @@ class BoundaryTemperatureScaling(Calibrator):
         return self.fit_info
 
     def temperature_map(self, logits: Tensor) -> Tensor:
-        """The temperature of every pixel ``(N, H, W)`` (from its predicted band)."""
-        band = predicted_bands(logits, self.params["bands"])
-        return self.temperatures.to(logits.device, logits.dtype)[band]
+        """The temperature of every pixel ``(N, H, W)`` (from its predicted band).
+
+        The bands of :func:`predicted_bands` without their int64 map: the capped squared
+        distance (one byte per pixel for the default bands) is compared with each threshold
+        and the temperature written where it is reached (the thresholds increase), so the map
+        holds exactly ``temperatures[band]``."""
+        thresholds = int_thresholds(self.params["bands"])
+        pred = argmax_map(logits.detach())
+        dist2 = capped_squared_distance(boundary_mask(pred), max(thresholds))
+        temps = self.temperatures.to(logits.device, logits.dtype)
+        out = temps[0].expand(dist2.shape).clone()
+        for i, t in enumerate(thresholds):
+            out.masked_fill_(dist2 >= t, temps[i + 1])
+        return out
 
     def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
         self.check_input(logits, image)

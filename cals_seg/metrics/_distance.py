@@ -48,40 +48,65 @@ def boundary_mask(label_map: Tensor, ignore_index: int | None = None) -> Tensor:
     return out
 
 
-def squared_distance_below(boundary: Tensor, limit: int) -> Tensor:
-    """Exact squared Euclidean distance ``D`` (pixels^2) of every pixel to the nearest boundary
-    pixel of its image where ``D < limit``, and ``limit`` elsewhere (``min(D, limit)``; an
-    image without boundary pixels is ``limit`` everywhere).
+def _small_dtype(largest: int) -> torch.dtype:
+    """The narrowest integer dtype holding ``0 .. largest``."""
+    if largest < 2**8:
+        return torch.uint8
+    return torch.int16 if largest < 2**15 else torch.int32
 
-    Two separable passes, in int32 (exact): the vertical distance ``g`` to the nearest boundary
-    pixel of the same column (two ``cummax`` scans), capped at ``R + 1`` with
-    ``R = isqrt(limit - 1)``; then ``D(y, x) = min_{|dx| <= R} g(y, x + dx)^2 + dx^2``. A
-    boundary pixel at ``D < limit`` has ``|dx|, |dy| <= R``, so it is among the candidates; a
-    capped candidate is ``>= (R + 1)^2 >= limit``; every candidate is the squared distance of
-    a boundary pixel. So the result is exact below ``limit``; the cost is ``2 R + 1`` passes
-    over the map (15 for ``limit = 64``). ``limit = H^2 + W^2`` gives the whole transform.
+
+def capped_squared_distance(boundary: Tensor, limit: int) -> Tensor:
+    """``min(D, limit)`` for the exact squared Euclidean distance ``D`` (pixels^2) of every pixel
+    to the nearest boundary pixel of its image, in the narrowest integer dtype that holds the
+    intermediate values (uint8 for ``limit <= 121``, e.g. 64 for the default bands).
+
+    Two separable passes. Vertical: the distance ``g`` to the nearest boundary pixel of the same
+    column, capped at ``R + 1`` with ``R = isqrt(limit - 1)``, as ``g = sum_{d=0..R} [no
+    boundary pixel within d rows]``, the mask being dilated by one row up and down per step
+    (``2 R`` one-byte slice ORs). Horizontal: ``D(y, x) = min_{|dx| <= R} g(y, x + dx)^2 + dx^2``
+    (``2 R + 1`` shifted minima). A boundary pixel at ``D < limit`` has ``|dx|, |dy| <= R``, so
+    it is among the candidates; a capped candidate is ``>= (R + 1)^2 >= limit``; every candidate
+    is the squared distance of a boundary pixel. So the result is exact below ``limit``.
+    ``limit = H^2 + W^2`` gives the whole transform (slowly: ``R`` is then the diagonal).
 
     Shape:
-        - boundary: ``(N, H, W)`` bool; returns ``(N, H, W)`` int32.
+        - boundary: ``(N, H, W)`` bool; returns ``(N, H, W)`` uint8, int16 or int32.
     """
     if limit < 1:
         raise ValueError(f"Expected `limit` >= 1, but got {limit}.")
     n, h, w = boundary.shape
-    dev = boundary.device
     r = math.isqrt(limit - 1)
     cap = r + 1
-    i32 = torch.int32
-    rows = torch.arange(h, device=dev, dtype=i32).view(1, h, 1)
-    far = torch.tensor(-(h + cap), device=dev, dtype=i32)
-    above = torch.where(boundary, rows, far).cummax(dim=1).values  # last boundary row <= y
-    below = torch.where(boundary, -rows, far).flip(1).cummax(dim=1).values.flip(1).neg_()
-    g = torch.minimum(rows - above, below - rows).clamp_(max=cap)
-    g2 = g.mul_(g)
+    dt = _small_dtype(max(cap * cap + r * r, limit))
+    near = boundary.clone()  # a boundary pixel within d rows, for d = 0, 1, ...
+    far = (~near).to(dt)  # g = number of d in 0..R without one (so g <= R + 1 = cap)
+    for _ in range(min(r, h)):
+        grown = near.clone()
+        grown[:, 1:] |= near[:, :-1]
+        grown[:, :-1] |= near[:, 1:]
+        near = grown
+        far += ~near
+    if r > h:  # no boundary pixel within h rows: none in the column; g = cap there
+        far.masked_fill_(~near, cap)
+    g2 = far.mul_(far)
     padded = F.pad(g2, (r, r), value=cap * cap)
-    out = torch.full((n, h, w), limit, device=dev, dtype=i32)
-    for j in range(2 * r + 1):
-        out = torch.minimum(out, padded[..., j:j + w] + (j - r) ** 2)
+    out = padded[..., r:r + w].clone()  # dx = 0
+    for dx in range(1, r + 1):
+        torch.minimum(out, padded[..., r - dx:r - dx + w] + dx * dx, out=out)
+        torch.minimum(out, padded[..., r + dx:r + dx + w] + dx * dx, out=out)
     return out.clamp_(max=limit)
+
+
+def squared_distance_below(boundary: Tensor, limit: int) -> Tensor:
+    """Exact squared Euclidean distance ``D`` (pixels^2) of every pixel to the nearest boundary
+    pixel of its image where ``D < limit``, and ``limit`` elsewhere (``min(D, limit)``; an
+    image without boundary pixels is ``limit`` everywhere): :func:`capped_squared_distance`
+    as int32.
+
+    Shape:
+        - boundary: ``(N, H, W)`` bool; returns ``(N, H, W)`` int32.
+    """
+    return capped_squared_distance(boundary, limit).to(torch.int32)
 
 
 def int_thresholds(bands: Sequence[float]) -> tuple[int, ...]:
@@ -106,11 +131,10 @@ def label_map_bands(label_map: Tensor, bands: Sequence[float],
     """
     if thresholds is None:
         thresholds = int_thresholds(bands)
-    out = torch.zeros(label_map.shape, dtype=torch.int64, device=label_map.device)
     if not thresholds:
-        return out
-    boundary = boundary_mask(label_map, ignore_index)
-    dist2 = squared_distance_below(boundary, max(thresholds))
-    for t in thresholds:
+        return torch.zeros(label_map.shape, dtype=torch.int64, device=label_map.device)
+    dist2 = capped_squared_distance(boundary_mask(label_map, ignore_index), max(thresholds))
+    out = (dist2 >= thresholds[0]).to(torch.int64)
+    for t in thresholds[1:]:
         out += dist2 >= t
     return out

@@ -15,11 +15,13 @@ from torch import Tensor
 
 from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
+    BLOCK_ELEMENTS,
     NUM_FINE_CELLS,
     _edge_thresholds,
     bin_index,
     fine_cell,
     max_argmax,
+    position_block,
     prepare_logits,
 )
 from cals_seg.utils.validation import check_finite
@@ -35,53 +37,59 @@ def _bincount(index: Tensor, size: int, weights: Tensor | None = None) -> Tensor
     return out if w is None else out.to(w.dtype)  # (empty input gives int64 even with weights)
 
 
-_SUM_BLOCK = 16384  # positions per block of the float64 class totals
+def _classwise_rest_sums(q: Tensor, n_bins: int, out: Tensor) -> None:
+    """Add to ``out[i, k, b]`` the float64 sum of ``q[i, k, j]`` over the positions ``j`` with
+    ``bin(q[i, k, j]) = b``, for ``b >= 1``; ``out[..., 0]`` gets the float64 total of ``q``
+    (the caller subtracts the other bins from it at the end).
+
+    No scatter over all ``N K P`` values: a value is in bin 0 exactly when it is ``<= t_1``, the
+    largest value of its dtype not above ``1 / n`` (``bin_index``'s edges), and since the values
+    of a position sum to at most 1, fewer than ``n`` of them are above it. Only those go through
+    an ``index_add``; with the arg-max already taken out of ``q`` that is one or two per
+    position in practice.
+
+    Shape:
+        - q: ``(N, K, B)`` float32 / float64 (a block of positions, void positions set to 0;
+          the arg-max may be left in); out: ``(N, K, n_bins)`` float64, updated in place.
+    """
+    n, k, npos = q.shape
+    out[:, :, 0] += q.sum(dim=2, dtype=torch.float64)
+    if n_bins == 1:
+        return
+    t1 = _edge_thresholds(n_bins, q.dtype)[0]
+    flat = q.reshape(n * k, npos)
+    rows, cols = (flat > t1).nonzero(as_tuple=True)  # row = i * K + k
+    values = flat[rows, cols]
+    cell = rows.mul_(n_bins).add_(bin_index(values, n_bins))
+    out.view(-1).index_add_(0, cell, values.to(torch.float64))
 
 
 def _classwise_prob_sums(p: Tensor, invalid: Tensor, n_bins: int) -> Tensor:
     """``out[i, k, b]``: float64 sum of ``p[i, k, j]`` over the valid positions ``j`` of image
-    ``i`` with ``bin(p[i, k, j]) = b``.
-
-    No pass of scatters over all ``N K P`` probabilities: a value is in bin 0 exactly when it is
-    ``<= t_1``, the largest value of its dtype not above ``1 / n`` (``bin_index``'s edges), and
-    since ``sum_k p_k = 1`` fewer than ``n`` classes per position are above it. So the sums of
-    bins ``>= 1`` come from an ``index_add`` over those few values only, and bin 0 is the total
-    ``sum_j p[i, k, j]`` over the valid positions (float64-accumulated, in cache-sized blocks)
-    minus them. The void positions of ``p`` are set to 0 here (in place), which takes them out of
-    both. Temporaries: a one-byte mask of ``(N, K, P)`` and index / value arrays of the values
-    above ``t_1`` (fewer than ``n`` per position; one to three in practice).
+    ``i`` with ``bin(p[i, k, j]) = b`` (:func:`_classwise_rest_sums` over blocks of
+    ``_SUM_BLOCK`` positions). The void positions of ``p`` are set to 0 here (in place).
 
     Shape:
-        - p: ``(N, K, P)`` float32 or float64 (its void positions are zeroed); invalid:
-          ``(N, P)`` bool.
+        - p: ``(N, K, P)`` float32 or float64; invalid: ``(N, P)`` bool.
         - returns: ``(N, K, n_bins)`` float64.
     """
     n, k, npos = p.shape
-    f64 = torch.float64
     inv_n, inv_j = invalid.nonzero(as_tuple=True)
-    if inv_n.numel():  # zero the void positions (a write per void position, not a full pass)
+    if inv_n.numel():
         p[inv_n, :, inv_j] = 0.0
-    # (N, K) in float64: the float64 upcast of a block of positions stays in the cache (a
-    # whole-tensor ``sum(dtype=float64)`` writes a float64 copy of p first: 10x slower)
-    total = torch.zeros((n, k), dtype=f64, device=p.device)
+    out = torch.zeros((n, k, n_bins), dtype=torch.float64, device=p.device)
     for start in range(0, npos, _SUM_BLOCK):
-        total += p[:, :, start:start + _SUM_BLOCK].sum(dim=2, dtype=f64)
-    out = torch.zeros(n * k * n_bins, dtype=f64, device=p.device)
-    if n_bins > 1:
-        t1 = _edge_thresholds(n_bins, p.dtype)[0]
-        flat = p.view(-1)
-        idx = (flat > t1).nonzero().squeeze(1)  # flat (i, k, j) indices above t_1
-        nk = idx.div(npos, rounding_mode="floor")  # i * K + k
-        values = flat[idx]
-        cell = nk.mul_(n_bins).add_(bin_index(values, n_bins))
-        out.index_add_(0, cell, values.to(f64))
-    out = out.view(n, k, n_bins)
-    out[:, :, 0] = total - out.sum(dim=2)
+        _classwise_rest_sums(p[:, :, start:start + _SUM_BLOCK], n_bins, out)
+    out[:, :, 0] -= out[:, :, 1:].sum(dim=2)
     return out
 
 
-# Not split (over 80 lines): one pass, so that each (N, K, *S) temporary is freed right after
-# its last use (del); helpers would keep them alive.
+_SUM_BLOCK = 16384  # positions per block of _classwise_prob_sums
+_BLOCK_ELEMENTS = BLOCK_ELEMENTS  # logits per block of _calibration_update (tests shrink it)
+
+
+# Not split (over 80 lines): the block loop keeps every (N, K, block) temporary in the cache;
+# helpers would only pass a dozen per-position buffers back and forth.
 def _calibration_update(
     logits: Tensor,
     target: Tensor,
@@ -113,13 +121,18 @@ def _calibration_update(
     - ``image_sums``: per-image ECE, MCE, accuracy, NLL, Brier and CWCE (``IMAGE_KEYS``) summed
       over the images of the batch that have a valid position; ``num_images`` counts those.
 
-    Everything is vectorised with flat ``bincount`` s over ``N * n_bins`` (top label),
-    ``N * K * n_bins`` (classwise) and ``NUM_FINE_CELLS`` cells. The class-wise sums of ``p_k``
-    scatter only the values above the first bin edge (``_classwise_prob_sums``): fewer than
-    ``n_bins`` per position, one or two in practice. Temporaries of size ``(N, K, *S)``: the
-    float32 probabilities and a one-byte arg-max mask; classwise adds a one-byte mask, i.e. a
-    peak of about 1.5 float32-sized buffers besides the logits. float16 / bfloat16 logits add
-    their float32 upcast.
+    Every pass over the ``(N, K, P)`` logits (maximum and arg-max, finiteness, softmax, its
+    maximum, the gathers at the label, the class-wise values, ``r`` and ``r2``) runs in one
+    loop over blocks of positions (:func:`position_block`: about 4 MiB of logits on the CPU,
+    read from the cache by every pass after the first; bitwise the softmax of the whole
+    tensor); what a block leaves per position (cells, the confidence) is a ``(N, P)`` buffer,
+    and the histograms are flat ``bincount`` s over ``N * n_bins`` (top label),
+    ``N * K * n_bins`` (classwise) and ``NUM_FINE_CELLS`` cells at the end. The class-wise sums
+    of ``p_k`` scatter only the values other than the arg-max above the first bin edge
+    (:func:`_classwise_rest_sums`; the arg-max's ``c`` goes to the bin of ``c`` with the
+    top-label cells). Temporaries of size ``(N, K, *S)``: none on the CPU besides a
+    float16 / bfloat16 input's float32 upcast (the block's are a few MiB); off the CPU (one
+    block) the float32 probabilities and a float32 arg-max temporary.
 
     ``inputs="probs"``: ``logits`` holds probabilities, used as the logits ``log p``
     (``cals_seg.metrics._functional.as_logits``).
@@ -129,71 +142,102 @@ def _calibration_update(
         - target: ``(N, *S)`` integer, ``ignore_index`` marks void positions.
     """
     x, y, valid = prepare_logits(logits, target, num_classes, ignore_index, inputs)
-    n, k, _ = x.shape
+    n, k, npos = x.shape
+    dev = x.device
     f64, i32 = torch.float64, torch.int32
     invalid = ~valid
-    maxima, pred = max_argmax(x)
-    check_finite(x, maxima)
-    correct = (pred == y).logical_and_(valid)
-    # (N, K) and (N, K, 1, ...) both take torch's contiguous last-dimension softmax kernel.
-    p = torch.softmax(x.view(n, k), dim=1).view(n, k, 1) if x.shape[2] == 1 else x.softmax(dim=1)
-    conf = p.amax(dim=1)  # = p[pred] exactly: exp(0) = 1 is the largest numerator
-    p_y = p.gather(1, y.unsqueeze(1)).squeeze(1)
-    nll = maxima.to(f64).sub_(x.gather(1, y.unsqueeze(1)).squeeze(1))  # max_j l_j - l_y
-    conf64 = conf.to(f64)
-    # (In-place arithmetic throughout: fewer short-lived (N, *S) buffers for the allocator.)
+    top_cells, cw_cells = n * n_bins, n * k * n_bins
+    idt = i32 if cw_cells < 2**31 - 1 else torch.int64
+    # Per position, filled block by block: (top-label cell << 1) + correct, (fine cell << 1) +
+    # correct, the confidence; with classwise the (image, label, bin(p_y)) and
+    # (image, pred, bin(c)) cells. Void positions hold the drop cell.
+    top = torch.empty((n, npos), dtype=i32, device=dev)
+    fine = torch.empty((n, npos), dtype=i32, device=dev)
+    conf_all = torch.empty((n, npos), dtype=x.dtype, device=dev)
+    ycell = torch.empty((n, npos), dtype=idt, device=dev) if classwise else None
+    pcell = torch.empty((n, npos), dtype=idt, device=dev) if classwise else None
+    rest_nkb = torch.zeros((n, k, n_bins), dtype=f64, device=dev) if classwise else None
+    nll_n = torch.zeros(n, dtype=f64, device=dev)
+    brier_n = torch.zeros(n, dtype=f64, device=dev)
+    image = torch.arange(n, device=dev, dtype=i32).unsqueeze(1)
+    image_k = image.to(idt) * k  # i * K
+    block = position_block(x, _BLOCK_ELEMENTS) if npos > 1 else 1
+    for start in range(0, npos, block):
+        end = min(start + block, npos)
+        xb, yb, vb = x[:, :, start:end], y[:, start:end], invalid[:, start:end]
+        maxima, pred = max_argmax(xb)
+        if not bool(xb.amin(dim=1).add_(maxima).sum().isfinite()):
+            check_finite(xb)  # raises on NaN / inf (before pred = K is used as an index)
+        x_y = xb.gather(1, yb.unsqueeze(1)).squeeze(1)
+        if npos == 1:  # (N, K) and (N, K, 1): torch's contiguous last-dimension kernel
+            p = torch.softmax(xb.reshape(n, k), dim=1).view(n, k, 1)
+        else:
+            p = xb.softmax(dim=1).contiguous()
+        conf = p.amax(dim=1)  # = p[pred] exactly: exp(0) = 1 is the largest numerator
+        p_y = p.gather(1, yb.unsqueeze(1)).squeeze(1)
+        # q = p with q_pred = 0 (and 0 at void positions): r = sum q = (s - 1) / s, s = 1 / c
+        q = p.scatter_(1, pred.unsqueeze(1), 0.0)
+        inv_n, inv_j = vb.nonzero(as_tuple=True)
+        if inv_n.numel():
+            q[inv_n, :, inv_j] = 0.0
+        rest = q.sum(dim=1)
+        if rest_nkb is not None:
+            _classwise_rest_sums(q, n_bins, rest_nkb)
+        rest_sq = q.mul_(q).sum(dim=1)  # sum_{j != pred} p_j^2
+        del p, q
+        conf64, p_y64 = conf.to(f64), p_y.to(f64)
+        nll = maxima.to(f64).sub_(x_y)  # max_j l_j - l_y
+        nll.add_(rest.to(f64).div_(conf64).log1p_()).masked_fill_(vb, 0.0)
+        nll_n += nll.sum(dim=1)
+        # sum_{k != y} p_k^2 = sum_{j != pred} p_j^2 + c^2 - p_y^2 (the last two cancel exactly
+        # when pred == y, where c = p_y).
+        brier = torch.sub(1.0, p_y64)
+        brier.mul_(brier).add_(rest_sq).addcmul_(conf64, conf64).addcmul_(p_y64, p_y64, value=-1)
+        brier_n += brier.masked_fill_(vb, 0.0).sum(dim=1)
+        correct = (pred == yb).logical_and_(~vb)
+        b_conf = bin_index(conf, n_bins)
+        cell = b_conf.add(image * n_bins).masked_fill_(vb, top_cells)
+        top[:, start:end] = cell.mul_(2).add_(correct)
+        fcell = fine_cell(conf).masked_fill_(vb, NUM_FINE_CELLS)
+        fine[:, start:end] = fcell.mul_(2).add_(correct)
+        conf_all[:, start:end] = conf
+        if ycell is not None and pcell is not None:
+            cell = yb.to(idt, copy=True).add_(image_k).mul_(n_bins).add_(bin_index(p_y, n_bins))
+            ycell[:, start:end] = cell.masked_fill_(vb, cw_cells)
+            cell = pred.to(idt).add_(image_k).mul_(n_bins).add_(b_conf)
+            pcell[:, start:end] = cell.masked_fill_(vb, cw_cells)
 
-    # Top-label bins per image: cell = image * n_bins + bin; count and correct in one bincount.
-    first_cell = torch.arange(0, n * n_bins, n_bins, device=x.device, dtype=i32).unsqueeze(1)
-    cell = bin_index(conf, n_bins).add_(first_cell).masked_fill_(invalid, n * n_bins)
-    hits = _bincount(cell.mul(2).add_(correct), 2 * n * n_bins).view(n, n_bins, 2)
-    conf_nb = _bincount(cell, n * n_bins, conf64).view(n, n_bins)
-    del cell
+    conf64 = conf_all.to(f64)
+    del conf_all
+    hits = _bincount(top, 2 * top_cells).view(n, n_bins, 2)
+    conf_nb = _bincount(top.bitwise_right_shift_(1), top_cells, conf64).view(n, n_bins)
+    del top
     count_nb = hits.sum(dim=2)
     correct_nb = hits[..., 1]
-
-    # Fine histogram of the confidences (adaptive ECE).
-    fcell = fine_cell(conf).masked_fill_(invalid, NUM_FINE_CELLS)
-    fhits = _bincount(fcell.mul(2).add_(correct), 2 * NUM_FINE_CELLS).view(NUM_FINE_CELLS, 2)
+    fhits = _bincount(fine, 2 * NUM_FINE_CELLS).view(NUM_FINE_CELLS, 2)
     stats: dict[str, Tensor] = {
         "bin_count": count_nb.sum(dim=0),
         "bin_correct": correct_nb.sum(dim=0),
         "bin_conf": conf_nb.sum(dim=0),
         "fine_count": fhits.sum(dim=1),
         "fine_correct": fhits[:, 1].clone(),
-        "fine_conf": _bincount(fcell, NUM_FINE_CELLS, conf64),
+        "fine_conf": _bincount(fine.bitwise_right_shift_(1), NUM_FINE_CELLS, conf64),
     }
-    del fcell
+    del fine
 
-    cwce_n = torch.zeros(n, dtype=f64, device=x.device)
+    cwce_n = torch.zeros(n, dtype=f64, device=dev)
     count_n = count_nb.sum(dim=1)
     denom = count_n.clamp(min=1).to(f64)
-    if classwise:
-        prob_nkb = _classwise_prob_sums(p, invalid, n_bins)
-        cells = n * k * n_bins
-        idt = i32 if cells < 2**31 - 1 else torch.int64
-        first = torch.arange(0, cells, k * n_bins, device=x.device, dtype=idt)
-        ycell = y.to(idt, copy=True).mul_(n_bins).add_(first.unsqueeze(1))
-        ycell.add_(bin_index(p_y, n_bins))
-        hits_nkb = _bincount(ycell.masked_fill_(invalid, cells), cells).view(n, k, n_bins)
-        del ycell
+    if rest_nkb is not None and ycell is not None and pcell is not None:
+        hits_nkb = _bincount(ycell, cw_cells).view(n, k, n_bins)
+        # The arg-max values (c, in the bin of c) and the rest; bin 0 of the rest is its
+        # total minus its other bins.
+        rest_nkb[:, :, 0] -= rest_nkb[:, :, 1:].sum(dim=2)
+        prob_nkb = _bincount(pcell, cw_cells, conf64).view(n, k, n_bins).add_(rest_nkb)
         stats["cw_prob"] = prob_nkb.sum(dim=0)
         stats["cw_hits"] = hits_nkb.sum(dim=0)
         cwce_n = (hits_nkb - prob_nkb).abs().sum(dim=2).mean(dim=1) / denom
 
-    # NLL and Brier last: they overwrite p in place with q = p, q_pred = 0.
-    q = p.scatter_(1, pred.unsqueeze(1), 0.0)
-    rest = q.sum(dim=1)  # r = sum_{j != pred} p_j = (s - 1) / s with s = 1 / c
-    rest_sq = q.mul_(q).sum(dim=1)  # sum_{j != pred} p_j^2
-    del p, q
-    nll.add_(rest.to(f64).div_(conf64).log1p_()).masked_fill_(invalid, 0.0)
-    # sum_{k != y} p_k^2 = sum_{j != pred} p_j^2 + c^2 - p_y^2 (the last two cancel exactly
-    # when pred == y, where c = p_y).
-    p_y64 = p_y.to(f64)
-    brier = torch.sub(1.0, p_y64)
-    brier.mul_(brier).add_(rest_sq).addcmul_(conf64, conf64).addcmul_(p_y64, p_y64, value=-1.0)
-    brier.masked_fill_(invalid, 0.0)
-    nll_n, brier_n = nll.sum(dim=1), brier.sum(dim=1)
     stats["nll_sum"] = nll_n.sum()
     stats["brier_sum"] = brier_n.sum()
 

@@ -13,7 +13,7 @@ The masks are analysed on the CPU with OpenCV (an exact Euclidean distance trans
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -24,8 +24,10 @@ from torch import Tensor
 
 from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
+    BLOCK_ELEMENTS,
     bin_index,
     max_argmax,
+    position_block,
     prepare_logits,
 )
 from cals_seg.metrics.calibration import ece_split, reliability_data
@@ -153,9 +155,49 @@ def component_areas(
     return out
 
 
+def _small(group: np.ndarray, last: int) -> np.ndarray:
+    """``group`` (values ``<= last + 1``) as uint8 where they fit: an eighth of the bytes."""
+    return group.astype(np.uint8 if last < 254 else np.int64)
+
+
+class BandGroups:
+    """Picklable ``fn(mask (H, W), inside=None) -> (H, W)`` uint8: the distance band of every
+    pixel (:func:`boundary_bands`), the groups of ``BoundaryCalibrationMeter(bands=bands,
+    ignore_index=ignore_index)``. ``inside`` is accepted for the data-loading seam and
+    ignored: the meter measures distances in the evaluated mask as it is."""
+
+    def __init__(self, bands: Sequence[float], ignore_index: int) -> None:
+        self.bands, self.ignore_index = tuple(bands), ignore_index
+
+    def __call__(self, mask: np.ndarray, inside: np.ndarray | None = None) -> np.ndarray:
+        m = np.asarray(mask).astype(np.int64)[None]
+        return _small(boundary_bands(m, self.bands, self.ignore_index)[0], len(self.bands))
+
+
+class SizeGroups:
+    """Picklable ``fn(mask (H, W), inside=None) -> (H, W)`` uint8: the object-size bucket of
+    every pixel (:func:`component_areas`; void and ``background_index`` pixels get
+    ``len(areas) + 1``, no bucket), the groups of ``ObjectSizeCalibrationMeter``."""
+
+    def __init__(self, num_classes: int, areas: Sequence[int], ignore_index: int,
+                 background_index: int | None) -> None:
+        self.num_classes, self.areas = num_classes, tuple(areas)
+        self.ignore_index, self.background_index = ignore_index, background_index
+
+    def __call__(self, mask: np.ndarray, inside: np.ndarray | None = None) -> np.ndarray:
+        m = np.asarray(mask).astype(np.int64)[None]
+        area = component_areas(m, self.num_classes, self.ignore_index, self.background_index)[0]
+        group = np.searchsorted(np.array(self.areas), area, side="right")
+        group[area == 0] = len(self.areas) + 1  # void and background: no bucket
+        return _small(group, len(self.areas))
+
+
 # --------------------------------------------------------------------------------------------
 # Grouped top-label bins.
 # --------------------------------------------------------------------------------------------
+
+
+_BLOCK_ELEMENTS = BLOCK_ELEMENTS  # logits per block on the CPU (position_block; tests shrink it)
 
 
 def _grouped_update(
@@ -165,25 +207,39 @@ def _grouped_update(
 
     Confidence, prediction and bins are those of ``CalibrationMeter`` (``torch.softmax`` in
     float32, top label, exact equal-width bins), so the groups' bins add up to its bins over
-    the grouped pixels. Positions whose ``group`` is ``num_groups``, and void ones, are
-    dropped.
+    the grouped pixels. Positions whose ``group`` is ``num_groups`` (or more), and void ones,
+    are dropped. The logits go in blocks of positions (:func:`position_block`: cache-sized on
+    the CPU, bitwise the softmax of the whole tensor; elsewhere one block).
 
     Shape:
-        - x: ``(N, K, P)`` logits, y / valid / group: ``(N, P)`` (from ``prepare_logits``);
-          returns three ``(num_groups, n_bins)`` tensors (int64, int64, float64).
+        - x: ``(N, K, P)`` logits, y / valid / group: ``(N, P)`` (from ``prepare_logits``;
+          ``group`` any integer dtype); returns three ``(num_groups, n_bins)`` tensors (int64,
+          int64, float64).
     """
-    maxima, pred = max_argmax(x)
-    check_finite(x, maxima)
-    correct = pred == y
-    conf = x.softmax(dim=1).amax(dim=1)
+    n, k, npos = x.shape
+    dev = x.device
     cells = num_groups * n_bins
-    g = group.to(x.device, torch.int64).reshape(valid.shape)
-    cell = g.mul(n_bins).add_(bin_index(conf, n_bins)).masked_fill_(~valid, cells)
-    cell.masked_fill_(g >= num_groups, cells)
-    hits = torch.bincount(cell.mul(2).add_(correct).reshape(-1), minlength=2 * cells + 2)
+    g = group.to(dev).reshape(valid.shape)
+    drop = (g >= num_groups).logical_or_(~valid)
+    first = g.to(torch.int32, copy=True).mul_(n_bins)  # group * n_bins, then + bin
+    conf_all = torch.empty((n, npos), dtype=x.dtype, device=dev)
+    block = position_block(x, _BLOCK_ELEMENTS)
+    for start in range(0, npos, block):
+        end = min(start + block, npos)
+        xb = x[:, :, start:end]
+        maxima, pred = max_argmax(xb)
+        if not bool(xb.amin(dim=1).add_(maxima).sum().isfinite()):
+            check_finite(xb)
+        conf = xb.softmax(dim=1).amax(dim=1)
+        conf_all[:, start:end] = conf
+        cell = first[:, start:end]
+        cell.add_(bin_index(conf, n_bins)).masked_fill_(drop[:, start:end], cells)
+        cell.mul_(2).add_(pred == y[:, start:end])
+    hits = torch.bincount(first.reshape(-1), minlength=2 * cells + 2)
     hits = hits[: 2 * cells].view(num_groups, n_bins, 2)
-    weights = conf.to(torch.float64).reshape(-1)
-    conf_sum = torch.bincount(cell.reshape(-1), weights=weights, minlength=cells + 1)[:cells]
+    weights = conf_all.to(torch.float64).reshape(-1)
+    conf_sum = torch.bincount(first.bitwise_right_shift_(1).reshape(-1), weights=weights,
+                              minlength=cells + 1)[:cells]
     return hits.sum(dim=2), hits[..., 1].clone(), conf_sum.view(num_groups, n_bins)
 
 
@@ -203,24 +259,67 @@ class _RegionCalibrationMeter(Meter):
 
     def _groups(self, target: np.ndarray) -> np.ndarray:
         """Group of every pixel ``(N, H, W)`` int64; ``num_groups`` drops a pixel."""
+        fn = self.group_fn()
+        return np.stack([fn(t) for t in target]) if len(target) else target.astype(np.int64)
+
+    def group_fn(self) -> Callable[..., np.ndarray]:
+        """The ground-truth analysis of one mask as a picklable function ``fn(mask (H, W),
+        inside=None) -> (H, W)`` uint8 groups (``num_groups``: no group), the one
+        :meth:`update` runs when it is not given ``groups``. Run it where the data is loaded
+        (e.g. ``SegmentationTransform.add_extra_inputs({"groups": meter.group_fn()})``, the
+        seam of :mod:`cals_seg.data.extra_inputs`) and pass the collated maps to
+        ``update(logits, target, groups=...)``: the evaluation's main process then only
+        bins."""
         raise NotImplementedError
 
-    def _edges(self) -> list[float | None]:
-        raise NotImplementedError
+    def group_map(self, target: Tensor) -> Tensor:
+        """Group of every pixel of ``target (N, H, W)``: ``(N, H, W)`` int64 on the CPU (what
+        :meth:`update` computes when it is not given ``groups``)."""
+        return torch.from_numpy(self._groups(target.detach().cpu().numpy().astype(np.int64)))
 
-    def batch_stats(self, logits: Tensor, target: Tensor) -> dict[str, Tensor]:
+    def _check_groups(self, groups: Tensor, target: Tensor) -> Tensor:
+        if not isinstance(groups, Tensor) or groups.is_floating_point() or groups.is_complex():
+            got = groups.dtype if isinstance(groups, Tensor) else type(groups).__name__
+            raise ValueError(f"Expected `groups` to be an integer tensor (N, H, W), but got {got}.")
+        if tuple(groups.shape) != tuple(target.shape):
+            raise ValueError(
+                f"Expected `groups` of the target's shape {tuple(target.shape)}, but got "
+                f"{tuple(groups.shape)}; pass the maps of {type(self).__name__}.group_fn()."
+            )
+        if groups.numel():
+            low, high = torch.aminmax(groups.to(torch.int64))
+            if int(low) < 0 or int(high) > self.num_groups:
+                raise ValueError(
+                    f"Expected `groups` values in [0, {self.num_groups}] (the last: no group), "
+                    f"but got values in [{int(low)}, {int(high)}]; pass the maps of "
+                    f"{type(self).__name__}.group_fn() built with the same arguments."
+                )
+        return groups
+
+    def batch_stats(self, logits: Tensor, target: Tensor, groups: Tensor | None = None
+                    ) -> dict[str, Tensor]:
         """The sums of one batch: logits ``(N, K, H, W)``, target ``(N, H, W)``; raises
         ``ValueError`` on bad input. Pass logits (the softmax is applied here), or
-        probabilities to a meter built with ``inputs="probs"``."""
+        probabilities to a meter built with ``inputs="probs"``. ``groups``: ``(N, H, W)``
+        integer, the maps of :meth:`group_fn` for this target (computed here when None)."""
         if not isinstance(logits, Tensor) or logits.dim() != 4:
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(f"Expected `logits` of shape (N, K, H, W), but got {shape}.")
         x, y, valid = prepare_logits(
             logits, target, self.num_classes, self.ignore_index, self.inputs
         )
-        group = torch.from_numpy(self._groups(target.detach().cpu().numpy().astype(np.int64)))
+        group = self.group_map(target) if groups is None else self._check_groups(groups, target)
         count, correct, conf = _grouped_update(x, y, valid, group, self.num_groups, self.n_bins)
         return {"bin_count": count, "bin_correct": correct, "bin_conf": conf}
+
+    @torch.no_grad()
+    def update(self, logits: Tensor, target: Tensor, groups: Tensor | None = None) -> None:
+        """Add one batch (shapes: the class docstring); ``groups`` as in :meth:`batch_stats`.
+        Raises ``ValueError`` on bad input, before any state changes."""
+        stats = self.batch_stats(logits, target) if groups is None else self.batch_stats(
+            logits, target, groups=groups)
+        for name, value in stats.items():
+            getattr(self, name).add_(value)
 
     def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
         """Per group (lists of ``G``): ``count``, ``ece``, ``ece_over``, ``ece_under``,
@@ -315,8 +414,19 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
     def _edges(self) -> list[float | None]:
         return [0.0, *self.bands, None]
 
-    def _groups(self, target: np.ndarray) -> np.ndarray:
-        return boundary_bands(target, self.bands, self.ignore_index)
+    def group_fn(self) -> Callable[..., np.ndarray]:
+        """Band of every pixel of one mask (:class:`BandGroups`); see the base class."""
+        return BandGroups(self.bands, self.ignore_index)
+
+    def group_map(self, target: Tensor) -> Tensor:
+        """The bands of ``target (N, H, W)``: OpenCV's exact transform on the CPU; off the CPU
+        the exact bounded torch transform of :mod:`cals_seg.metrics._distance` on the device
+        (no copy to the host), equal to it."""
+        if target.device.type == "cpu":
+            return super().group_map(target)
+        from cals_seg.metrics._distance import label_map_bands  # it imports this module
+
+        return label_map_bands(target.long(), self.bands, self.ignore_index)
 
     def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
         """The per-band dict of :meth:`_RegionCalibrationMeter.compute_states` plus
@@ -391,11 +501,9 @@ class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
     def _edges(self) -> list[float | None]:
         return [0, *self.areas, None]
 
-    def _groups(self, target: np.ndarray) -> np.ndarray:
-        area = component_areas(target, self.num_classes, self.ignore_index, self.background_index)
-        group = np.searchsorted(np.array(self.areas), area, side="right")
-        group[area == 0] = self.num_groups  # void and background: no bucket
-        return group.astype(np.int64)
+    def group_fn(self) -> Callable[..., np.ndarray]:
+        """Size bucket of every pixel of one mask (:class:`SizeGroups`); see the base class."""
+        return SizeGroups(self.num_classes, self.areas, self.ignore_index, self.background_index)
 
 
 class BoundaryAwareECEMeter(BoundaryCalibrationMeter):
@@ -466,12 +574,17 @@ class BoundaryAwareECEMeter(BoundaryCalibrationMeter):
         return (ring, np.bincount(r, weights=np.sqrt(dist2[take]), minlength=self.num_groups),
                 np.bincount(r, minlength=self.num_groups))
 
-    def _groups(self, target: np.ndarray) -> np.ndarray:
-        return self._rings(target)[0]
+    def group_map(self, target: Tensor) -> Tensor:
+        return torch.from_numpy(self._rings(target.detach().cpu().numpy().astype(np.int64))[0])
 
-    def batch_stats(self, logits: Tensor, target: Tensor) -> dict[str, Tensor]:
+    def batch_stats(self, logits: Tensor, target: Tensor, groups: Tensor | None = None
+                    ) -> dict[str, Tensor]:
         """The bins of :class:`BoundaryCalibrationMeter` per ring, and the ring distance sums
-        (one distance transform per batch; raises ``ValueError`` on bad input)."""
+        (one distance transform per batch; raises ``ValueError`` on bad input). ``groups``
+        must be None: the rings need the distances, so they are computed here."""
+        if groups is not None:
+            raise ValueError("BoundaryAwareECEMeter computes its rings itself (it needs the "
+                             "distances): call update(logits, target) without `groups`.")
         out = super().batch_stats(logits, target)  # checks the input first
         _, total, count = self._rings(target.detach().cpu().numpy().astype(np.int64))
         out["ring_distance_sum"] = torch.from_numpy(total).to(self.ring_distance_sum)

@@ -14,11 +14,10 @@ from torch import Tensor
 
 from cals_seg.metrics._base import Meter
 from cals_seg.metrics._functional import (
-    max_argmax,
+    argmax_map,
     prepare_logits,
     prepare_predictions,
 )
-from cals_seg.utils.validation import check_finite
 
 
 def _confusion_update(
@@ -41,8 +40,7 @@ def _confusion_update(
     """
     if isinstance(logits_or_preds, Tensor) and logits_or_preds.is_floating_point():
         x, y, valid = prepare_logits(logits_or_preds, target, num_classes, ignore_index, inputs)
-        maxima, pred = max_argmax(x)
-        check_finite(x, maxima)
+        pred = argmax_map(x, check=True)  # blocks of positions: no logits-sized temporary
     else:
         pred, y, valid = prepare_predictions(logits_or_preds, target, num_classes, ignore_index)
     size = num_classes * num_classes
