@@ -170,11 +170,17 @@ class Blobs(nn.Module):
         return self.net(x) * 3
 
 
+DEVICES = ["cpu"] + [pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["whole", "slide"])
-def test_mixed_sizes_and_slide_mode(analysed, mode):
+def test_mixed_sizes_and_slide_mode(analysed, mode, device):
     """Ragged batches (images at their own size, one at a time) and slide mode (a stacked
     batch split image by image): the maps are split with their targets, and the metrics equal
-    those of the meters' own analysis."""
+    those of the meters' own analysis (on CUDA: the maps moved to the device against the
+    meters' device transform)."""
     k = 4
 
     def meters():
@@ -187,7 +193,7 @@ def test_mixed_sizes_and_slide_mode(analysed, mode):
     fns = group_fns(meters().values())
     assert len(fns) == 2
     protocol = EvalProtocol(mode=mode, window=16, stride=11, multiple=1, tile_batch=3)
-    infer = Inference(Blobs(k), torch.device("cpu"), "none", protocol)
+    infer = Inference(Blobs(k).to(device), torch.device(device), "none", protocol)
     dataset = Shapes(fns)
     given = run_test_pass(infer, make_loader(dataset, 2, train=False), meters, temperature=0.8)
     assert analysed == []
