@@ -12,8 +12,10 @@ The seam, in three pieces (docs/spatial_losses.md, "Extra per-pixel inputs"):
    name (a dataset returns the transform's extra keys with its item).
 3. The training step passes them on: ``criterion(logits, target, band=batch["band"])``.
 
-Nothing else changes: a loss without ``extra_inputs`` never sees the seam, and evaluation data
-carries no extra maps (an adaptive loss derives what it needs from the validation target).
+Nothing else changes: a loss without ``extra_inputs`` never sees the seam, and it gets no
+extra maps from the evaluation data (an adaptive loss derives what it needs from the validation
+target). The evaluation splits use the same seam for the region meters' ground-truth analysis
+(their ``group_fn()`` maps, see :mod:`cals_seg.evaluation.stream`).
 """
 
 from __future__ import annotations

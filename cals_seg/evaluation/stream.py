@@ -10,6 +10,14 @@ One pass of the model over a loader feeds a list of *consumers*: objects with
     post_ts = Scaled(TemperatureScaler(T), post.values())
     evaluate(model, test_loader, device, [*pre.values(), post_ts])
     metrics = compute(pre)
+
+A region meter (distance bands, object sizes) analyses each ground-truth mask before binning.
+Its ``group_fn()`` can run where the data is loaded instead: a dataset whose items carry the
+maps under :func:`group_key` of that function (``tasks/segmentation.py`` adds them to the
+``val`` and ``test`` splits: :func:`group_fns` of the task's meters, through
+``SegmentationTransform.add_extra_inputs``) has them split with the target and passed to the
+meter as ``update(logits, target, groups=maps)``; a meter whose maps the batch lacks computes
+them itself, with the same result.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
 from cals_seg.evaluation.inference import EvalProtocol, segment_logits
+from cals_seg.metrics import BoundaryAwareECEMeter
 from cals_seg.utils.distributed import is_main_process
 from cals_seg.utils.precision import autocast_context
 
@@ -35,6 +44,46 @@ class Meter(Protocol):
 
 
 Consumer = Meter | Callable[[Tensor, Tensor], None]
+
+
+GROUPS_PREFIX = "groups:"
+
+
+def group_key(fn: Callable[..., Any]) -> str:
+    """The item key of the maps made by a region meter's ``group_fn()``: its type and
+    arguments, e.g. ``"groups:BandGroups(bands=(3.0, 8.0), ignore_index=255)"``, so that maps
+    only ever reach a meter whose own analysis they are."""
+    args = ", ".join(f"{name}={value!r}" for name, value in sorted(vars(fn).items()))
+    return f"{GROUPS_PREFIX}{type(fn).__name__}({args})"
+
+
+def meter_group_key(consumer: Any) -> str | None:
+    """:func:`group_key` of ``consumer.group_fn()`` for a meter that takes
+    ``update(..., groups=...)``; None for anything else (``BoundaryAwareECEMeter`` needs the
+    distances, not only the rings, and computes them itself)."""
+    if isinstance(consumer, BoundaryAwareECEMeter) or not callable(
+            getattr(consumer, "group_fn", None)):
+        return None
+    return group_key(consumer.group_fn())
+
+
+def group_fns(meters: Iterable[Any]) -> dict[str, Callable[..., Any]]:
+    """``{group_key: group_fn()}`` of the ``meters`` that take loader-made groups: what a
+    split's ``SegmentationTransform.add_extra_inputs`` is given so that its items carry them."""
+    out = {}
+    for meter in meters:
+        key = meter_group_key(meter)
+        if key is not None:
+            out[key] = meter.group_fn()
+    return out
+
+
+def batch_groups(batch: Any) -> dict[str, Tensor]:
+    """The group maps a batch carries (``{group_key: (N, H, W) integer}``), or ``{}``."""
+    if not isinstance(batch, dict):
+        return {}
+    return {k: v for k, v in batch.items()
+            if isinstance(k, str) and k.startswith(GROUPS_PREFIX) and isinstance(v, Tensor)}
 
 
 def unpack_batch(batch: Any) -> tuple[Tensor, Tensor]:
@@ -83,12 +132,26 @@ class Scaled:
         self.consumers = list(consumers)
 
     @torch.no_grad()
-    def update(self, logits: Tensor, target: Tensor) -> None:
-        _feed(self.consumers, self.scaler(logits), target)
+    def update(self, logits: Tensor, target: Tensor,
+               groups: Mapping[str, Tensor] | None = None) -> None:
+        """Feed ``scaler(logits)``; ``groups``: the batch's group maps (:func:`batch_groups`),
+        passed on to the meters they belong to."""
+        _feed(self.consumers, self.scaler(logits), target, groups)
 
 
-def _feed(consumers: Sequence[Consumer], logits: Tensor, target: Tensor) -> None:
+def _feed(consumers: Sequence[Consumer], logits: Tensor, target: Tensor,
+          groups: Mapping[str, Tensor] | None = None) -> None:
+    """``update(logits, target)`` on every consumer; a region meter whose maps are in
+    ``groups`` gets them (``groups=``), a :class:`Scaled` gets all of them."""
     for consumer in consumers:
+        if groups:
+            if isinstance(consumer, Scaled):
+                consumer.update(logits, target, groups)
+                continue
+            key = meter_group_key(consumer)
+            if key is not None and key in groups:
+                consumer.update(logits, target, groups=groups[key])
+                continue
         update = getattr(consumer, "update", consumer)
         update(logits, target)
 
@@ -123,6 +186,23 @@ def predict(
     tiled), they are at each image's own resolution, like its unmodified mask. The progress bar
     counts images.
     """
+    for logits, target, inputs, _ in _predict(model, loader, device, amp, progress, desc,
+                                              protocol, with_groups=False):
+        if with_inputs:
+            yield logits, target, inputs
+        else:
+            yield logits, target
+
+
+@torch.no_grad()
+def _predict(
+    model: nn.Module, loader: DataLoader, device: torch.device, amp: str, progress: bool,
+    desc: str, protocol: EvalProtocol | None, with_groups: bool = True,
+) -> Iterator[tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]]:
+    """:func:`predict`'s ``(logits, target, inputs)`` and the batch's group maps
+    (:func:`batch_groups`, split and moved like the target: the protocol brings the logits to
+    the mask as the loader gives it, which is never cropped or padded, so neither are they;
+    ``{}`` without ``with_groups``)."""
     model.eval()
     progress = progress and is_main_process()
     bar = tqdm(total=_num_samples(loader) if progress else None, desc=desc, unit="img",
@@ -130,7 +210,9 @@ def predict(
     with bar:
         for batch in loader:
             for part in batch if isinstance(batch, RaggedBatch) else (batch,):
-                for inputs, target in _pieces(*unpack_batch(part), protocol):
+                maps = batch_groups(part) if with_groups else {}
+                pieces = _pieces(*unpack_batch(part), protocol, maps)
+                for inputs, target, groups in pieces:
                     inputs = inputs.to(device, non_blocking=True)
                     if protocol is not None:
                         logits = segment_logits(model, inputs, protocol, amp)
@@ -139,21 +221,23 @@ def predict(
                             logits = model(inputs)
                     bar.update(len(target))
                     target = target.to(device, non_blocking=True)
-                    if with_inputs:
-                        yield logits.float(), target, inputs
-                    else:
-                        yield logits.float(), target
+                    groups = {k: v.to(device, non_blocking=True) for k, v in groups.items()}
+                    yield logits.float(), target, inputs, groups
 
 
-def _pieces(inputs: Tensor, target: Tensor, protocol: EvalProtocol | None
-            ) -> Iterable[tuple[Tensor, Tensor]]:
+def _pieces(inputs: Tensor, target: Tensor, protocol: EvalProtocol | None,
+            groups: Mapping[str, Tensor] | None = None
+            ) -> Iterable[tuple[Tensor, Tensor, dict[str, Tensor]]]:
     """The batch, or its images one at a time where their logits at full size would be large
-    (slide mode, or above :data:`ONE_AT_A_TIME_PIXELS`): memory stays that of one image."""
+    (slide mode, or above :data:`ONE_AT_A_TIME_PIXELS`): memory stays that of one image. The
+    ``groups`` maps (``{key: (N, H, W)}``) are split like the target."""
+    groups = dict(groups or {})
     large = protocol is not None and inputs.dim() == 4 and (
         protocol.mode == "slide" or inputs.shape[-2] * inputs.shape[-1] > ONE_AT_A_TIME_PIXELS)
     if not large or len(inputs) == 1:
-        return ((inputs, target),)
-    return ((inputs[i:i + 1], target[i:i + 1]) for i in range(len(inputs)))
+        return ((inputs, target, groups),)
+    return ((inputs[i:i + 1], target[i:i + 1], {k: v[i:i + 1] for k, v in groups.items()})
+            for i in range(len(inputs)))
 
 
 def evaluate(
@@ -168,11 +252,12 @@ def evaluate(
     image_consumers: Sequence[Any] = (),
 ) -> None:
     """One pass of ``model`` over ``loader``; every batch goes to every consumer (``protocol``:
-    see :func:`predict`), and to each of ``image_consumers`` as ``update(logits, target,
+    see :func:`predict`; a region meter whose group maps the batch carries gets them, see the
+    module docstring), and to each of ``image_consumers`` as ``update(logits, target,
     inputs)`` (e.g. :class:`cals_seg.calibrators.Calibrated`)."""
-    for logits, target, inputs in predict(model, loader, device, amp, progress, desc, protocol,
-                                          with_inputs=True):
-        _feed(consumers, logits, target)
+    for logits, target, inputs, groups in _predict(model, loader, device, amp, progress, desc,
+                                                   protocol):
+        _feed(consumers, logits, target, groups)
         for consumer in image_consumers:
             consumer.update(logits, target, inputs)
 

@@ -10,6 +10,7 @@ function ``splits(cfg, transforms) -> {"train", "val", "test": Dataset}`` regist
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -23,10 +24,11 @@ from cals_seg.data.checks import refuse_listing_problems
 from cals_seg.data.cityscapes import CITYSCAPES_CLASSES, CityscapesSegmentation, cityscapes_split
 from cals_seg.data.folder import ColourTable, FolderSegmentation, folder_split
 from cals_seg.data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
-from cals_seg.data.transforms import eval_transform, train_transform
+from cals_seg.data.transforms import SegmentationTransform, eval_transform, train_transform
 from cals_seg.data.voc import VOC_CLASSES, VOCSegmentation, paper_split
 from cals_seg.errors import ConfigError
 from cals_seg.evaluation.inference import EvalProtocol, input_multiple
+from cals_seg.evaluation.stream import group_fns
 from cals_seg.models import build_segmentation_model
 from cals_seg.tasks import (
     SegmentationTask,
@@ -42,12 +44,33 @@ SplitBuilder = Callable[[Config, Mapping[str, Transform]], dict[str, Dataset]]
 
 def split_transforms(cfg: Config) -> dict[str, Transform]:
     """Training augmentation for ``train``; normalisation only for ``val`` and ``test`` (the
-    evaluation protocol makes the network input and brings the logits back to the image)."""
+    evaluation protocol makes the network input and brings the logits back to the image), one
+    transform each (:func:`add_region_groups` gives them different maps)."""
     d = cfg.data
     train_tf = train_transform(d.crop_size, scale_range=tuple(d.scale_range),
                                color_jitter=d.color_jitter, ignore_index=d.ignore_index)
-    eval_tf = eval_transform(None, ignore_index=d.ignore_index)
-    return {"train": train_tf, "val": eval_tf, "test": eval_tf}
+    return {"train": train_tf, "val": eval_transform(None, ignore_index=d.ignore_index),
+            "test": eval_transform(None, ignore_index=d.ignore_index)}
+
+
+def add_region_groups(task: SegmentationTask, transforms: Mapping[str, Transform],
+                      cfg: Config) -> None:
+    """Make the ``val`` and ``test`` items carry the ground-truth analysis of the task's region
+    meters (distance bands; object sizes on test), made by their ``group_fn()`` in the
+    data-loading workers (``SegmentationTransform.add_extra_inputs``) under
+    :func:`cals_seg.evaluation.stream.group_key`: the evaluation passes them to the meters
+    (``update(..., groups=...)``) instead of analysing the masks in its main process. ``val``
+    gets those of the validation meters, ``test`` those of the test meters; a meter whose
+    maps an item lacks (another meter set, a transform of another kind) computes them itself.
+    """
+    probe = task
+    if cfg.data.class_names is not None:  # what build_task gives the task (background class)
+        probe = dataclasses.replace(task, class_names=list(cfg.data.class_names))
+    for split, test in (("val", False), ("test", True)):
+        transform = transforms.get(split)
+        fns = group_fns(probe.meters(test=test).values())
+        if fns and isinstance(transform, SegmentationTransform):
+            transform.add_extra_inputs(fns)
 
 
 def segmentation_task(cfg: Config, make_splits: SplitBuilder,
@@ -64,14 +87,17 @@ def segmentation_task(cfg: Config, make_splits: SplitBuilder,
     d = cfg.data
     # The data first: a wrong root or a missing file is reported before any weights are
     # downloaded (building datasets and transforms draws from no global random generator).
-    sets = make_splits(cfg, split_transforms(cfg))
+    transforms = split_transforms(cfg)
+    sets = make_splits(cfg, transforms)
     refuse_listing_problems(sets)
     model = build_model(cfg, cfg.model.encoder_weights)
     protocol = eval_protocol(cfg, model)
-    return SegmentationTask(
+    task = SegmentationTask(
         sets["train"], sets["val"], sets["test"], model, d.num_classes, d.ignore_index,
         class_names_or_default(class_names, d.num_classes), protocol,
     )
+    add_region_groups(task, transforms, cfg)
+    return task
 
 
 def eval_protocol(cfg: Config, model: nn.Module) -> EvalProtocol:
