@@ -122,14 +122,17 @@ def test_test_pass_equals_the_meters_own_analysis(task, analysed, num_workers):
         return task.meters(15, test=True)
 
     def run(dataset):
+        from cals_seg.calibrators.ts import TemperatureScaler
+
         loader = make_loader(dataset, 2, train=False, num_workers=num_workers)
-        return run_test_pass(infer, loader, meters, temperature=1.7)
+        return run_test_pass(infer, loader, meters, temperature=1.7,
+                             calibrators={"ts": TemperatureScaler(1.3)})
 
     given = run(task.test_set)
     assert analysed == []
     own = run(Stripped(task.test_set))
     assert sorted(set(analysed)) == ["BoundaryCalibrationMeter", "ObjectSizeCalibrationMeter"]
-    assert given["post_ts"] is not None
+    assert given["post_ts"] is not None and given["calibrators"]["ts"]
     assert_same(given, own)
 
 

@@ -39,11 +39,23 @@ class Calibrated:
         self.meters = dict(meters)
         self.raw = set() if calibrator.changes_argmax else set(argmax_meters)
 
+    accepts_groups = True  # the evaluation passes the loader's region maps (``groups=``)
+
     @torch.no_grad()
-    def update(self, logits: Tensor, target: Tensor, image: Tensor | None = None) -> None:
+    def update(self, logits: Tensor, target: Tensor, image: Tensor | None = None,
+               groups: Mapping[str, Tensor] | None = None) -> None:
+        """Feed every meter; a region meter whose maps are in ``groups`` (``{key: (N, H, W)}``,
+        :func:`cals_seg.evaluation.stream.meter_group_key`) gets them."""
+        from cals_seg.evaluation.stream import meter_group_key
+
         calibrated = self.calibrator(logits, image if self.calibrator.needs_image else None)
         for name, meter in self.meters.items():
-            meter.update(logits if name in self.raw else calibrated, target)
+            x = logits if name in self.raw else calibrated
+            key = meter_group_key(meter) if groups else None
+            if key is not None and key in groups:
+                meter.update(x, target, groups=groups[key])
+            else:
+                meter.update(x, target)
 
 
 def fit_calibrators(

@@ -259,7 +259,10 @@ def evaluate(
                                                    protocol):
         _feed(consumers, logits, target, groups)
         for consumer in image_consumers:
-            consumer.update(logits, target, inputs)
+            if groups and getattr(consumer, "accepts_groups", False):
+                consumer.update(logits, target, inputs, groups=groups)
+            else:
+                consumer.update(logits, target, inputs)
 
 
 @dataclass(frozen=True)
