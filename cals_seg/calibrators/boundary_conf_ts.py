@@ -349,7 +349,7 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
                 _, labels = valid_rows(logits, target, ignore_index)
                 count += labels.numel()
                 for i, (bands, _q) in enumerate(cands):
-                    z = self._apply(logits, bands, edges_fit[i], temps[i])
+                    z = self._calibrate(logits, bands, edges_fit[i], temps[i])
                     rows, labels = valid_rows(z, target, ignore_index)
                     z = rows.to(torch.float64)
                     total[i] += (torch.logsumexp(z, 1) - z.gather(1, labels[:, None])[:, 0]).sum()
@@ -381,7 +381,7 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
         return self.fit_info
 
     # -------------------------------------------------------------------------- forward
-    def _apply(self, logits: Tensor, bands: Sequence[float], edges: Tensor,
+    def _calibrate(self, logits: Tensor, bands: Sequence[float], edges: Tensor,
                temps: Tensor) -> Tensor:
         band = predicted_bands(logits, bands)
         q = conf_bins(confidence_logodds(logits), band, edges)
@@ -396,5 +396,5 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
             )
         bands, q = self.bands, self.num_bins
         nb = len(bands) + 1
-        return self._apply(logits, bands, self.edges[:nb, : q - 1],
+        return self._calibrate(logits, bands, self.edges[:nb, : q - 1],
                            self.temperatures[:nb, :q])
