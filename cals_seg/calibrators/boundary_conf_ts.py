@@ -55,6 +55,9 @@ BAND_SETS = ((3.0, 8.0), (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0))
 CANDIDATES = tuple((b, q) for b in BAND_SETS for q in (1, 3, 6))
 U_MIN, U_MAX, HIST_STEP = -10.0, 30.0, 0.01
 HIST_BINS = round((U_MAX - U_MIN) / HIST_STEP)
+# An edge that no pixel reaches (an unused bin, an empty band): finite, so that the state holds
+# finite numbers only; ``u`` is finite for finite logits.
+UNUSED = 1e300
 
 
 def confidence_logodds(logits: Tensor) -> Tensor:
@@ -77,7 +80,7 @@ def conf_bins(u: Tensor, band: Tensor, edges: Tensor) -> Tensor:
     """Bin of every pixel: the number of its band's edges at or below ``u``.
 
     Shape:
-        - u, band: ``(*S)``; edges: ``(B, Q - 1)`` (``+inf`` for unused edges); returns ``(*S)``
+        - u, band: ``(*S)``; edges: ``(B, Q - 1)`` (``UNUSED`` for unused edges); returns ``(*S)``
           int64 in ``[0, Q - 1]``.
     """
     if edges.shape[1] == 0:
@@ -116,8 +119,9 @@ def cell_grid_nll(rows: Tensor, labels: Tensor, cell: Tensor, log_t: Tensor) -> 
 def _quantile_edges(hist: Tensor, q: int) -> Tensor:
     """``(B, Q - 1)`` edges in ``u`` splitting each band's histogram ``(B, HIST_BINS)`` into
     ``q`` parts of about equal count (an edge is the upper end of the histogram bin where the
-    cumulative count first reaches ``i / q`` of the band's total); ``+inf`` for an empty band."""
-    out = torch.full((hist.shape[0], q - 1), math.inf, dtype=torch.float64)
+    cumulative count first reaches ``i / q`` of the band's total); ``UNUSED`` for an empty
+    band."""
+    out = torch.full((hist.shape[0], q - 1), UNUSED, dtype=torch.float64)
     cum = hist.cumsum(dim=1).double()
     for b in range(hist.shape[0]):
         total = float(cum[b, -1])
@@ -149,7 +153,7 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
     number of bins chosen on held-out validation images (module docstring).
 
     Buffers: ``temperatures`` ``(B_max, Q_max)`` (the chosen candidate's in the top-left
-    corner, 1.0 elsewhere), ``edges`` ``(B_max, Q_max - 1)`` in log-odds (``+inf`` where
+    corner, 1.0 elsewhere), ``edges`` ``(B_max, Q_max - 1)`` in log-odds (``UNUSED`` where
     unused) and ``choice`` (index of the chosen candidate, int64).
 
     Args:
@@ -192,7 +196,7 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
         nb = max(len(b) for b, _ in cands) + 1
         nq = max(q for _, q in cands)
         self.register_buffer("temperatures", torch.ones(nb, nq))
-        self.register_buffer("edges", torch.full((nb, nq - 1), math.inf, dtype=torch.float64))
+        self.register_buffer("edges", torch.full((nb, nq - 1), UNUSED, dtype=torch.float64))
         self.register_buffer("choice", torch.zeros((), dtype=torch.int64))
 
     @property
@@ -365,7 +369,7 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
         self.choice.fill_(best)
         self.temperatures.fill_(1.0)
         self.temperatures[: len(bands) + 1, :q] = final_t[0].to(self.temperatures)
-        self.edges.fill_(math.inf)
+        self.edges.fill_(UNUSED)
         self.edges[: len(bands) + 1, : q - 1] = edges.to(self.edges)
         if bool((final_t[0] <= p["t_min"] * 1.0001).any() or
                 (final_t[0] >= p["t_max"] * 0.9999).any()):
