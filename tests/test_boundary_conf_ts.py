@@ -176,3 +176,22 @@ def test_small_cells_take_their_bands_temperature_and_bad_input_is_named():
     with pytest.raises(ValueError, match="candidates Q"):
         build_calibrator("boundary_ts_conf", K, candidates=[[[3.0], 0]])
     assert np.isfinite(float(cal(x).sum()))
+
+
+def test_a_cell_with_every_pixel_right_takes_its_bands_temperature():
+    """Pixels with a large gap are all right (their NLL falls all the way to ``t_min``): the
+    cell does not keep ``T = t_min`` (one test error there would cost ``gap / t_min`` nats)."""
+    g = torch.Generator().manual_seed(4)
+    n, size = 6, 16
+    gap = torch.where(torch.rand(n, 1, size, size, generator=g) < 0.5, 1.0, 8.0)
+    x = gap * F.one_hot(torch.zeros(n, size, size, dtype=torch.long), K).permute(0, 3, 1, 2)
+    y = torch.where(gap[:, 0] > 4, 0, torch.randint(0, K, (n, size, size), generator=g))
+    cal = build_calibrator("boundary_ts_conf", K, candidates=[[[3.0], 2]], min_count=1,
+                           holdout_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        info = cal.fit(_batches(x, y))
+    t = torch.tensor(info["temperatures"])  # one band (no boundary): the interior row
+    assert info["count_cell"][1][1] == 0  # the all-right cell counts as empty ...
+    pooled = fit_temperature(lambda: [(x, y)])
+    assert float(t[1, 1]) == pytest.approx(pooled, rel=1e-6)  # ... and takes its band's T

@@ -23,16 +23,22 @@ Fit (validation only; the test split is never seen), for every candidate ``(band
 2. the temperatures: the validation NLL is a sum of one-temperature NLLs, one per cell, so each
    ``T_{b,q}`` is the temperature-scaling optimum of its cell's pixels (grid refinement in
    ``log T``, ``passes`` passes, a parabola at the end, exactly as ``boundary_ts`` per band); a
-   cell with fewer than ``min_count`` valid pixels gets its band's temperature (the ``Q = 1``
-   fit of the same band set), which is the shrinkage of this method;
+   cell with fewer than ``min_count`` valid pixels, or whose optimum lies at the edge of the
+   search range (``t_min`` / ``t_max``: all its pixels right, say, where ``T -> 0`` would make
+   one test error cost ``gap / t_min`` nats), gets its band's temperature (the ``Q = 1`` fit
+   of the same band set; a band at the edge gets the temperature of all pixels): the
+   shrinkage of this method;
 3. the choice: image ``j`` (loader order) is held out when ``j % holdout_every ==
    holdout_every - 1``; every candidate is fitted (1. and 2.) on the other images, scored by
    its mean NLL on the held-out ones, and the best (ties: the earlier, simpler one) is refitted
    on all validation images.
 
-All candidates are fitted in the same passes: 1 histogram pass, ``passes`` passes on the fit
-images, 1 scoring pass, ``passes`` passes on all images (8 with the defaults, whatever the
-number of candidates). Memory: one batch plus ``O(cells x num_grid)`` sums.
+Default candidates: the band sets of ``boundary_ts_fine`` (``(3, 8)``, ``(1, 2, 3, 4, 6, 8,
+12)``, ``(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24)``) times ``Q`` in 1, 3, 6; the ``Q = 1`` ones
+are ``boundary_ts_fine``'s candidates. All candidates are fitted in the same passes: 1
+histogram pass, ``passes`` passes on the fit images, 1 scoring pass, ``passes`` passes on
+all images (8 with the defaults, whatever the number of candidates). Memory: one batch plus
+``O(cells x num_grid)`` sums.
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from cals_seg.calibrators.temperature import _parabola_vertex
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int
 
-BAND_SETS = ((3.0, 8.0), (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0))
+BAND_SETS = ((3.0, 8.0), (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0),
+             (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0))
 CANDIDATES = tuple((b, q) for b in BAND_SETS for q in (1, 3, 6))
 U_MIN, U_MAX, HIST_STEP = -10.0, 30.0, 0.01
 HIST_BINS = round((U_MAX - U_MIN) / HIST_STEP)
@@ -250,7 +257,10 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
     def _fit_cells(self, batches: Batches, specs: list[tuple[list[float], Tensor]],
                    ) -> tuple[list[Tensor], list[Tensor]]:
         """Per spec, the NLL-optimal temperature of every cell ``(B * Q,)`` and its count, by
-        ``passes`` passes of grid refinement over all cells of all specs at once."""
+        ``passes`` passes of grid refinement over all cells of all specs at once. A cell whose
+        optimum is at the edge of the search range (``t_min`` or ``t_max``: e.g. all its
+        pixels right, ``T -> 0``) is returned with count 0, so that it takes its parent's
+        temperature."""
         p = self.params
         g = p["num_grid"]
         sizes = [(len(b) + 1) * (e.shape[1] + 1) for b, e in specs]
@@ -291,15 +301,18 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
             lo = log_t[idx, (best - 1).clamp(min=0)]
             hi = log_t[idx, (best + 1).clamp(max=g - 1)]
         temps = torch.ones(n, dtype=torch.float64)
+        edge = torch.zeros(n, dtype=torch.bool)  # optimum at the edge of the search range
         for c in range(n):
             b = int(best[c])
             x = float(log_t[c, b])
             if 0 < b < g - 1:
                 x = _parabola_vertex([float(log_t[c, j]) for j in (b - 1, b, b + 1)],
                                      [float(total[c, j]) for j in (b - 1, b, b + 1)])
+            edge[c] = (x <= math.log(p["t_min"]) + 1e-9) or (x >= math.log(p["t_max"]) - 1e-9)
             temps[c] = math.exp(x)
         return ([temps[o:o + s] for o, s in zip(offsets, sizes, strict=True)],
-                [count[o:o + s] for o, s in zip(offsets, sizes, strict=True)])
+                [torch.where(edge[o:o + s], 0, count[o:o + s])
+                 for o, s in zip(offsets, sizes, strict=True)])
 
     def _candidate_temps(self, batches: Batches, cands: list[list[Any]],
                          edges: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -373,8 +386,8 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
         self.edges[: len(bands) + 1, : q - 1] = edges.to(self.edges)
         if bool((final_t[0] <= p["t_min"] * 1.0001).any() or
                 (final_t[0] >= p["t_max"] * 0.9999).any()):
-            warnings.warn("boundary_ts_conf: a cell's NLL is minimal at the search boundary.",
-                          stacklevel=2)
+            warnings.warn("boundary_ts_conf: the NLL of all validation pixels is minimal at "
+                          "the search boundary.", stacklevel=2)
         self.fit_info = {
             "bands": bands, "conf_bins": q, "heldout_nll": heldout,
             "candidates": cands, "temperatures": final_t[0].tolist(),
