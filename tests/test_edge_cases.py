@@ -152,8 +152,10 @@ def test_every_pixel_in_one_bin():
 
 # ------------------------------------------------------------------------ calibrator fits
 FAST = {"boundary_ts_fine": {"holdout_every": 2},
+        "boundary_ts_conf": {"holdout_every": 2, "min_count": 5},
         "dirichlet": {"max_iter": 15}, "vector": {"max_iter": 15},
-        "cms_ap": {"max_iter": 15}, "cms_op": {"max_iter": 15},
+        "cms_ap": {"max_iter": 15, "holdout_every": 2},
+        "cms_op": {"max_iter": 15, "holdout_every": 2},
         "lts": {"epochs": 1, "holdout_every": 2, "use_image": False},
         "selective": {"epochs": 1, "holdout_every": 2, "steps_per_batch": 2,
                       "pixels_per_step": 64}}

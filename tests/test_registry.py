@@ -41,7 +41,8 @@ def test_the_package_registries_are_registries():
         assert isinstance(reg, Registry)
     assert LOSSES["cals_alm"].__name__ == "CALSALMLoss" and "ce" in LOSSES
     assert sorted(CALIBRATORS) == sorted(["ts", "vector", "dirichlet", "lts", "selective",
-                                          "boundary_ts", "boundary_ts_fine", "cms_ap", "cms_op"])
+                                          "boundary_ts", "boundary_ts_fine", "boundary_ts_conf",
+                                          "cms_ap", "cms_op"])
     assert METERS["calibration"] is CalibrationMeter
     with pytest.raises(ValueError, match=r"Unknown loss 'cals'; valid names are \['cals_alm'"):
         build_loss("cals", 3)

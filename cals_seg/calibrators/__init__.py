@@ -15,6 +15,7 @@ network's; ``needs_image`` whether ``forward`` needs the image.
     selective  large temperature on pixels flagged as mispredicted no             no
     boundary_ts a temperature per predicted-boundary distance band no             no
     boundary_ts_fine boundary_ts, bands chosen on held-out val     no             no
+    boundary_ts_conf a temperature per (band, confidence bin) cell  no             no
     cms_ap     per-argmax-class affine map on gaps to the top      no             no
     cms_op     per-argmax-class affine map on consecutive gaps     no (no order)  no
     ========== =================================================== ============== ===========
@@ -46,6 +47,7 @@ from cals_seg.calibrators._evaluate import (
     load_or_fit_calibrators,
     table_values,
 )
+from cals_seg.calibrators.boundary_conf_ts import BoundaryConfidenceTemperatureScaling
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
 from cals_seg.calibrators.boundary_ts_fine import FineBoundaryTemperatureScaling
 from cals_seg.calibrators.dirichlet import DirichletCalibration
@@ -60,7 +62,8 @@ from cals_seg.utils.registry import Registry
 CALIBRATORS: Registry[type[Calibrator]] = Registry("calibrator")
 for _cls in (TemperatureScaling, VectorScaling, DirichletCalibration, LocalTemperatureScaling,
              SelectiveScaling, BoundaryTemperatureScaling, ArgmaxKeepingScaling,
-             OrderKeepingScaling, FineBoundaryTemperatureScaling):
+             OrderKeepingScaling, FineBoundaryTemperatureScaling,
+             BoundaryConfidenceTemperatureScaling):
     CALIBRATORS.register(_cls.name, _cls)
 
 
@@ -130,6 +133,7 @@ __all__ = [
     "TABLE_COLUMNS",
     "Batches",
     "ArgmaxKeepingScaling",
+    "BoundaryConfidenceTemperatureScaling",
     "BoundaryTemperatureScaling",
     "Calibrated",
     "Calibrator",

@@ -23,20 +23,39 @@ competitor's calibrated gap is at least ``B_jj g_j > 0``), so the argmax (``cms_
 whole ranking (``cms_op``) is the network's: mIoU and every segmentation number are unchanged.
 At ``B_c = I, mu_c = 0`` both maps return ``l - l_c``, the network's probabilities.
 
-Fit: the mean validation NLL of ``softmax(out)`` over all valid pixels, no regulariser (the
-authors' default), by full-batch L-BFGS in float64 through :func:`lbfgs_fit` (one streaming
-pass over the validation batches per objective evaluation, all-reduced under DDP), so the result
-is the full-batch optimum of the authors' reference fit without holding the pixels. The
-coefficients are parameterised as ``B_jj = exp(a_j)``, ``B_ij = softplus(r_ij)`` (i != j),
-``mu = softplus(b)``, starting at ``a = r = b = 0`` (a start next to the identity, ``r = b =
--12``, leaves the off-diagonals and biases without gradient).
-One first pass counts the validation pixels of each expert; an expert without any keeps the
-identity. The NLL is convex in ``(B, mu)`` (the logits are linear in them) over a convex set, so
-the optimum does not depend on the parameterisation.
+Fit: temperature scaling is the special case ``B_c = I / T, mu_c = 0`` (``out = (l - l_c) /
+T``), and the fit never ends worse than it on held-out validation images:
+
+1. ``T``: the ``ts`` fit on all validation images (:func:`fit_temperature`, 3 passes);
+2. the coefficients are written relative to it, ``B_c,jj = exp(a_cj) / T``, ``B_c,ij =
+   softplus(r_cij) / T`` (i != j) and ``mu_cj = softplus(b_cj)``, and fitted on the validation
+   images not held out (image ``j`` in loader order is held out when ``j % holdout_every ==
+   holdout_every - 1``) by minimising::
+
+       mean NLL(fit images) + lam / K * (sum_cj log(T B_c,jj)^2 + sum_{c, i != j} (T B_c,ij)^2
+                                         + sum_cj mu_cj^2)
+
+   (an L2 pull towards TS, where all three sums vanish) for each ``lam`` of ``lams`` in turn,
+   strongest first, each stage started where the previous ended (full-batch L-BFGS in float64,
+   at most ``max_iter`` iterations per stage, one streaming pass over the validation batches
+   per objective evaluation, all-reduced under DDP). The first stage starts at ``a = 0``,
+   ``r = b = 0`` (``softplus(0) = log 2``: a start at TS itself, ``r, b -> -inf``, would leave
+   them without gradient);
+3. TS is scored on the held-out images in the counting pass, and every objective evaluation
+   also scores the held-out images (same pass, no gradient); the calibrator keeps the
+   coefficients with the lowest held-out mean NLL, TS's included, so the held-out NLL is at
+   most TS's by construction. The stages stop after the first one (past the first) that did
+   not lower the best held-out NLL.
+
+With ``holdout_every=0`` nothing is held out: the last iterate of the last stage is kept
+(``lams=(0,), holdout_every=0`` is the authors' unregularised fit). An expert without
+fitting pixels feels only the penalty and tends to TS.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,20 +63,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cals_seg.calibrators._base import (
+    CHUNK_POSITIONS,
     Batches,
     Calibrator,
+    holdout_mask,
     iterate,
-    lbfgs_fit,
     valid_rows,
 )
+from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.errors import UserError
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int
 
 MODES = ("argmax", "order")
-# Where the raw off-diagonal and bias parameters start: softplus(0) = log 2. A start next to 0
-# (softplus(-12) = 6e-6) leaves them without gradient (sigmoid(-12)) and the fit stalls 0.18
-# nats above the optimum on the test data; from 0 it ends within 2e-9 of it.
-RAW_FLOOR = 0.0
+LAMS = (1.0, 0.1, 0.01, 0.001)
 
 
 def competitors(num_classes: int, device: torch.device | None = None) -> Tensor:
@@ -102,22 +121,38 @@ def order_keeping_logits(rows: Tensor, weight: Tensor, bias: Tensor, mode: str) 
     return out
 
 
-def _effective(a: Tensor, r: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``(B, mu)`` from the raw parameters: ``diag exp(a)``, off-diagonal ``softplus(r)``."""
+def effective(a: Tensor, r: Tensor, b: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """``(B, mu)`` from the raw parameters (module docstring): ``B = (diag exp(a) +
+    offdiag softplus(r)) / T``, ``mu = softplus(b)``.
+
+    Shape:
+        - a: ``(K, K-1)``; r: ``(K, K-1, K-1)`` (its diagonal unused); b: ``(K, K-1)``.
+    """
     eye = torch.eye(a.shape[1], dtype=torch.bool, device=a.device)
-    weight = torch.where(eye, torch.diag_embed(a.exp()), F.softplus(r))
+    weight = torch.where(eye, torch.diag_embed(a.exp()), F.softplus(r)) / temperature
     return weight, F.softplus(b)
+
+
+def penalty(a: Tensor, r: Tensor, b: Tensor, lam: float) -> Tensor:
+    """``lam / K * (sum a^2 + sum_{i != j} softplus(r)^2 + sum softplus(b)^2)``: the pull
+    towards TS (module docstring)."""
+    eye = torch.eye(a.shape[1], dtype=torch.bool, device=a.device)
+    off = torch.where(eye, torch.zeros_like(r), F.softplus(r))
+    return lam / a.shape[0] * (a.pow(2).sum() + off.pow(2).sum() + F.softplus(b).pow(2).sum())
 
 
 class _OrderKeeping(Calibrator):
     """Shared fit and forward of :class:`ArgmaxKeepingScaling` and :class:`OrderKeepingScaling`.
 
     Buffers ``weight`` ``(K, K-1, K-1)`` (identity matrices until fitted) and ``bias``
-    ``(K, K-1)`` (zeros).
+    ``(K, K-1)`` (zeros): the effective ``B_c`` and ``mu_c``.
 
     Args:
         num_classes: K >= 2.
-        max_iter: L-BFGS iterations of the fit (each about one pass over validation).
+        max_iter: L-BFGS iterations per ``lam`` stage (each about one pass over validation).
+        lams: the strengths of the pull towards TS, tried in turn (each >= 0).
+        holdout_every: one validation image in ``holdout_every`` picks the coefficients (>= 2;
+            0: none held out, the last iterate is kept).
 
     Shape:
         - logits: ``(N, K, *S)`` -> same shape and dtype.
@@ -129,45 +164,145 @@ class _OrderKeeping(Calibrator):
     weight: Tensor
     bias: Tensor
 
-    def __init__(self, num_classes: int, max_iter: int = 100) -> None:
+    def __init__(self, num_classes: int, max_iter: int = 20,
+                 lams: Sequence[float] = LAMS, holdout_every: int = 5) -> None:
         check_int("max_iter", max_iter)
-        super().__init__(num_classes, max_iter=max_iter)
+        lams = [float(v) for v in lams] if isinstance(lams, list | tuple) else lams
+        if not isinstance(lams, list) or not lams or not all(
+                math.isfinite(v) and v >= 0 for v in lams):
+            raise UserError(f"Expected `lams` to be a non-empty list of numbers >= 0, but got "
+                            f"{lams!r}.")
+        if holdout_every != 0:
+            check_int("holdout_every", holdout_every, 2)
+        super().__init__(num_classes, max_iter=max_iter, lams=lams, holdout_every=holdout_every)
         k = num_classes
         self.register_buffer("weight", torch.eye(k - 1).repeat(k, 1, 1))
         self.register_buffer("bias", torch.zeros(k, k - 1))
 
-    def _expert_counts(self, batches: Batches, ignore_index: int) -> Tensor:
+    def _count_and_score_ts(self, batches: Batches, ignore_index: int,
+                            temperature: float) -> tuple[Tensor, float | None]:
+        """Valid pixels per expert (all images), and TS's mean NLL on the held-out images."""
+        every = self.params["holdout_every"]
         counts = torch.zeros(self.num_classes, dtype=torch.int64, device=self.weight.device)
+        held_sum = torch.zeros(2, dtype=torch.float64, device=self.weight.device)
+        seen = 0
         for logits, target, _ in iterate(batches):
             rows, _ = valid_rows(logits, target, ignore_index)
             counts += torch.bincount(rows.argmax(dim=1), minlength=self.num_classes).to(counts)
-        all_reduce_sum_([counts])
-        return counts
+            if every:
+                held = holdout_mask(logits.shape[0], seen, every).to(logits.device)
+                if bool(held.any()):
+                    rows, labels = valid_rows(logits[held], target[held], ignore_index)
+                    z = rows.to(torch.float64) / temperature
+                    held_sum[0] += (torch.logsumexp(z, 1) - z.gather(1, labels[:, None])[:, 0]
+                                    ).sum().to(held_sum)
+                    held_sum[1] += labels.numel()
+            seen += logits.shape[0]
+        all_reduce_sum_([counts, held_sum])
+        score = float(held_sum[0] / held_sum[1]) if every and int(held_sum[1]) else None
+        return counts, score
 
+    # Not split (over 80 lines): one algorithm, most of it the closure of the L-BFGS passes.
     def fit(self, batches: Batches, ignore_index: int = -100) -> dict[str, Any]:
-        """Minimise the mean validation NLL over ``(B_c, mu_c)`` of every expert."""
+        """Start at TS, pull towards it with each ``lam`` in turn, keep the coefficients with
+        the best held-out NLL (module docstring)."""
         k, device = self.num_classes, self.weight.device
-        counts = self._expert_counts(batches, ignore_index)
+        every = self.params["holdout_every"]
+        temp = fit_temperature(lambda: ((lg, y) for lg, y, _ in iterate(batches)), ignore_index)
+        counts, ts_heldout = self._count_and_score_ts(batches, ignore_index, temp)
         f64 = dict(dtype=torch.float64, device=device)
         a = torch.zeros(k, k - 1, **f64).requires_grad_(True)
-        r = torch.full((k, k - 1, k - 1), RAW_FLOOR, **f64).requires_grad_(True)
-        b = torch.full((k, k - 1), RAW_FLOOR, **f64).requires_grad_(True)
-        mode = self.mode
+        r = torch.zeros(k, k - 1, k - 1, **f64).requires_grad_(True)
+        b = torch.zeros(k, k - 1, **f64).requires_grad_(True)
+        params, mode = [a, r, b], self.mode
 
         def nll(rows: Tensor, labels: Tensor) -> Tensor:
-            weight, bias = _effective(a, r, b)
+            weight, bias = effective(a, r, b, temp)
             z = order_keeping_logits(rows, weight, bias, mode)
             return (torch.logsumexp(z, dim=1) - z.gather(1, labels[:, None]).squeeze(1)).sum()
 
-        info = lbfgs_fit([a, r, b], nll, None, batches, ignore_index, self.params["max_iter"])
-        with torch.no_grad():
-            weight, bias = _effective(a, r, b)
-            empty = counts == 0
-            weight[empty] = torch.eye(k - 1, **f64)
-            bias[empty] = 0.0
+        with torch.no_grad():  # TS: the candidate of evaluation 0
+            ts_coef = (torch.eye(k - 1, **f64).repeat(k, 1, 1) / temp, torch.zeros(k, k - 1, **f64))
+        state: dict[str, Any] = {"passes": 0, "lam": None, "evaluation": 0, "fit_nll": None,
+                                 "best": ts_heldout if every else math.inf, "coef": ts_coef,
+                                 "trace": [ts_heldout] if every else []}
+
+        def closure(lam: float) -> Tensor:
+            for p in params:
+                p.grad = None
+            sums = torch.zeros(4, dtype=torch.float64, device=device)  # fit nll, n, held, n
+            seen = 0
+            for logits, target, _ in iterate(batches):
+                held = (holdout_mask(logits.shape[0], seen, every) if every
+                        else torch.zeros(logits.shape[0], dtype=torch.bool))
+                held = held.to(logits.device)
+                seen += logits.shape[0]
+                for part, mask in ((0, ~held), (2, held)):
+                    if not bool(mask.any()):
+                        continue
+                    rows, labels = valid_rows(logits[mask], target[mask], ignore_index)
+                    for start in range(0, rows.shape[0], CHUNK_POSITIONS):
+                        chunk = rows[start:start + CHUNK_POSITIONS].to(**f64)
+                        lab = labels[start:start + CHUNK_POSITIONS].to(device)
+                        if part == 0:
+                            value = nll(chunk, lab)
+                            value.backward()
+                        else:
+                            with torch.no_grad():
+                                value = nll(chunk, lab)
+                        sums[part] += value.detach()
+                    sums[part + 1] += labels.numel()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            all_reduce_sum_([sums, *grads])
+            n_fit, n_held = int(sums[1]), int(sums[3])
+            if n_fit == 0 or (every and n_held == 0):
+                raise ValueError(
+                    f"Expected valid positions (target != ignore_index={ignore_index}) in both "
+                    f"the fitting and the held-out validation images (one in {every} held "
+                    "out), but one part has none; lower `holdout_every` (0: none held out).")
+            if state.setdefault("positions", (n_fit, n_held)) != (n_fit, n_held):
+                raise ValueError("Expected `batches()` to yield the same data on every call (a "
+                                 "fresh iterable each time).")
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g / n_fit
+            with torch.enable_grad():
+                reg = penalty(a, r, b, lam)
+                reg.backward()
+            objective = sums[0] / n_fit + reg.detach()
+            if not math.isfinite(float(objective)):
+                raise ValueError("The validation NLL is not finite: the logits hold NaN or inf.")
+            state["passes"] += 1
+            score = float(sums[2] / n_held) if every else -state["passes"]  # none held: last
+            state["trace"].append(score if every else float(sums[0] / n_fit))
+            if score < state["best"]:  # ties: the earlier (TS first)
+                with torch.no_grad():
+                    coef = tuple(c.detach().clone() for c in effective(a, r, b, temp))
+                state.update(best=score, lam=lam, evaluation=state["passes"],
+                             fit_nll=float(sums[0] / n_fit), coef=coef)
+            return objective
+
+        with torch.enable_grad():  # the caller may be under no_grad (an evaluation)
+            stages = 0
+            for lam in self.params["lams"]:
+                before = state["best"]
+                optimizer = torch.optim.LBFGS(params, lr=1.0, max_iter=self.params["max_iter"],
+                                              tolerance_grad=1e-7, tolerance_change=1e-9,
+                                              history_size=20, line_search_fn="strong_wolfe")
+                optimizer.step(lambda lam=lam: closure(lam))
+                stages += 1
+                if every and stages > 1 and not state["best"] < before:
+                    break  # a weaker pull did not help the held-out images: nor will weaker
+        weight, bias = state["coef"]
         self.weight.copy_(weight)
         self.bias.copy_(bias)
-        info["expert_pixels"] = counts.tolist()
+        info = {"temperature": temp, "lam": state["lam"], "evaluation": state["evaluation"],
+                "fit_nll": state["fit_nll"], "passes": state["passes"] + 4, "stages": stages,
+                "expert_pixels": counts.tolist(),
+                "positions": list(state["positions"])}
+        if every:
+            info.update(heldout=f"every {every}th validation image in loader order",
+                        heldout_nll=state["best"], ts_heldout_nll=ts_heldout,
+                        heldout_trace=state["trace"])
         self.fit_info = info
         return info
 

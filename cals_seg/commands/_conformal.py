@@ -21,7 +21,7 @@ from cals_seg.errors import MissingPathError, UserError
 
 CONFORMAL_KEYS = ("alpha", "mode", "score", "calibrator", "seed", "every")
 CALIBRATOR_NAMES = ("ts", "vector", "dirichlet", "lts", "selective", "boundary_ts", "cms_ap",
-                    "cms_op", "boundary_ts_fine")
+                    "cms_op", "boundary_ts_fine", "boundary_ts_conf")
 
 
 def parse_conformal(items: list[str]) -> dict[str, Any]:

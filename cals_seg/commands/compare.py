@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--calibrators", nargs="+", default=[], metavar="NAME",
         choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts",
-                 "cms_ap", "cms_op", "boundary_ts_fine"],
+                 "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf"],
         help="post-hoc calibrators fitted on each segmentation run's validation split and "
         "evaluated on its test split: OUT/calibrators.md and .csv",
     )
