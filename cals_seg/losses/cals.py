@@ -24,14 +24,19 @@ from torch import Tensor
 from cals_seg.losses._adaptive import AdaptiveLoss
 from cals_seg.losses._alm import ALMRules, ALMSettings
 from cals_seg.losses._auto_margin import (
+    IMAGE_SUM_KEYS,
     NUM_BINS,
-    MarginSettings,
-    beyond_chance,
+    EvidenceSettings,
+    balanced_skill,
     class_counts,
     effective_margin_sums,
+    evidence_step,
+    gap_and_accuracy,
+    image_sums,
     largest_gap_bound,
-    next_margin,
     solve_temperature,
+    still_learning,
+    temperature_interval,
 )
 from cals_seg.losses._functional import ce_sum, class_penalty, class_sums
 from cals_seg.utils.validation import check_finite
@@ -41,10 +46,12 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
     """Shared machinery of CALS-ALM and CALS-HR: the margin (fixed or ``"auto"``), the per-class
     ``lambdas`` and, with ``"auto"``, the margin rule's statistics and state."""
 
-    MARGIN_LOGS = ("margin", "margin_temperature", "margin_ceiling", "margin_skill")
+    MARGIN_LOGS = ("margin", "margin_temperature", "margin_ceiling", "margin_skill",
+                   "margin_t_low", "margin_t_high", "margin_gap", "margin_gap_se",
+                   "margin_acc_rise", "margin_acc_noise", "margin_reason")
 
     def __init__(self, num_classes: int, margin: float | Literal["auto"], lambda_init: float,
-                 ignore_index: int, auto: MarginSettings) -> None:
+                 ignore_index: int, auto: EvidenceSettings) -> None:
         super().__init__(num_classes, ignore_index)
         self.auto_margin, margin = auto.start(margin)
         if self.auto_margin:
@@ -61,8 +68,18 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
             self.add_statistic("_gap_hist", NUM_BINS)
             self.add_statistic("_correct", ())
             self.add_statistic("_class_count", k)
+            self.add_statistic("_img_sums", len(IMAGE_SUM_KEYS))
+            self.add_statistic("_class_correct", k)
+            # The validation accuracy and its standard error of the last margin_patience epochs
+            # (oldest first; se -1 where none), and the number of epochs seen.
+            rows = max(self.margin_patience, 1)
+            self.add_state("margin_track", torch.zeros((rows, 2), dtype=torch.float64))
+            self.add_state("margin_seen", torch.zeros((), dtype=torch.int64))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        if self.auto_margin:  # a checkpoint of the previous rule: no accuracy track yet
+            for name in ("margin_track", "margin_seen"):
+                state_dict.setdefault(prefix + name, getattr(self, name).clone())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.auto_margin:
             self.margin = float(self.margin_value)
@@ -85,36 +102,71 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
         :meth:`_observed_functions`."""
         raise NotImplementedError
 
-    def _update_margin(self, epoch: int, stats: dict[str, Tensor]) -> dict[str, float]:
-        """The ``margin: auto`` rule after epoch ``epoch`` (0-based) from this validation pass's
-        statistics: ``target = clip(m / T_hat, margin_min, min(margin_max, G))`` with ``G`` the
-        largest validation gap (a margin above it is inert), then ``m <- clip(target, m /
-        margin_rate, m * margin_rate)``; nothing during the first ``margin_warmup`` epochs or
-        while the validation accuracy is not clearly above chance
-        (:func:`~cals_seg.losses._auto_margin.beyond_chance`). A change calls
-        :meth:`_margin_changed`. Returns the history entries ``margin`` (the margin now in
-        force), ``margin_temperature`` (``T_hat``), ``margin_ceiling`` (``G``) and
-        ``margin_skill`` (the validation skill above chance); nothing with a fixed margin."""
+    def _past_accuracies(self) -> list[tuple[float, float | None]]:
+        """The tracked ``(acc, se)`` of earlier epochs, oldest first (at most
+        ``margin_patience``)."""
+        seen = min(int(self.margin_seen), self.margin_patience)
+        rows = self.margin_track.tolist()[len(self.margin_track) - seen:] if seen else []
+        return [(a, se if se >= 0 else None) for a, se in rows]
+
+    def _remember_accuracy(self, acc: float, se: float | None) -> None:
+        row = torch.tensor([acc, -1.0 if se is None else se], dtype=torch.float64)
+        self.margin_track.copy_(torch.cat([self.margin_track[1:], row.view(1, 2)]))
+        self.margin_seen.add_(1)
+
+    def _update_margin(self, epoch: int, stats: dict[str, Tensor]) -> dict[str, Any]:
+        """The ``margin: auto`` evidence rule after epoch ``epoch`` (0-based) from this
+        validation pass's statistics (:mod:`cals_seg.losses._auto_margin`): kept during the
+        first ``margin_warmup`` epochs, while the balanced skill is not clearly above chance,
+        while the temperature interval ``[T_lo, T_hi]`` contains 1, and (down-moves) while the
+        validation accuracy still rises beyond its noise; otherwise moved towards ``m / T_lo``
+        (over-confident) or ``m / T_hi`` (under-confident), capped by the largest validation
+        gap ``G``, by at most a factor ``margin_rate``. A change calls :meth:`_margin_changed`.
+
+        Returns:
+            The history entries (nothing with a fixed margin): ``margin`` (in force now),
+            ``margin_temperature`` (``T_hat``), ``margin_t_low`` / ``margin_t_high`` (its
+            interval), ``margin_gap`` / ``margin_gap_se`` (mean confidence - accuracy and its
+            image-level standard error), ``margin_ceiling`` (``G``), ``margin_skill`` (balanced
+            skill), ``margin_acc_rise`` / ``margin_acc_noise`` (the accuracy's rise over
+            ``margin_patience`` epochs and its noise; None before), ``margin_reason``.
+        """
         if not self.auto_margin:
             return {}
-        correct = float(stats["_correct"])
-        t_hat = solve_temperature(stats["_meff_hist"], correct, self.num_classes)
+        k = self.num_classes
+        hist = stats["_meff_hist"]
+        t_hat = solve_temperature(hist, float(stats["_correct"]), k)
         ceiling = largest_gap_bound(stats["_gap_hist"])
-        learned, skill = beyond_chance(correct, stats["_class_count"], self.margin_skill)
-        if epoch + 1 > self.margin_warmup and learned:
-            old = self.margin
-            new = next_margin(
-                old, t_hat, ceiling, self.margin_min, self.margin_max, self.margin_rate
-            )
+        gap, gap_se, acc, acc_se = gap_and_accuracy(stats["_img_sums"])
+        t_low, t_high = temperature_interval(hist, acc, gap_se, self.margin_z, k)
+        skill, excess, noise = balanced_skill(stats["_class_correct"], stats["_class_count"])
+        learning, rise, rise_noise = still_learning(acc, acc_se, self._past_accuracies(),
+                                                    self.margin_patience, self.margin_z)
+        self._remember_accuracy(acc, acc_se)
+        old = self.margin
+        if epoch + 1 <= self.margin_warmup:
+            new, reason = old, "warmup"
+        elif not (skill >= self.margin_skill and excess > noise):
+            new, reason = old, "at chance"
+        else:
+            new, reason = evidence_step(old, t_low, t_high, ceiling, learning, self.margin_min,
+                                        self.margin_max, self.margin_rate)
+        if new != old:
             self.margin_value.fill_(new)
             self.margin = float(self.margin_value)
-            if self.margin != old:
-                self._margin_changed(old, self.margin)
+            self._margin_changed(old, self.margin)
         return {
             "margin": self.margin,
             "margin_temperature": t_hat,
+            "margin_t_low": t_low,
+            "margin_t_high": t_high,
+            "margin_gap": gap,
+            "margin_gap_se": gap_se,
             "margin_ceiling": ceiling,
             "margin_skill": skill,
+            "margin_acc_rise": rise,
+            "margin_acc_noise": rise_noise,
+            "margin_reason": reason,
         }
 
     def _margin_changed(self, old: float, new: float) -> None:
@@ -129,8 +181,10 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
         out = dict(zip(self._class_statistics(), sums, strict=True))
         if self.auto_margin:
             hist, gap_hist, correct = effective_margin_sums(logits, target, valid)
+            sums, class_correct = image_sums(logits, target, valid)
             out.update(_meff_hist=hist, _gap_hist=gap_hist, _correct=correct,
-                       _class_count=class_counts(target, valid, self.num_classes))
+                       _class_count=class_counts(target, valid, self.num_classes),
+                       _img_sums=sums, _class_correct=class_correct)
         return out
 
     def _observed_functions(self, like: Tensor) -> list:
@@ -197,7 +251,7 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
 
     log_keys = ("lambda", "rho", "constraint", *_ClassAdaptiveLoss.MARGIN_LOGS)
 
-    settings_types = (ALMSettings, MarginSettings)
+    settings_types = (ALMSettings, EvidenceSettings)
 
     def __init__(
         self,
@@ -323,7 +377,7 @@ class CALSHRLoss(_ClassAdaptiveLoss):
     """
 
     log_keys = ("lambda", "penalty", "score", *_ClassAdaptiveLoss.MARGIN_LOGS)
-    settings_types = (MarginSettings,)
+    settings_types = (EvidenceSettings,)
 
     def __init__(
         self,
