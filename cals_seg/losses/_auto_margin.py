@@ -64,7 +64,7 @@ MARGIN_RATE = 1.25  # default margin_rate: the margin moves by at most this fact
 MARGIN_SKILL = 0.1  # default margin_skill: the skill above chance needed to move the margin
 CHANCE_Z = 3.0  # the accuracy must also exceed chance by this many binomial standard deviations
 MARGIN_Z = 2.0  # default margin_z: half-width of the intervals in standard errors (about 95%)
-MARGIN_PATIENCE = 3  # default margin_patience: epochs over which "still learning" is judged
+MARGIN_PATIENCE = 2  # default margin_patience: epochs over which "still learning" is judged
 # The per-image sums of :func:`image_sums`, in this order (c: confidence sum, a: correct count,
 # n: valid positions of one image; images without a valid position are not counted).
 IMAGE_SUM_KEYS = ("images", "n", "c", "a", "nn", "cc", "aa", "cn", "an", "ca")
@@ -491,7 +491,7 @@ class EvidenceSettings(MarginSettings):
     """The settings of the evidence rule of CALS-ALM and CALS-HR (module docstring):
     :class:`MarginSettings` and ``margin_z`` (the intervals' half-width in standard errors,
     2) and ``margin_patience`` (the epochs over which the validation accuracy must have
-    stopped rising beyond its noise before the margin may shrink, 3)."""
+    stopped rising beyond its noise before the margin may shrink, 2)."""
 
     margin_z: float = MARGIN_Z
     margin_patience: int = MARGIN_PATIENCE
