@@ -21,7 +21,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FormatStrFormatter, MaxNLocator
 
 from cals_seg.data.voc import voc_palette
 
@@ -478,6 +478,8 @@ def plot_margin_evidence(history: Sequence[Mapping], path: PathLike) -> bool:
     ax_t.plot(epochs, t_hat, color="tab:purple", lw=1.5, label="T_hat (validation)")
     ax_t.axhline(1.0, color="k", lw=0.8, ls="--", label="T = 1 (calibrated)")
     ax_t.set_yscale("log")
+    ax_t.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax_t.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax_t.set_ylabel("temperature")
     ax_t.grid(True, alpha=0.3)
     ax_t.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
