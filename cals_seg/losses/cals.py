@@ -217,12 +217,15 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
     Args:
         num_classes: K.
         margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text), or ``"auto"``:
-            start at ``margin_init`` and after each validation pass (from epoch
-            ``margin_warmup``, once the validation accuracy is clearly above chance) move ``m``
-            towards ``clip(m / T_hat, margin_min, min(margin_max, G))`` by at most a factor
-            ``margin_rate``, where ``T_hat`` is the temperature that would match the validation
-            confidence to the accuracy and ``G`` the largest validation gap
-            (:mod:`cals_seg.losses._auto_margin`). When the margin moves from ``m`` to ``m'``,
+            start at ``margin_init`` and after each validation pass move ``m`` only on evidence
+            (:mod:`cals_seg.losses._auto_margin`): not during the first ``margin_warmup``
+            epochs, not while the balanced validation skill is not clearly above chance, not
+            while the interval ``[T_lo, T_hi]`` of the temperature that would match the
+            validation confidence to the accuracy (image-level standard error, ``margin_z``
+            wide) contains 1, and not down while the validation accuracy still rises beyond its
+            noise over ``margin_patience`` epochs; otherwise towards ``m / T_lo`` (down) or ``m
+            / T_hi`` (up), capped by the largest validation gap ``G``, by at most a factor
+            ``margin_rate``. When the margin moves from ``m`` to ``m'``,
             what is measured in units of ``m`` is converted: ``lambda_k <- clip(lambda_k m' /
             m, lambda_min, lambda_max)`` (the same force ``lambda_k / m`` on the gaps) and
             ``zbar_prev_k <- (m / m') (zbar_prev_k + 1) - 1`` (exact); ``rho`` is kept.
@@ -237,15 +240,20 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
             range and number of epochs without update (10, 1, 20 and 0).
         margin_rate: the largest factor by which one epoch moves the ``"auto"`` margin (1.25;
             ``inf`` for none).
-        margin_skill: the validation skill above chance, ``(accuracy - chance) / (1 -
-            chance)`` with ``chance`` the majority-class rate, below which the ``"auto"``
-            margin is kept (0.1).
+        margin_skill: the validation skill above chance, ``(BA - 1/K') / (1 - 1/K')`` with
+            ``BA`` the mean per-class recall over the ``K'`` classes present, below which the
+            ``"auto"`` margin is kept (0.1).
+        margin_z: the half-width of the ``"auto"`` rule's intervals in standard errors (2).
+        margin_patience: the epochs ``W`` over which the validation accuracy must have
+            stopped rising beyond its noise before the ``"auto"`` margin may shrink (2; 0:
+            no such rule).
 
     Shape:
         logits: ``(N, K, *S)`` (half precision is computed in float32); target: ``(N, *S)``.
 
     Buffers (in ``state_dict``): ``lambdas (K,)``, ``rhos (K,)``, ``zbar_prev (K,)`` float64,
-    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64).
+    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64)
+    and the accuracy track ``margin_track (W, 2)`` / ``margin_seen``.
     The validation sums are O(K) float64 (O(bins) with ``"auto"``) and not persistent.
     """
 
@@ -297,9 +305,9 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
 
         Returns:
             ``{"lambda": [K], "rho": [K], "constraint": [K]}`` after the update (constraint is
-            this epoch's mean normalised constraint zbar); with ``margin="auto"`` also
-            ``margin`` (the margin for the next epoch), ``margin_temperature`` and
-            ``margin_ceiling``.
+            this epoch's mean normalised constraint zbar); with ``margin="auto"`` also the
+            ``margin_*`` entries of :meth:`_update_margin` (the margin for the next epoch,
+            its statistic, interval and reason).
         """
         self.lambdas.copy_((stats["_sum_grad"] / n).clamp_(self.lambda_min, self.lambda_max))
         zbar = stats["_sum_z"] / n
@@ -360,10 +368,10 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         lambda_min, lambda_max: safeguarding interval.
         score: ``"weighted"`` (default) or ``"unweighted"``, see above.
         ignore_index: void label.
-        margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill: the
-            ``"auto"`` margin (as :class:`CALSALMLoss`). The weights multiply the hinge in
-            logit units, ``relu(d - m)``, and change by at most ``mu`` per epoch, so a margin
-            change converts nothing.
+        margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill,
+            margin_z, margin_patience: the ``"auto"`` margin (as :class:`CALSALMLoss`). The
+            weights multiply the hinge in logit units, ``relu(d - m)``, and change by at most
+            ``mu`` per epoch, so a margin change converts nothing.
 
     Shape:
         logits: ``(N, K, *S)``; target: ``(N, *S)``.
