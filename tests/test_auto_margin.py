@@ -535,8 +535,8 @@ def test_shipped_classification_setup_issue_29(tmp_path):
     # to 1 after the first epoch, and the loss was NaN in epoch 5. Slow: the test above covers
     # the same rule on tiny data.
     history = _train_auto(tmp_path, 6, [])
-    _check_safe(history, 6)
-    assert history[0]["margin"] == 10.0 and history[-1]["margin"] < 10.0  # it moved later
+    _check_safe(history, 6)  # every move with its evidence (the evidence rule may hold it)
+    assert history[0]["margin"] == 10.0
 
 
 # ----------------------------------------------------------------------------- issue 37: moves only
