@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -13,16 +14,25 @@ import torch
 from cals_seg.losses import CALSALMLoss, CALSHRLoss, MbLSLoss, build_loss
 from cals_seg.losses._auto_margin import (
     BIN_WIDTH,
+    IMAGE_SUM_KEYS,
     NUM_BINS,
+    REASONS,
     T_RANGE,
+    balanced_skill,
     beyond_chance,
     class_counts,
     effective_margin_sums,
+    evidence_step,
+    gap_and_accuracy,
+    image_sums,
     largest_gap_bound,
     mean_confidence,
     next_margin,
     skill_above_chance,
     solve_temperature,
+    solve_temperature_at,
+    still_learning,
+    temperature_interval,
 )
 
 from .conftest import ROOT, load_tool
@@ -118,15 +128,17 @@ def _batch(scale: float, flip: float, seed: int = 0):
 
 @pytest.mark.parametrize("cls", [CALSALMLoss, CALSHRLoss])
 def test_rule_shrinks_when_over_and_grows_when_under_confident(cls):
-    # No rate limit (margin_rate = inf): the target itself (the rate is tested below).
+    # No rate limit (margin_rate = inf), no learning window (margin_patience = 0): the target
+    # itself, m / T_lo, the end of the interval nearest 1 (the rate is tested below).
     crit = cls(K, ignore_index=IGN, margin="auto", margin_init=8.0, margin_max=12.0,
-               margin_rate=math.inf)
+               margin_rate=math.inf, margin_patience=0)
     # Over-confident: gaps of 9 (confidence 0.9995) on 70%-accurate pixels.
     crit.observe(*_batch(9.0, 0.3))
     stats = crit.update_multipliers(0)
-    t_hat = stats["margin_temperature"]
-    assert t_hat > 1
-    assert stats["margin"] == pytest.approx(8.0 / t_hat, rel=1e-12) == crit.margin
+    t_hat, t_low = stats["margin_temperature"], stats["margin_t_low"]
+    assert 1 < t_low < t_hat < stats["margin_t_high"]
+    assert stats["margin_reason"] == "over-confident"
+    assert stats["margin"] == pytest.approx(8.0 / t_low, rel=1e-12) == crit.margin
     assert float(crit.margin_value) == crit.margin
     # Under-confident: gaps of 3 (confidence 0.83) on 100%-accurate pixels: grows, up to
     # margin_max when the largest validation gap is beyond it ...
@@ -138,31 +150,34 @@ def test_rule_shrinks_when_over_and_grows_when_under_confident(cls):
         assert stats["margin_temperature"] < 1
         assert stats["margin_ceiling"] > 30
     assert crit.margin == 12.0
-    # ... and up to the largest gap (inert) when that is smaller.
+    # ... and never down on under-confidence: above the largest gap it is inert, and kept.
     crit.observe(*_batch(3.0, 0.0))
     stats = crit.update_multipliers(4)
     assert stats["margin_ceiling"] == pytest.approx(3.05)
-    assert crit.margin == stats["margin_ceiling"]
+    assert stats["margin_reason"] == "under-confident, at a bound" and crit.margin == 12.0
 
 
 def test_warmup_keeps_the_initial_margin():
     crit = CALSALMLoss(K, ignore_index=IGN, margin="auto", margin_init=6.0, margin_warmup=2,
-                       margin_rate=math.inf)
+                       margin_rate=math.inf, margin_patience=0)
     for epoch in range(3):
         crit.observe(*_batch(9.0, 0.3))
         stats = crit.update_multipliers(epoch)
         assert stats["margin"] == (6.0 if epoch < 2 else pytest.approx(6.0 / stats[
-            "margin_temperature"]))
+            "margin_t_low"]))
+        assert stats["margin_reason"] == ("warmup" if epoch < 2 else "over-confident")
 
 
 def test_the_margin_in_force_is_what_the_penalty_uses():
     logits, target = _batch(9.0, 0.3)
     logits.requires_grad_(True)
-    auto = CALSALMLoss(K, ignore_index=IGN, margin="auto", margin_init=8.0)
+    auto = CALSALMLoss(K, ignore_index=IGN, margin="auto", margin_init=8.0, margin_patience=0)
     auto.observe(logits.detach(), target)
     auto.update_multipliers(0)
+    assert auto.margin < 8.0
     fixed = CALSALMLoss(K, ignore_index=IGN, margin=auto.margin)
-    fixed.load_state_dict({k: v for k, v in auto.state_dict().items() if k != "margin_value"})
+    fixed.load_state_dict({k: v for k, v in auto.state_dict().items()
+                           if not k.startswith("margin_")})
     assert torch.equal(auto(logits, target), fixed(logits, target))
 
 
@@ -177,14 +192,26 @@ def test_resume_continues_with_the_same_margin():
             out.append(crit.update_multipliers(e)["margin"])
         return out
 
-    straight = run(CALSALMLoss(K, ignore_index=IGN, margin="auto"), range(4))
-    first = CALSALMLoss(K, ignore_index=IGN, margin="auto")
+    # margin_patience = 1: the accuracy track (a checkpointed state) decides epoch 2's move.
+    # (Below the largest gap, 3.05, of the under-confident batches: there they move it up.)
+    make = lambda: CALSALMLoss(K, ignore_index=IGN, margin="auto",  # noqa: E731
+                               margin_init=2.0, margin_patience=1)
+    straight = run(make(), range(4))
+    first = make()
     head = run(first, range(2))
-    resumed = CALSALMLoss(K, ignore_index=IGN, margin="auto")
+    resumed = make()
     resumed.load_state_dict(first.state_dict())
     assert resumed.margin == first.margin
+    assert torch.equal(resumed.margin_track, first.margin_track)
     assert head + run(resumed, range(2, 4)) == straight
-    assert len(set(straight)) == 4
+    assert straight[0] == 2.0 < straight[1]
+    assert straight[2] < straight[1] and straight[3] > straight[2]
+    # A checkpoint of the previous rule (no accuracy track) still loads: the track starts empty.
+    old = {k: v for k, v in first.state_dict().items()
+           if k not in ("margin_track", "margin_seen")}
+    again = make()
+    again.load_state_dict(old)
+    assert again.margin == first.margin and int(again.margin_seen) == 0
 
 
 def test_bad_auto_parameters_are_refused():
@@ -200,6 +227,12 @@ def test_bad_auto_parameters_are_refused():
         build_loss("cals_hr", K, margin="auto", margin_skill=1.0)
     with pytest.raises(ValueError, match="margin_skill"):
         build_loss("cals_alm", K, margin="auto", margin_skill=-0.1)
+    for bad in (0.0, -1.0, math.inf, "2", True):
+        with pytest.raises(ValueError, match="margin_z"):
+            CALSALMLoss(K, margin="auto", margin_z=bad)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="margin_patience"):
+            CALSHRLoss(K, margin="auto", margin_patience=bad)
     with pytest.raises(ValueError, match="loss.params.margin: expected a number"):
         build_loss("mbls", K, margin="auto")
     with pytest.raises(ValueError, match="MbLS has no validation pass"):
@@ -214,10 +247,10 @@ def test_classification_logits_work_too():
     target = torch.randint(0, K, (64,), generator=g)
     logits = torch.nn.functional.one_hot(target, K).double() * 9.0
     target[:20] = (target[:20] + 1) % K  # 69% accurate at confidence 0.9995: over-confident
-    crit = build_loss("cals_alm", K, margin="auto", margin_init=8.0)
+    crit = build_loss("cals_alm", K, margin="auto", margin_init=8.0, margin_patience=0)
     crit.observe(logits, target)
     stats = crit.update_multipliers(0)
-    assert stats["margin_temperature"] > 1 and stats["margin"] < 8.0
+    assert stats["margin_t_low"] > 1 and stats["margin"] < 8.0
 
 
 # ----------------------------------------------------------------------------- issue 29: a rule
@@ -295,77 +328,103 @@ def test_chance_level_overconfident_network_keeps_the_margin(cls):
     assert torch.equal(crit.margin_value, before["margin_value"])
 
 
-def _stats(hist, gap_hist, correct, counts) -> dict:
-    """The margin rule's statistics as the adaptive-loss contract hands them to the update."""
-    return {"_meff_hist": hist, "_gap_hist": gap_hist, "_correct": torch.as_tensor(correct),
-            "_class_count": counts}
+def _sums_of(n, c, a) -> torch.Tensor:
+    """:func:`image_sums`'s vector from per-image pixel counts, confidence sums and correct
+    counts (float64 lists), by its definition."""
+    n, c, a = (torch.tensor(v, dtype=torch.float64) for v in (n, c, a))
+    return torch.stack([torch.tensor(float(len(n)), dtype=torch.float64), n.sum(), c.sum(),
+                        a.sum(), (n * n).sum(), (c * c).sum(), (a * a).sum(), (c * n).sum(),
+                        (a * n).sum(), (c * a).sum()])
 
 
-def _random_histograms(g: torch.Generator, k: int):
-    """A random validation pass's statistics: m_eff and largest-gap histograms over a random
-    number of positions spread over random bins, a random accuracy and random class counts."""
-    n = int(torch.randint(1, 5000, (1,), generator=g))
-    spread = float(torch.rand(1, generator=g)) * 30
-    centre = float(torch.rand(1, generator=g)) * 30
+def _random_stats(g: torch.Generator, k: int) -> dict:
+    """A random validation pass's statistics as the adaptive-loss contract hands them to the
+    update: random images (1 to 40 positions each), m_eff and largest-gap histograms over random
+    bins, a random accuracy (per image), random class counts and per-class correct counts."""
+    images = int(torch.randint(2, 300, (1,), generator=g))
+    per = torch.randint(1, 40, (images,), generator=g).double()
+    n = int(per.sum())
+    spread = float(torch.rand(1, generator=g)) * 10
+    centre = float(torch.rand(1, generator=g)) * 12
     meff = (centre + spread * torch.randn(n, generator=g, dtype=torch.float64)).clamp(0, 60)
     gaps = meff + torch.rand(n, generator=g, dtype=torch.float64) * 5
     to_hist = lambda v: torch.bincount(  # noqa: E731
         (v / BIN_WIDTH).floor().clamp(0, NUM_BINS - 1).long(), minlength=NUM_BINS
     ).double()
+    hist = to_hist(meff)
+    conf = torch.sigmoid(meff - math.log(k - 1))  # cap(m_eff): the confidences
+    acc = float(torch.rand(1, generator=g))
+    right = (torch.rand(n, generator=g) < acc).double()
+    owner = torch.repeat_interleave(torch.arange(images), per.long())
+    c = torch.zeros(images, dtype=torch.float64).index_add_(0, owner, conf)
+    a = torch.zeros(images, dtype=torch.float64).index_add_(0, owner, right)
     labels = torch.randint(0, k, (n,), generator=g)
     if bool(torch.rand(1, generator=g) < 0.3):  # a majority class
         labels[torch.rand(n, generator=g) < 0.7] = 0
     counts = torch.bincount(labels, minlength=k).double()
-    correct = float(torch.randint(0, n + 1, (1,), generator=g))
-    return to_hist(meff), to_hist(gaps), torch.tensor(correct, dtype=torch.float64), counts
+    class_correct = torch.bincount(labels[right.bool()], minlength=k).double()
+    return {"_meff_hist": hist, "_gap_hist": to_hist(gaps),
+            "_correct": right.sum(), "_class_count": counts,
+            "_img_sums": _sums_of(per.tolist(), c.tolist(), a.tolist()),
+            "_class_correct": class_correct}
 
 
 def test_rate_limit_on_random_histograms():
-    # 400 random validation passes, each applied to a criterion with a random margin and range:
-    # the margin never moves by more than margin_rate, stays in [margin_min, margin_max], and
-    # moves to the clipped target exactly when that target is within the rate.
+    # 400 random validation passes, each applied to a criterion with a random margin, range and
+    # rate: the margin never moves by more than margin_rate, stays in [margin_min,
+    # margin_max], is kept when the gate is closed or the interval contains T = 1, moves only in
+    # the direction the interval says, and to the clipped target m / T_lo or m / T_hi
+    # whenever that is within the rate.
     g = torch.Generator().manual_seed(29)
     k = 7
-    moved = held = limited = 0
+    seen = dict.fromkeys(("held", "moved", "limited"), 0)
     for case in range(400):
         lo = 0.5 + float(torch.rand(1, generator=g)) * 3
         hi = lo + float(torch.rand(1, generator=g)) * 25
         init = lo + float(torch.rand(1, generator=g)) * (hi - lo)
         rate = 1.01 + float(torch.rand(1, generator=g)) * 2
         crit = CALSALMLoss(k, margin="auto", margin_init=init, margin_min=lo, margin_max=hi,
-                           margin_rate=rate, margin_skill=0.05)
-        hist, gap_hist, correct, counts = _random_histograms(g, k)
-        stats = crit._update_margin(case, _stats(hist, gap_hist, correct, counts))
-        new = stats["margin"]
+                           margin_rate=rate, margin_skill=0.05, margin_patience=0)
+        stats = _random_stats(g, k)
+        logs = crit._update_margin(case, stats)
+        new = logs["margin"]
         assert lo <= new <= hi
         assert init / rate * (1 - 1e-12) <= new <= init * rate * (1 + 1e-12)
-        # The reference: the old rule's target, then the step.
-        t_hat = solve_temperature(hist, float(correct), k)
-        target = min(max(init / t_hat, lo), max(min(hi, largest_gap_bound(gap_hist)), lo))
-        learned = beyond_chance(float(correct), counts, 0.05)[0]
-        if not learned:
+        assert logs["margin_reason"].split(",")[0] in REASONS
+        gap, se, acc, _ = gap_and_accuracy(stats["_img_sums"])
+        t_low, t_high = temperature_interval(stats["_meff_hist"], acc, se, 2.0, k)
+        skill, excess, noise = balanced_skill(stats["_class_correct"], stats["_class_count"])
+        high = max(min(hi, largest_gap_bound(stats["_gap_hist"])), lo)
+        if not (skill >= 0.05 and excess > noise) or t_low <= 1 <= t_high:
             assert new == init
-            held += 1
-        elif init / rate <= target <= init * rate:
+            seen["held"] += 1
+            continue
+        target = min(max(init / (t_low if t_low > 1 else t_high), lo), high)
+        target = min(target, init) if t_low > 1 else max(target, init)
+        if init / rate <= target <= init * rate:
             assert new == pytest.approx(target, rel=1e-12)
-            moved += 1
+            seen["moved"] += 1
         else:
             assert new == pytest.approx(init * rate if target > init else init / rate, rel=1e-12)
-            limited += 1
-    assert min(moved, held, limited) >= 20  # every branch was exercised
+            seen["limited"] += 1
+    assert min(seen.values()) >= 20, seen  # every branch was exercised
 
 
 def test_margin_walk_stays_in_bounds_and_rate():
-    # 60 epochs of random validation passes through one criterion: every step within the rate.
+    # 60 epochs of random validation passes through one criterion (default window): every step
+    # within the rate and the bounds, and the reasons logged.
     g = torch.Generator().manual_seed(3)
     crit = CALSALMLoss(6, margin="auto", margin_skill=0.0)
-    margins = [crit.margin]
+    margins, reasons = [crit.margin], set()
     for epoch in range(60):
-        margins.append(crit._update_margin(epoch, _stats(*_random_histograms(g, 6)))["margin"])
+        logs = crit._update_margin(epoch, _random_stats(g, 6))
+        margins.append(logs["margin"])
+        reasons.add(logs["margin_reason"].split(",")[0])
     steps = [b / a for a, b in zip(margins[:-1], margins[1:], strict=True)]
     assert all(1 / 1.25 - 1e-12 <= s <= 1.25 + 1e-12 for s in steps)
     assert all(1.0 <= m <= 20.0 for m in margins)
-    assert len(set(margins)) > 10
+    assert len(set(margins)) > 5
+    assert {"still learning", "over-confident", "under-confident"} <= reasons
 
 
 def test_next_margin_by_hand():
@@ -404,7 +463,7 @@ def test_margin_change_rescales_lambda_and_restates_zbar():
     target = torch.where(torch.rand(300, generator=g) < 0.3, (target + 1) % K, target)
     target[:10] = IGN
     fixed = CALSALMLoss(K, margin=10.0, ignore_index=IGN, lambda_init=0.5)
-    auto = CALSALMLoss(K, margin="auto", ignore_index=IGN, lambda_init=0.5)
+    auto = CALSALMLoss(K, margin="auto", ignore_index=IGN, lambda_init=0.5, margin_patience=0)
     for crit in (fixed, auto):
         crit.observe(logits, target)
     ref = fixed.update_multipliers(0)
@@ -450,6 +509,9 @@ def _check_safe(history, epochs: int) -> None:
         assert 1 / 1.25 - 1e-12 <= after / before <= 1.25 + 1e-12
         if h["margin_skill"] < 0.1:  # near chance: the margin is kept
             assert after == before
+        if after != before:  # every move has its evidence in the history
+            assert h["margin_reason"] in ("over-confident", "under-confident")
+            assert (h["margin_t_low"] > 1) if after < before else (h["margin_t_high"] < 1)
         assert all(1e-6 <= v <= 1e6 and math.isfinite(v) for v in h["lambda"])
 
 
@@ -463,6 +525,8 @@ def test_shipped_classification_setup_first_epochs(tmp_path):
     ])
     _check_safe(history, 3)
     assert history[0]["margin_skill"] < 0.1 and history[0]["margin"] == 10.0
+    assert history[0]["margin_reason"] == "at chance"
+    assert (tmp_path / "runs" / "auto" / "plots" / "margin_evidence.png").is_file()
 
 
 @pytest.mark.slow
@@ -471,5 +535,247 @@ def test_shipped_classification_setup_issue_29(tmp_path):
     # to 1 after the first epoch, and the loss was NaN in epoch 5. Slow: the test above covers
     # the same rule on tiny data.
     history = _train_auto(tmp_path, 6, [])
-    _check_safe(history, 6)
-    assert history[0]["margin"] == 10.0 and history[-1]["margin"] < 10.0  # it moved later
+    _check_safe(history, 6)  # every move with its evidence (the evidence rule may hold it)
+    assert history[0]["margin"] == 10.0
+
+
+# ----------------------------------------------------------------------------- issue 37: moves only
+# on evidence (image-level interval), balanced skill, no shrink while still learning
+
+
+def _image_reference(logits, target, ignore_index):
+    """Per image, in float64 loops: valid positions n_j, confidence sum c_j (top softmax
+    probability from its definition), correct count a_j; and correct positions per class."""
+    n_img, k = logits.shape[:2]
+    x = logits.double().reshape(n_img, k, -1)
+    t = target.reshape(n_img, -1)
+    ns, cs, as_, per_class = [], [], [], [0.0] * k
+    for i in range(n_img):
+        n = c = a = 0.0
+        for s in range(x.shape[2]):
+            y = int(t[i, s])
+            if y == ignore_index:
+                continue
+            col = [float(v) for v in x[i, :, s]]
+            top = max(range(k), key=lambda q: (col[q], -q))
+            c += 1.0 / sum(math.exp(v - col[top]) for v in col)
+            n += 1
+            if top == y:
+                a += 1
+                per_class[y] += 1
+        if n:
+            ns.append(n), cs.append(c), as_.append(a)
+    return ns, cs, as_, per_class
+
+
+def _ratio_reference(y, n):
+    """The ratio sum y / sum n and its image-level standard error, written out:
+    sqrt(J / (J - 1) * sum_j (y_j - r n_j)^2) / sum_j n_j."""
+    r = sum(y) / sum(n)
+    resid = sum((yj - r * nj) ** 2 for yj, nj in zip(y, n, strict=True))
+    return r, math.sqrt(len(y) / (len(y) - 1) * resid) / sum(n)
+
+
+def _seg_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, K, 5, 7, generator=g, dtype=torch.float64) * 3
+    target = torch.randint(0, K, (6, 5, 7), generator=g)
+    target[torch.rand(6, 5, 7, generator=g) < 0.2] = IGN
+    target[2] = IGN  # an image without a valid position is not a sampling unit
+    return logits, target
+
+
+def test_image_sums_match_a_float64_loop():
+    logits, target = _seg_batch(0)
+    valid = target != IGN
+    sums, class_correct = image_sums(logits.reshape(6, K, -1), target.reshape(6, -1),
+                                     valid.reshape(6, -1))
+    ns, cs, as_, per_class = _image_reference(logits, target, IGN)
+    assert len(ns) == 5 and sums.dtype == torch.float64
+    torch.testing.assert_close(sums, _sums_of(ns, cs, as_), rtol=1e-12, atol=0)
+    assert class_correct.tolist() == per_class
+    assert dict(zip(IMAGE_SUM_KEYS, sums.tolist(), strict=True))["images"] == 5.0
+
+
+def test_gap_interval_matches_a_float64_reference():
+    logits, target = _seg_batch(1)
+    valid = target != IGN
+    sums, _ = image_sums(logits.reshape(6, K, -1), target.reshape(6, -1), valid.reshape(6, -1))
+    ns, cs, as_, _ = _image_reference(logits, target, IGN)
+    gap, gap_se, acc, acc_se = gap_and_accuracy(sums)
+    ref_gap, ref_gap_se = _ratio_reference([c - a for c, a in zip(cs, as_, strict=True)], ns)
+    ref_acc, ref_acc_se = _ratio_reference(as_, ns)
+    assert gap == pytest.approx(ref_gap, rel=1e-10)
+    assert gap_se == pytest.approx(ref_gap_se, rel=1e-9)
+    assert acc == pytest.approx(ref_acc, rel=1e-12)
+    assert acc_se == pytest.approx(ref_acc_se, rel=1e-9)
+    # One position per image (classification): the usual standard error of a mean.
+    d = [0.9 - 1, 0.8 - 0, 0.7 - 1, 0.95 - 1, 0.6 - 0, 0.85 - 1]
+    one = _sums_of([1.0] * 6, [0.9, 0.8, 0.7, 0.95, 0.6, 0.85], [1.0, 0, 1, 1, 0, 1])
+    gap, gap_se, _, _ = gap_and_accuracy(one)
+    assert gap == pytest.approx(statistics.fmean(d), rel=1e-12)
+    assert gap_se == pytest.approx(statistics.stdev(d) / math.sqrt(6), rel=1e-10)
+    # One image: no error can be estimated, and the interval is the whole range (no evidence).
+    assert gap_and_accuracy(_sums_of([4.0], [3.0], [2.0]))[1] is None
+    hist = torch.zeros(NUM_BINS, dtype=torch.float64)
+    hist[80] = 10.0
+    assert temperature_interval(hist, 0.5, None, 2.0, K) == T_RANGE
+    # The ends of the interval match the confidence to accuracy +- z se.
+    t_low, t_high = temperature_interval(hist, 0.7, 0.05, 2.0, K)
+    assert mean_confidence(hist, K, t_low) == pytest.approx(0.8, rel=1e-9)
+    assert mean_confidence(hist, K, t_high) == pytest.approx(0.6, rel=1e-9)
+    assert t_low < solve_temperature_at(hist, 0.7, K) < t_high
+    with pytest.raises(ValueError, match="no validation position"):
+        gap_and_accuracy(torch.zeros(len(IMAGE_SUM_KEYS), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("cls", [CALSALMLoss, CALSHRLoss])
+def test_two_halves_equal_one_pass(cls):
+    # What torch.distributed does: each process streams its share, the sums are added before the
+    # rule. Two criteria on two halves, summed, equal one criterion streaming both halves
+    # (exactly: the same additions in the same order), and a one-shot pass up to rounding.
+    logits, target = _seg_batch(2)
+    halves = [(logits[:3], target[:3]), (logits[3:], target[3:])]
+    make = lambda: cls(K, ignore_index=IGN, margin="auto", margin_patience=0)  # noqa: E731
+    one, a, b, shot = make(), make(), make(), make()
+    for half in halves:
+        one.observe(*half)
+    a.observe(*halves[0])
+    b.observe(*halves[1])
+    shot.observe(logits, target)
+    for name, value in a.statistics().items():
+        value.add_(b.statistics()[name])  # the all-reduce
+        assert torch.equal(value, one.statistics()[name]), name
+        torch.testing.assert_close(value, shot.statistics()[name], rtol=1e-12, atol=0)
+    assert a.update_multipliers(0) == one.update_multipliers(0)
+    assert torch.equal(a.state_fingerprint(), one.state_fingerprint())
+
+
+def _planted(conf: float, correct: int, n: int = 200, k: int = 10, seed: int = 0):
+    """Classification validation logits where every sample has confidence ``conf`` (all gaps
+    ``log(K - 1) + logit(conf)``), balanced classes, and exactly ``correct`` right."""
+    g = torch.Generator().manual_seed(seed)
+    top = torch.arange(n) % k
+    logits = torch.nn.functional.one_hot(top, k).double() * (
+        math.log(k - 1) + math.log(conf / (1 - conf)))
+    target = top.clone()
+    wrong = torch.randperm(n, generator=g)[: n - correct]
+    target[wrong] = (top[wrong] + 1) % k
+    return logits, target
+
+
+@pytest.mark.parametrize("cls", [CALSALMLoss, CALSHRLoss])
+def test_planted_noise_keeps_the_margin(cls):
+    # 200 validation images at confidence 0.8 and accuracy 0.78 ... 0.82: the gap (at most 0.02)
+    # is inside its noise (z se = 2 * 0.4 / sqrt(200) = 0.057). The margin stays, on a plateau
+    # (no learning) with no learning window either; the previous rule moved it every epoch.
+    crit = cls(10, margin="auto", margin_patience=0)
+    for epoch, correct in enumerate([156, 164, 158, 162, 160, 157, 163]):
+        logits, target = _planted(0.8, correct, seed=epoch)
+        crit.observe(logits, target)
+        logs = crit.update_multipliers(epoch)
+        assert logs["margin_reason"] == "calibrated within noise"
+        assert logs["margin_t_low"] <= 1 <= logs["margin_t_high"]
+        assert abs(logs["margin_gap"]) <= 2 * logs["margin_gap_se"]
+        assert logs["margin"] == crit.margin == 10.0
+        t_hat = logs["margin_temperature"]
+        if correct != 160:  # the previous rule would have moved
+            assert next_margin(10.0, t_hat, 40.0, 1.0, 20.0, 1.25) != 10.0
+
+
+@pytest.mark.parametrize("cls", [CALSALMLoss, CALSHRLoss])
+def test_clear_over_and_under_confidence_move_within_three_epochs(cls):
+    # Default settings. Over-confident (confidence 0.99, accuracy 0.8, 200 images), not
+    # learning: held for the first two epochs (the learning window), down on the third.
+    crit = cls(10, margin="auto")
+    reasons = []
+    for epoch in range(3):
+        crit.observe(*_planted(0.99, 160, seed=epoch))
+        logs = crit.update_multipliers(epoch)
+        reasons.append(logs["margin_reason"])
+        assert logs["margin_t_low"] > 1
+    assert reasons == ["still learning", "still learning", "over-confident"]
+    assert crit.margin == 8.0  # down, at the rate
+    # Under-confident (confidence 0.5, accuracy 0.9): up from the first epoch, learning or not.
+    crit = cls(10, margin="auto", margin_init=1.5)
+    crit.observe(*_planted(0.5, 180))
+    logs = crit.update_multipliers(0)
+    assert logs["margin_t_high"] < 1 and logs["margin_reason"] == "under-confident"
+    assert crit.margin == 1.5 * 1.25
+    # A margin above every validation gap is inert: an under-confident network keeps it.
+    crit = cls(10, margin="auto")
+    crit.observe(*_planted(0.5, 180))
+    logs = crit.update_multipliers(0)
+    assert logs["margin_reason"] == "under-confident, at a bound" and crit.margin == 10.0
+
+
+def test_still_learning_holds_down_moves():
+    # An over-confident network whose validation accuracy rises 0.5 -> 0.9 by 0.1 per epoch
+    # (beyond the noise of a 2-epoch rise, about 0.08-0.1): the margin is held; once the
+    # accuracy stays at 0.9 it comes down as soon as the 2-epoch rise is within its noise.
+    crit = CALSALMLoss(10, margin="auto")
+    accs = [100, 120, 140, 160, 180, 180, 180]
+    margins, reasons = [], []
+    for epoch, correct in enumerate(accs):
+        crit.observe(*_planted(0.995, correct, seed=epoch))
+        logs = crit.update_multipliers(epoch)
+        margins.append(logs["margin"])
+        reasons.append(logs["margin_reason"])
+        if logs["margin_acc_rise"] is not None:
+            past = accs[epoch - 2] / 200
+            assert logs["margin_acc_rise"] == pytest.approx(correct / 200 - past, abs=1e-12)
+            se = lambda p: math.sqrt(p * (1 - p) / 199)  # noqa: E731
+            assert logs["margin_acc_noise"] == pytest.approx(
+                2 * math.hypot(se(correct / 200), se(past)), rel=1e-9)
+    assert reasons[:6] == ["still learning"] * 6 and margins[:6] == [10.0] * 6
+    assert reasons[6] == "over-confident" and margins[6] == 8.0
+    # The same accuracies with an under-confident network: the margin grows meanwhile.
+    crit = CALSALMLoss(10, margin="auto", margin_init=1.5)
+    crit.observe(*_planted(0.5, 120))
+    crit.update_multipliers(0)
+    crit.observe(*_planted(0.5, 160))
+    assert crit.update_multipliers(1)["margin_reason"] == "under-confident"
+    assert crit.margin > 1.5 * 1.25
+    # The rule by hand: rise 0.1 against noise 2 sqrt(0.03^2 + 0.04^2) = 0.1 is not beyond it.
+    assert still_learning(0.9, 0.03, [(0.8, 0.04), (0.85, 0.0)], 2, 2.0) == (
+        False, pytest.approx(0.1), pytest.approx(0.1))
+    assert still_learning(0.9, 0.03, [(0.7, 0.04)], 1, 2.0)[0] is True
+    assert still_learning(0.9, 0.03, [(0.7, 0.04)], 2, 2.0) == (True, None, None)
+    assert still_learning(0.9, 0.03, [], 0, 2.0) == (False, None, None)
+
+
+def test_balanced_skill_lets_a_segmentation_network_pass():
+    # 90% background; the network gets 95% of the background and half of each of the four
+    # foreground classes: pixel accuracy 0.905 is barely above the majority rate (old skill
+    # 0.05 < 0.1, gate closed), the balanced accuracy (0.95 + 4 * 0.5) / 5 = 0.59 is far above
+    # its chance 1/5 (skill 0.4875).
+    counts = torch.tensor([9000.0, 250.0, 250.0, 250.0, 250.0], dtype=torch.float64)
+    right = torch.tensor([8550.0, 125.0, 125.0, 125.0, 125.0], dtype=torch.float64)
+    assert beyond_chance(float(right.sum()), counts, 0.1)[0] is False
+    skill, excess, noise = balanced_skill(right, counts)
+    assert excess == pytest.approx(0.59 - 0.2, rel=1e-12)
+    assert skill == pytest.approx(0.39 / 0.8, rel=1e-12)
+    assert noise == pytest.approx(3 * math.sqrt(0.2 * 0.8 * (1 / 9000 + 4 / 250)) / 5, rel=1e-12)
+    # The background predicted everywhere: balanced accuracy 1/5, skill 0.
+    assert balanced_skill(torch.tensor([9000.0, 0, 0, 0, 0], dtype=torch.float64), counts)[0] == 0
+    # Absent classes do not count; one class present: nothing to learn.
+    assert balanced_skill(torch.tensor([5.0, 0, 0]), torch.tensor([10.0, 0, 10.0]))[0] == (
+        pytest.approx((0.25 - 0.5) / 0.5))
+    assert balanced_skill(torch.tensor([5.0, 0.0]), torch.tensor([5.0, 0.0])) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="no validation position"):
+        balanced_skill(torch.zeros(2), torch.zeros(2))
+
+
+def test_evidence_step_by_hand():
+    # (margin, T_lo, T_hi, G, learning) -> (margin, reason); range [1, 20], rate 1.25.
+    step = lambda *a: evidence_step(*a, 1.0, 20.0, 1.25)  # noqa: E731
+    assert step(10.0, 0.9, 1.2, 40.0, False) == (10.0, "calibrated within noise")
+    assert step(10.0, 1.1, 1.3, 40.0, True) == (10.0, "still learning")
+    assert step(10.0, 1.1, 1.3, 40.0, False) == (pytest.approx(10 / 1.1), "over-confident")
+    assert step(10.0, 3.0, 4.0, 40.0, False) == (8.0, "over-confident")
+    assert step(10.0, 1.05, 2.0, 9.0, False) == (9.0, "over-confident")  # down to G
+    assert step(10.0, 0.5, 0.9, 40.0, True) == (pytest.approx(10 / 0.9), "under-confident")
+    assert step(10.0, 0.5, 0.7, 40.0, True) == (12.5, "under-confident")  # learning: up is fine
+    assert step(10.0, 0.5, 0.9, 11.0, False) == (11.0, "under-confident")
+    assert step(10.0, 0.5, 0.9, 3.0, False) == (10.0, "under-confident, at a bound")  # inert
+    assert step(1.0, 2.0, 3.0, 40.0, False) == (1.0, "over-confident, at a bound")

@@ -257,6 +257,32 @@ def _only_band(y, b, bands):
     return y.masked_fill(band != b, IGN)
 
 
+class _PreviousRuleALM(CALSALMLoss):
+    """CALS-ALM with the ``margin: auto`` rule the bands keep (chance gate on the majority
+    class, ``m <- next_margin(m, T_hat, G)``); CALS-ALM itself now moves only on evidence."""
+
+    def _update_margin(self, epoch, stats):
+        from cals_seg.losses._auto_margin import (
+            beyond_chance,
+            largest_gap_bound,
+            next_margin,
+            solve_temperature,
+        )
+
+        correct = float(stats["_correct"])
+        t_hat = solve_temperature(stats["_meff_hist"], correct, self.num_classes)
+        ceiling = largest_gap_bound(stats["_gap_hist"])
+        if epoch + 1 > self.margin_warmup and beyond_chance(correct, stats["_class_count"],
+                                                            self.margin_skill)[0]:
+            old = self.margin
+            self.margin_value.fill_(next_margin(old, t_hat, ceiling, self.margin_min,
+                                                self.margin_max, self.margin_rate))
+            self.margin = float(self.margin_value)
+            if self.margin != old:
+                self._margin_changed(old, self.margin)
+        return {"margin": self.margin, "margin_temperature": t_hat}
+
+
 @pytest.mark.parametrize("margin", [3.0, "auto"])
 def test_each_band_updates_like_cals_alm_on_its_pixels(margin):
     """Two epochs: band b's multipliers, rho and margin equal those of a CALS-ALM that observes
@@ -264,7 +290,7 @@ def test_each_band_updates_like_cals_alm_on_its_pixels(margin):
     epochs = _epochs()
     common = dict(rho_period=1, margin=margin, margin_min=0.5)
     ours = BandCALSALMLoss(K, bands=BANDS, ignore_index=IGN, margin_steer="band", **common)
-    per_band = [CALSALMLoss(K, ignore_index=IGN, **common) for _ in range(ours.num_bands)]
+    per_band = [_PreviousRuleALM(K, ignore_index=IGN, **common) for _ in range(ours.num_bands)]
     for e, batches in enumerate(epochs):
         for x, y in batches:
             ours.observe(x, y)

@@ -38,7 +38,8 @@ def _run(criteria, batches, rank=0, world=1):
 
 
 def _criteria():
-    auto = {"margin": "auto", "margin_min": 0.01}  # the margin rule's sums are reduced too
+    # The margin rule's sums are reduced too (no learning window: it moves from the first epoch).
+    auto = {"margin": "auto", "margin_min": 0.01, "margin_patience": 0}
     return [
         CALSALMLoss(K, ignore_index=IGN, rho_period=1),
         CALSHRLoss(K, ignore_index=IGN),
@@ -65,5 +66,8 @@ def test_two_ranks_equal_one_process(tmp_path):
         for epoch_got, epoch_ref in zip(got, single, strict=True):
             for a, b in zip(epoch_got, epoch_ref, strict=True):
                 for key in b:
+                    if isinstance(b[key], str) or b[key] is None:  # margin_reason, no rise yet
+                        assert a[key] == b[key], key
+                        continue
                     torch.testing.assert_close(torch.tensor(a[key]), torch.tensor(b[key]),
                                                rtol=1e-12, atol=0)

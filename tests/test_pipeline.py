@@ -52,7 +52,7 @@ def test_run_directory_has_every_artefact(straight):
     for name in ("config.yaml", "history.jsonl", "checkpoint_last.pt", "checkpoint_best.pt",
                  "test_metrics.json", "plots/reliability_pre_ts.png",
                  "plots/reliability_post_ts.png", "plots/lambda_curves.png",
-                 "plots/training_curves.png", "temperature.json"):
+                 "plots/training_curves.png", "plots/margin_evidence.png", "temperature.json"):
         assert (run / name).is_file() and (run / name).stat().st_size > 0, name
     history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert [h["epoch"] for h in history] == [0, 1]
@@ -62,6 +62,7 @@ def test_run_directory_has_every_artefact(straight):
     for h in history:
         assert len(h["lambda"]) == len(h["rho"]) == 11
         assert h["margin_temperature"] > 0 and 1.0 <= h["margin"] <= 20.0
+        assert h["margin_reason"] in ("at chance", "still learning", "calibrated within noise")
         assert {"train_loss", "train_ce", "train_penalty", "val_ece", "val_miou", "lr"} <= set(h)
     metrics = json.loads((run / "test_metrics.json").read_text())
     assert metrics["temperature"] > 0 and metrics["checkpoint"] == "checkpoint_best.pt"

@@ -24,14 +24,19 @@ from torch import Tensor
 from cals_seg.losses._adaptive import AdaptiveLoss
 from cals_seg.losses._alm import ALMRules, ALMSettings
 from cals_seg.losses._auto_margin import (
+    IMAGE_SUM_KEYS,
     NUM_BINS,
-    MarginSettings,
-    beyond_chance,
+    EvidenceSettings,
+    balanced_skill,
     class_counts,
     effective_margin_sums,
+    evidence_step,
+    gap_and_accuracy,
+    image_sums,
     largest_gap_bound,
-    next_margin,
     solve_temperature,
+    still_learning,
+    temperature_interval,
 )
 from cals_seg.losses._functional import ce_sum, class_penalty, class_sums
 from cals_seg.utils.validation import check_finite
@@ -41,10 +46,12 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
     """Shared machinery of CALS-ALM and CALS-HR: the margin (fixed or ``"auto"``), the per-class
     ``lambdas`` and, with ``"auto"``, the margin rule's statistics and state."""
 
-    MARGIN_LOGS = ("margin", "margin_temperature", "margin_ceiling", "margin_skill")
+    MARGIN_LOGS = ("margin", "margin_temperature", "margin_ceiling", "margin_skill",
+                   "margin_t_low", "margin_t_high", "margin_gap", "margin_gap_se",
+                   "margin_acc_rise", "margin_acc_noise", "margin_reason")
 
     def __init__(self, num_classes: int, margin: float | Literal["auto"], lambda_init: float,
-                 ignore_index: int, auto: MarginSettings) -> None:
+                 ignore_index: int, auto: EvidenceSettings) -> None:
         super().__init__(num_classes, ignore_index)
         self.auto_margin, margin = auto.start(margin)
         if self.auto_margin:
@@ -61,8 +68,18 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
             self.add_statistic("_gap_hist", NUM_BINS)
             self.add_statistic("_correct", ())
             self.add_statistic("_class_count", k)
+            self.add_statistic("_img_sums", len(IMAGE_SUM_KEYS))
+            self.add_statistic("_class_correct", k)
+            # The validation accuracy and its standard error of the last margin_patience epochs
+            # (oldest first; se -1 where none), and the number of epochs seen.
+            rows = max(self.margin_patience, 1)
+            self.add_state("margin_track", torch.zeros((rows, 2), dtype=torch.float64))
+            self.add_state("margin_seen", torch.zeros((), dtype=torch.int64))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        if self.auto_margin:  # a checkpoint of the previous rule: no accuracy track yet
+            for name in ("margin_track", "margin_seen"):
+                state_dict.setdefault(prefix + name, getattr(self, name).clone())
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.auto_margin:
             self.margin = float(self.margin_value)
@@ -85,36 +102,71 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
         :meth:`_observed_functions`."""
         raise NotImplementedError
 
-    def _update_margin(self, epoch: int, stats: dict[str, Tensor]) -> dict[str, float]:
-        """The ``margin: auto`` rule after epoch ``epoch`` (0-based) from this validation pass's
-        statistics: ``target = clip(m / T_hat, margin_min, min(margin_max, G))`` with ``G`` the
-        largest validation gap (a margin above it is inert), then ``m <- clip(target, m /
-        margin_rate, m * margin_rate)``; nothing during the first ``margin_warmup`` epochs or
-        while the validation accuracy is not clearly above chance
-        (:func:`~cals_seg.losses._auto_margin.beyond_chance`). A change calls
-        :meth:`_margin_changed`. Returns the history entries ``margin`` (the margin now in
-        force), ``margin_temperature`` (``T_hat``), ``margin_ceiling`` (``G``) and
-        ``margin_skill`` (the validation skill above chance); nothing with a fixed margin."""
+    def _past_accuracies(self) -> list[tuple[float, float | None]]:
+        """The tracked ``(acc, se)`` of earlier epochs, oldest first (at most
+        ``margin_patience``)."""
+        seen = min(int(self.margin_seen), self.margin_patience)
+        rows = self.margin_track.tolist()[len(self.margin_track) - seen:] if seen else []
+        return [(a, se if se >= 0 else None) for a, se in rows]
+
+    def _remember_accuracy(self, acc: float, se: float | None) -> None:
+        row = torch.tensor([acc, -1.0 if se is None else se], dtype=torch.float64)
+        self.margin_track.copy_(torch.cat([self.margin_track[1:], row.view(1, 2)]))
+        self.margin_seen.add_(1)
+
+    def _update_margin(self, epoch: int, stats: dict[str, Tensor]) -> dict[str, Any]:
+        """The ``margin: auto`` evidence rule after epoch ``epoch`` (0-based) from this
+        validation pass's statistics (:mod:`cals_seg.losses._auto_margin`): kept during the
+        first ``margin_warmup`` epochs, while the balanced skill is not clearly above chance,
+        while the temperature interval ``[T_lo, T_hi]`` contains 1, and (down-moves) while the
+        validation accuracy still rises beyond its noise; otherwise moved towards ``m / T_lo``
+        (over-confident) or ``m / T_hi`` (under-confident), capped by the largest validation
+        gap ``G``, by at most a factor ``margin_rate``. A change calls :meth:`_margin_changed`.
+
+        Returns:
+            The history entries (nothing with a fixed margin): ``margin`` (in force now),
+            ``margin_temperature`` (``T_hat``), ``margin_t_low`` / ``margin_t_high`` (its
+            interval), ``margin_gap`` / ``margin_gap_se`` (mean confidence - accuracy and its
+            image-level standard error), ``margin_ceiling`` (``G``), ``margin_skill`` (balanced
+            skill), ``margin_acc_rise`` / ``margin_acc_noise`` (the accuracy's rise over
+            ``margin_patience`` epochs and its noise; None before), ``margin_reason``.
+        """
         if not self.auto_margin:
             return {}
-        correct = float(stats["_correct"])
-        t_hat = solve_temperature(stats["_meff_hist"], correct, self.num_classes)
+        k = self.num_classes
+        hist = stats["_meff_hist"]
+        t_hat = solve_temperature(hist, float(stats["_correct"]), k)
         ceiling = largest_gap_bound(stats["_gap_hist"])
-        learned, skill = beyond_chance(correct, stats["_class_count"], self.margin_skill)
-        if epoch + 1 > self.margin_warmup and learned:
-            old = self.margin
-            new = next_margin(
-                old, t_hat, ceiling, self.margin_min, self.margin_max, self.margin_rate
-            )
+        gap, gap_se, acc, acc_se = gap_and_accuracy(stats["_img_sums"])
+        t_low, t_high = temperature_interval(hist, acc, gap_se, self.margin_z, k)
+        skill, excess, noise = balanced_skill(stats["_class_correct"], stats["_class_count"])
+        learning, rise, rise_noise = still_learning(acc, acc_se, self._past_accuracies(),
+                                                    self.margin_patience, self.margin_z)
+        self._remember_accuracy(acc, acc_se)
+        old = self.margin
+        if epoch + 1 <= self.margin_warmup:
+            new, reason = old, "warmup"
+        elif not (skill >= self.margin_skill and excess > noise):
+            new, reason = old, "at chance"
+        else:
+            new, reason = evidence_step(old, t_low, t_high, ceiling, learning, self.margin_min,
+                                        self.margin_max, self.margin_rate)
+        if new != old:
             self.margin_value.fill_(new)
             self.margin = float(self.margin_value)
-            if self.margin != old:
-                self._margin_changed(old, self.margin)
+            self._margin_changed(old, self.margin)
         return {
             "margin": self.margin,
             "margin_temperature": t_hat,
+            "margin_t_low": t_low,
+            "margin_t_high": t_high,
+            "margin_gap": gap,
+            "margin_gap_se": gap_se,
             "margin_ceiling": ceiling,
             "margin_skill": skill,
+            "margin_acc_rise": rise,
+            "margin_acc_noise": rise_noise,
+            "margin_reason": reason,
         }
 
     def _margin_changed(self, old: float, new: float) -> None:
@@ -129,8 +181,10 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
         out = dict(zip(self._class_statistics(), sums, strict=True))
         if self.auto_margin:
             hist, gap_hist, correct = effective_margin_sums(logits, target, valid)
+            sums, class_correct = image_sums(logits, target, valid)
             out.update(_meff_hist=hist, _gap_hist=gap_hist, _correct=correct,
-                       _class_count=class_counts(target, valid, self.num_classes))
+                       _class_count=class_counts(target, valid, self.num_classes),
+                       _img_sums=sums, _class_correct=class_correct)
         return out
 
     def _observed_functions(self, like: Tensor) -> list:
@@ -163,12 +217,15 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
     Args:
         num_classes: K.
         margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text), or ``"auto"``:
-            start at ``margin_init`` and after each validation pass (from epoch
-            ``margin_warmup``, once the validation accuracy is clearly above chance) move ``m``
-            towards ``clip(m / T_hat, margin_min, min(margin_max, G))`` by at most a factor
-            ``margin_rate``, where ``T_hat`` is the temperature that would match the validation
-            confidence to the accuracy and ``G`` the largest validation gap
-            (:mod:`cals_seg.losses._auto_margin`). When the margin moves from ``m`` to ``m'``,
+            start at ``margin_init`` and after each validation pass move ``m`` only on evidence
+            (:mod:`cals_seg.losses._auto_margin`): not during the first ``margin_warmup``
+            epochs, not while the balanced validation skill is not clearly above chance, not
+            while the interval ``[T_lo, T_hi]`` of the temperature that would match the
+            validation confidence to the accuracy (image-level standard error, ``margin_z``
+            wide) contains 1, and not down while the validation accuracy still rises beyond its
+            noise over ``margin_patience`` epochs; otherwise towards ``m / T_lo`` (down) or ``m
+            / T_hi`` (up), capped by the largest validation gap ``G``, by at most a factor
+            ``margin_rate``. When the margin moves from ``m`` to ``m'``,
             what is measured in units of ``m`` is converted: ``lambda_k <- clip(lambda_k m' /
             m, lambda_min, lambda_max)`` (the same force ``lambda_k / m`` on the gaps) and
             ``zbar_prev_k <- (m / m') (zbar_prev_k + 1) - 1`` (exact); ``rho`` is kept.
@@ -183,21 +240,26 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
             range and number of epochs without update (10, 1, 20 and 0).
         margin_rate: the largest factor by which one epoch moves the ``"auto"`` margin (1.25;
             ``inf`` for none).
-        margin_skill: the validation skill above chance, ``(accuracy - chance) / (1 -
-            chance)`` with ``chance`` the majority-class rate, below which the ``"auto"``
-            margin is kept (0.1).
+        margin_skill: the validation skill above chance, ``(BA - 1/K') / (1 - 1/K')`` with
+            ``BA`` the mean per-class recall over the ``K'`` classes present, below which the
+            ``"auto"`` margin is kept (0.1).
+        margin_z: the half-width of the ``"auto"`` rule's intervals in standard errors (2).
+        margin_patience: the epochs ``W`` over which the validation accuracy must have
+            stopped rising beyond its noise before the ``"auto"`` margin may shrink (2; 0:
+            no such rule).
 
     Shape:
         logits: ``(N, K, *S)`` (half precision is computed in float32); target: ``(N, *S)``.
 
     Buffers (in ``state_dict``): ``lambdas (K,)``, ``rhos (K,)``, ``zbar_prev (K,)`` float64,
-    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64).
+    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64)
+    and the accuracy track ``margin_track (W, 2)`` / ``margin_seen``.
     The validation sums are O(K) float64 (O(bins) with ``"auto"``) and not persistent.
     """
 
     log_keys = ("lambda", "rho", "constraint", *_ClassAdaptiveLoss.MARGIN_LOGS)
 
-    settings_types = (ALMSettings, MarginSettings)
+    settings_types = (ALMSettings, EvidenceSettings)
 
     def __init__(
         self,
@@ -243,9 +305,9 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
 
         Returns:
             ``{"lambda": [K], "rho": [K], "constraint": [K]}`` after the update (constraint is
-            this epoch's mean normalised constraint zbar); with ``margin="auto"`` also
-            ``margin`` (the margin for the next epoch), ``margin_temperature`` and
-            ``margin_ceiling``.
+            this epoch's mean normalised constraint zbar); with ``margin="auto"`` also the
+            ``margin_*`` entries of :meth:`_update_margin` (the margin for the next epoch,
+            its statistic, interval and reason).
         """
         self.lambdas.copy_((stats["_sum_grad"] / n).clamp_(self.lambda_min, self.lambda_max))
         zbar = stats["_sum_z"] / n
@@ -306,10 +368,10 @@ class CALSHRLoss(_ClassAdaptiveLoss):
         lambda_min, lambda_max: safeguarding interval.
         score: ``"weighted"`` (default) or ``"unweighted"``, see above.
         ignore_index: void label.
-        margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill: the
-            ``"auto"`` margin (as :class:`CALSALMLoss`). The weights multiply the hinge in
-            logit units, ``relu(d - m)``, and change by at most ``mu`` per epoch, so a margin
-            change converts nothing.
+        margin_init, margin_min, margin_max, margin_warmup, margin_rate, margin_skill,
+            margin_z, margin_patience: the ``"auto"`` margin (as :class:`CALSALMLoss`). The
+            weights multiply the hinge in logit units, ``relu(d - m)``, and change by at most
+            ``mu`` per epoch, so a margin change converts nothing.
 
     Shape:
         logits: ``(N, K, *S)``; target: ``(N, *S)``.
@@ -323,7 +385,7 @@ class CALSHRLoss(_ClassAdaptiveLoss):
     """
 
     log_keys = ("lambda", "penalty", "score", *_ClassAdaptiveLoss.MARGIN_LOGS)
-    settings_types = (MarginSettings,)
+    settings_types = (EvidenceSettings,)
 
     def __init__(
         self,

@@ -176,7 +176,8 @@ def _check_outputs(logits: torch.Tensor, target: torch.Tensor) -> None:
 
 
 def plot_run(run: Run, test: dict[str, Any] | None, class_names: list[str]) -> list[Path]:
-    """Write the run's plots (multipliers, training curves, test reliability diagrams)."""
+    """Write the run's plots (multipliers, the ``margin: auto`` rule, training curves, test
+    reliability diagrams)."""
     from cals_seg.visualization import plotting  # matplotlib is loaded only when a plot is drawn
 
     history = run.history()
@@ -184,6 +185,8 @@ def plot_run(run: Run, test: dict[str, Any] | None, class_names: list[str]) -> l
     written = []
     if plotting.plot_multiplier_curves(history, run.plots / "lambda_curves.png", class_names):
         written.append(run.plots / "lambda_curves.png")
+    if plotting.plot_margin_evidence(history, run.plots / "margin_evidence.png"):  # auto
+        written.append(run.plots / "margin_evidence.png")
     if plotting.plot_training_curves(
         history, run.plots / "training_curves.png",
         keys=("val_ece", "val_ece_band_weighted", "val_miou", "val_acc"),

@@ -21,7 +21,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FormatStrFormatter, MaxNLocator
 
 from cals_seg.data.voc import voc_palette
 
@@ -426,6 +426,65 @@ def plot_multiplier_curves(
         legend_title = "mean λ: high (—) / low (--)" if low else "by mean λ"
         axes[0].legend(handles=handles, title=legend_title, title_fontsize=8, fontsize=8,
                        loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
+    _save(fig, path)
+    return True
+
+
+# The reasons of the margin rule (cals_seg.losses._auto_margin.REASONS), by colour.
+_REASON_COLOURS = {"over-confident": "tab:red", "under-confident": "tab:blue",
+                   "still learning": "tab:orange", "calibrated within noise": "tab:green",
+                   "at chance": "0.5", "warmup": "0.7"}
+
+
+def plot_margin_evidence(history: Sequence[Mapping], path: PathLike) -> bool:
+    """The ``margin: auto`` rule epoch by epoch: the margin in force after each validation
+    pass, a marker coloured by the reason of the move or no move, and the temperature
+    estimate ``T_hat`` with its interval ``[T_lo, T_hi]`` (log axis; the margin moves only
+    when the interval excludes 1).
+
+    Args:
+        history: per-epoch dicts as in ``history.jsonl``; entries with ``"margin_reason"``
+            are drawn (``"margin"``, ``"margin_temperature"``, ``"margin_t_low"``,
+            ``"margin_t_high"``).
+        path: output PNG.
+
+    Returns:
+        False (and nothing written) if no entry has ``"margin_reason"``, True otherwise.
+    """
+    rows = [e for e in history if e.get("margin_reason") is not None]
+    if not rows:
+        return False
+    epochs = _epochs(rows)
+    fig = _figure(7.5 + 1.6, 6.6 + 0.4)
+    ax_m, ax_t = fig.subplots(2, 1, sharex=True)
+    ax_m.plot(epochs, [float(e["margin"]) for e in rows], color="k", lw=1.5, zorder=1)
+    seen = {}
+    for x, e in zip(epochs, rows, strict=True):
+        base = str(e["margin_reason"]).split(",")[0]
+        colour = _REASON_COLOURS.get(base, "k")
+        seen[base] = colour
+        ax_m.scatter([x], [float(e["margin"])], color=colour, s=22, zorder=2)
+    ax_m.set_ylabel("margin m (auto)")
+    ax_m.set_title("margin: auto, the margin after each validation pass and why")
+    ax_m.grid(True, alpha=0.3)
+    ax_m.legend(handles=[Line2D([], [], color=c, marker="o", ls="", label=r)
+                         for r, c in seen.items()], fontsize=8, loc="upper left",
+                bbox_to_anchor=(1.01, 1.0))
+    t_hat = [float(e["margin_temperature"]) for e in rows]
+    low = [float(e.get("margin_t_low", t)) for e, t in zip(rows, t_hat, strict=True)]
+    high = [float(e.get("margin_t_high", t)) for e, t in zip(rows, t_hat, strict=True)]
+    ax_t.fill_between(epochs, low, high, color="tab:purple", alpha=0.25, lw=0,
+                      label="interval [T_lo, T_hi]")
+    ax_t.plot(epochs, t_hat, color="tab:purple", lw=1.5, label="T_hat (validation)")
+    ax_t.axhline(1.0, color="k", lw=0.8, ls="--", label="T = 1 (calibrated)")
+    ax_t.set_yscale("log")
+    ax_t.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax_t.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax_t.set_ylabel("temperature")
+    ax_t.grid(True, alpha=0.3)
+    ax_t.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax_t.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_t.set_xlabel("epoch")
     _save(fig, path)
     return True
 
