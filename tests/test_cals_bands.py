@@ -269,6 +269,8 @@ class _PreviousRuleALM(CALSALMLoss):
             solve_temperature,
         )
 
+        if not self.auto_margin:
+            return {}
         correct = float(stats["_correct"])
         t_hat = solve_temperature(stats["_meff_hist"], correct, self.num_classes)
         ceiling = largest_gap_bound(stats["_gap_hist"])
@@ -414,8 +416,8 @@ def test_one_band_is_cals_alm(steer):
     epochs = _epochs()
     ours = BandCALSALMLoss(K, bands=(), ignore_index=IGN, margin="auto", rho_period=1,
                            margin_steer=steer)
-    ref = CALSALMLoss(K, ignore_index=IGN, margin="auto", rho_period=1)
-    for e, batches in enumerate(epochs):
+    ref = _PreviousRuleALM(K, ignore_index=IGN, margin="auto", rho_period=1)  # the bands'
+    for e, batches in enumerate(epochs):                                        # margin rule
         for x, y in batches:
             ours.observe(x, y)
             ref.observe(x, y)

@@ -171,7 +171,7 @@ def given_run_row(folder: Path, rows: dict[str, dict[str, Any]]) -> str:
     run = Run(folder)
     if not run.has_config() or not run.best.is_file():
         raise MissingPathError(
-            f"{folder} is a folder but not a run (it needs config.yaml and "
+            f"{folder} is a folder but not a run (it needs {run.config.name} and "
             f"{run.best.name}); give a config, or make the run with tools/import_model.py.")
     if task_family(run.read_config()) != "segmentation":
         raise UserError(f"{folder}: only segmentation runs can be given as folders; give the "
@@ -288,12 +288,13 @@ def eval_seg_metrics(runs: list[Path], folder: Path, args: argparse.Namespace,
 
     from cals_seg.commands import eval_seg
     from cals_seg.errors import UserError
+    from cals_seg.runs.run import Run
     from cals_seg.utils.io import write_json
 
     argv = [*map(str, runs), "--out", str(folder), *eval_seg_argv(args)]
     argv += ["--ensemble"] if ensemble else []
     request = {"argv": argv, "checkpoints": _stamp(runs)}
-    done, metrics = folder / "compare_request.json", folder / "metrics.json"
+    done, metrics = folder / "compare_request.json", Run.eval_metrics(folder)
     if done.is_file() and metrics.is_file() and json.loads(done.read_text()) == request:
         print(f"reusing {metrics}", flush=True)
         return json.loads(metrics.read_text())

@@ -272,7 +272,7 @@ def argmax_map(logits: Tensor, check: bool = False) -> Tensor:
         - logits: ``(N, K, *S)``; returns ``(N, *S)`` int64.
     """
     n, k = logits.shape[:2]
-    x = logits.reshape(n, k, -1)
+    x = logits.reshape(n, k, math.prod(logits.shape[2:]))  # also for an empty batch (n = 0)
     out = torch.empty((n, x.shape[2]), dtype=torch.int64, device=x.device)
     block = position_block(x)
     for start in range(0, x.shape[2], block):
