@@ -17,6 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The suite's longest test (minutes on 2 cores): `pytest -m slow tests/test_gpu_check.py`
+# before using the GPU machine.
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
                     reason="needs bash and coreutils timeout")
 def test_gpu_check_dry_writes_every_section(tmp_path):
