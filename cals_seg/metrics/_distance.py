@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from cals_seg.metrics.regions import band_thresholds
 
 
 def boundary_mask(label_map: Tensor, ignore_index: int | None = None) -> Tensor:
@@ -111,7 +110,7 @@ def squared_distance_below(boundary: Tensor, limit: int) -> Tensor:
 
 def int_thresholds(bands: Sequence[float]) -> tuple[int, ...]:
     """:func:`cals_seg.metrics.regions.band_thresholds` as Python ints."""
-    return tuple(int(t) for t in band_thresholds(bands))
+    return tuple(math.ceil(Fraction(b) ** 2) for b in bands)  # d < b  <=>  d^2 < ceil(b^2)
 
 
 def label_map_bands(label_map: Tensor, bands: Sequence[float],
