@@ -200,3 +200,18 @@ def test_imported_run_and_refusals(tmp_path, capsys):
                          "--calibrator-fit-shift"]) == 2
     assert "--shift" in capsys.readouterr().err
     assert not (tmp_path / "c3" / "eval").exists()
+
+
+def test_ensemble_of_named_rows_only(tmp_path, capsys):
+    """--ensemble ROW: only the named rows get an ensemble; a name that is not a row of the
+    comparison is refused before anything runs, naming the rows."""
+    out = tmp_path / "cmp"
+    for s in (0, 1):
+        _finished_run(tmp_path, out, s)
+    base = [str(CE), "--out", str(out), "--seeds", "0", "1", "--set", *_sets(tmp_path)]
+    assert load_tool("compare").main([*base, "--ensemble", "nonesuch"]) != 0
+    err = capsys.readouterr().err
+    assert "--ensemble nonesuch" in err and "its rows: ce" in err
+    assert not (out / "ensemble.csv").exists()
+    assert load_tool("compare").main([*base, "--ensemble", "ce"]) == 0, capsys.readouterr().err
+    assert [r["ensemble"] for r in _csv(out / "ensemble.csv")] == ["ce ensemble"]

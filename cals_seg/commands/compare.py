@@ -52,10 +52,11 @@ Prediction sets, shift and ensembles (docs/conformal.md, docs/shift.md), for seg
         corruption and severity and the mean over corruptions per severity, for every method
         and calibration, clean-fitted NAME next to drift-fitted NAME+drift) and
         OUT/shift_ece_severity.png (band-weighted ECE against severity)
-    --ensemble
+    --ensemble [ROW ...]
         the deep ensemble of each method's seeds (tools/eval_seg.py RUN... --ensemble; two
         seeds or more), clean and under --shift, with its inference cost measured here:
-        OUT/ensemble.md and .csv, and an "<method> ensemble" row in the shift tables
+        OUT/ensemble.md and .csv, and an "<method> ensemble" row in the shift tables; with
+        row names, only those rows' ensembles (--ensemble ce: one ensemble, not one per method)
 """
 
 from __future__ import annotations
@@ -113,9 +114,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calibrator-fit-shift", action="store_true",
                         help="with --shift: also fit each --calibrators one on corrupted "
                         "validation images (held-out corruptions), shown as NAME+drift")
-    parser.add_argument("--ensemble", action="store_true",
+    parser.add_argument("--ensemble", nargs="*", default=None, metavar="ROW",
                         help="the ensemble of each method's seeds, clean and under --shift, with "
-                        "its cost: OUT/ensemble.md and .csv")
+                        "its cost: OUT/ensemble.md and .csv; with row names (--ensemble ce), "
+                        "of those rows only")
     add_set_argument(parser)
     return parser.parse_args(argv)
 
@@ -396,6 +398,8 @@ def evaluate_ensembles(args: argparse.Namespace, rows: dict[str, dict[str, Any]]
 
     out = {}
     for name, row in rows.items():
+        if args.ensemble and name not in args.ensemble:
+            continue
         members = [d for d, _ in row.get("metrics", [])
                    if task_family(Run(d).read_config()) == "segmentation"]
         if row.get("given") or len(members) < 2:
@@ -487,7 +491,7 @@ def write_extras(args: argparse.Namespace, rows: dict[str, dict[str, Any]],
         evaluations = {m: r.get("shift", []) for m, r in rows.items()}
         evaluations.update({name: [e["metrics"]] for name, e in ensembles.items()})
         study.write_shift_results(args.out, evaluations)
-    if args.ensemble:
+    if args.ensemble is not None:
         study.write_ensemble_results(args.out, ensembles, rows)
 
 
@@ -506,6 +510,13 @@ def main(argv: list[str] | None = None) -> int:
         check_folder("--out", str(args.out), must_exist=False, writable=True)
         check_extras(args)
         jobs = plan(args, rows)
+        unknown = [r for r in args.ensemble or [] if r not in rows]
+        if unknown:
+            from cals_seg.errors import UserError
+
+            raise UserError(f"--ensemble {' '.join(unknown)}: no such row in this comparison "
+                            f"(its rows: {', '.join(rows)}); name rows of --methods, or give "
+                            "--ensemble alone for every row")
         from cals_seg.utils.paths import OutputFolder
 
         # the tables and figures: never over a file compare did not write (runs/ is resumed)
@@ -528,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     try:
         first_run, score_name = collect(jobs, results, rows, args.calibrators, args)
-        ensembles = evaluate_ensembles(args, rows) if args.ensemble else {}
+        ensembles = evaluate_ensembles(args, rows) if args.ensemble is not None else {}
     except UntrustedCheckpointError as err:
         return report(err)
     write_results(args.out, rows, score_name)
