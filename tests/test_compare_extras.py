@@ -138,12 +138,18 @@ def test_given_run_folder_with_conformal_and_shift(tmp_path, capsys):
 
 
 def test_ensemble_of_the_seeds_with_shift_and_cost(tmp_path, capsys):
-    """--ensemble: the seeds compare finished make one ensemble, evaluated by eval_seg
-    --ensemble (clean and shifted), with its measured cost."""
+    """--ensemble ce: the seeds compare finished make one ensemble, evaluated by eval_seg
+    --ensemble (clean and shifted), with its measured cost; a row name that is not one of the
+    comparison's is refused before anything runs, naming the rows."""
     out = tmp_path / "cmp"
     runs = [_finished_run(tmp_path, out, s) for s in (0, 1)]
     argv = [str(CE), "--out", str(out), "--seeds", "0", "1", "--set", *_sets(tmp_path),
             "--shift", "gaussian_noise:2", "--ensemble"]
+    assert load_tool("compare").main([*argv, "nonesuch"]) != 0
+    err = capsys.readouterr().err
+    assert "--ensemble nonesuch" in err and "its rows: ce" in err
+    assert not (out / "ensemble.csv").exists()
+    argv.append("ce")
     assert load_tool("compare").main(argv) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.count("reusing") >= 2  # nothing trained
     ref_dir = tmp_path / "ref"
@@ -201,17 +207,3 @@ def test_imported_run_and_refusals(tmp_path, capsys):
     assert "--shift" in capsys.readouterr().err
     assert not (tmp_path / "c3" / "eval").exists()
 
-
-def test_ensemble_of_named_rows_only(tmp_path, capsys):
-    """--ensemble ROW: only the named rows get an ensemble; a name that is not a row of the
-    comparison is refused before anything runs, naming the rows."""
-    out = tmp_path / "cmp"
-    for s in (0, 1):
-        _finished_run(tmp_path, out, s)
-    base = [str(CE), "--out", str(out), "--seeds", "0", "1", "--set", *_sets(tmp_path)]
-    assert load_tool("compare").main([*base, "--ensemble", "nonesuch"]) != 0
-    err = capsys.readouterr().err
-    assert "--ensemble nonesuch" in err and "its rows: ce" in err
-    assert not (out / "ensemble.csv").exists()
-    assert load_tool("compare").main([*base, "--ensemble", "ce"]) == 0, capsys.readouterr().err
-    assert [r["ensemble"] for r in _csv(out / "ensemble.csv")] == ["ce ensemble"]

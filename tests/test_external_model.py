@@ -102,9 +102,10 @@ def own_input(x: torch.Tensor, mean, std) -> torch.Tensor:
     return own.float()
 
 
-def run_pipeline(tmp_path: Path, config: Path, own_forward, capsys) -> Path:
+def run_pipeline(tmp_path: Path, config: Path, own_forward, capsys, pt2: bool = True) -> Path:
     """import_model, then the toolkit's logits against ``own_forward`` on every image of every
-    split (within 1e-5), eval_seg with ts and boundary_ts, predict_seg and a pt2 export."""
+    split (within 1e-5), eval_seg with ts and boundary_ts, predict_seg and (``pt2``) a pt2
+    export."""
     run = tmp_path / "run"
     assert import_model.main([str(config), "--out", str(run)]) == 0, capsys.readouterr().err
     assert {p.name for p in run.iterdir()} >= {"config.yaml", "checkpoint_best.pt",
@@ -135,6 +136,8 @@ def run_pipeline(tmp_path: Path, config: Path, own_forward, capsys) -> Path:
     preds = tmp_path / "pred"
     assert predict_seg.main([str(run), str(image_file), "--out", str(preds)]) == 0
     assert (preds / f"{image_file.stem}_label.png").is_file()
+    if not pt2:
+        return run
 
     program_file = tmp_path / "model.pt2"
     assert export.main([str(run), "--format", "pt2", "--out", str(program_file),
@@ -161,8 +164,11 @@ def upsample(logits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_torchvision_deeplabv3(tmp_path, data_root, capsys):
-    """torchvision's dict output ({"out": ..., "aux": ...}) read without user code."""
+@pytest.mark.parametrize("pt2", [
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=["pipeline", "with-pt2-export"])
+def test_torchvision_deeplabv3(tmp_path, data_root, capsys, pt2):
+    """torchvision's dict output ({"out": ..., "aux": ...}) read without user code (its pt2
+    export in the slow run; make test exports the smp and own-factory networks)."""
     from torchvision.models.segmentation import deeplabv3_mobilenet_v3_large
 
     torch.manual_seed(0)
@@ -172,7 +178,7 @@ def test_torchvision_deeplabv3(tmp_path, data_root, capsys):
     config = write_config(tmp_path, data_root, {
         "factory": "torchvision:deeplabv3_mobilenet_v3_large", "params": {"aux_loss": True},
         "weights": str(tmp_path / "deeplab.pt")})
-    run_pipeline(tmp_path, config, lambda x: net(x)["out"], capsys)
+    run_pipeline(tmp_path, config, lambda x: net(x)["out"], capsys, pt2)
 
 
 def test_smp_unet_wrapped_weights_and_own_normalisation(tmp_path, data_root, capsys):

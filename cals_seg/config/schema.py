@@ -16,7 +16,9 @@ method, so one edit changes a setting for every method (:func:`load_config`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -247,6 +249,13 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml_load(text: str) -> Any:
+    """The parsed YAML ``text``: a fresh copy of a cached parse (a tool loads the same setup
+    file and values many times; PyYAML's pure-Python parser is the cost of every config)."""
+    return copy.deepcopy(_yaml_parse(text))
+
+
+@functools.lru_cache(maxsize=512)
+def _yaml_parse(text: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
     except RecursionError:  # PyYAML composes nested nodes recursively
