@@ -212,3 +212,15 @@ def test_best_checkpoint_link_survives_the_next_last(tmp_path):
     save_checkpoint({"model": {}, "epoch": 4}, run.last)  # the next epoch replaces last
     assert load_checkpoint(run.best)["epoch"] == 3 and load_checkpoint(run.last)["epoch"] == 4
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_cached_yaml_parse_hands_out_fresh_copies():
+    """The parse of a setup file is cached: what one load returns may be changed by its caller
+    without touching what the next load of the same text returns."""
+    from cals_seg.config.schema import _yaml_load
+
+    text = "train: {epochs: 3, milestones: [1, 2]}\nname: x\n"
+    first = _yaml_load(text)
+    first["train"]["milestones"].append(99)
+    first["name"] = "changed"
+    assert _yaml_load(text) == {"train": {"epochs": 3, "milestones": [1, 2]}, "name": "x"}
