@@ -109,7 +109,9 @@ def squared_distance_below(boundary: Tensor, limit: int) -> Tensor:
 
 
 def int_thresholds(bands: Sequence[float]) -> tuple[int, ...]:
-    """:func:`cals_seg.metrics.regions.band_thresholds` as Python ints."""
+    """Integer thresholds on squared distances, ``d < b  <=>  d^2 < ceil(b^2)`` with ``ceil`` of
+    the exact rational ``b^2`` (the region meters' :func:`cals_seg.metrics.regions.band_thresholds`
+    hold the same numbers as float64)."""
     return tuple(math.ceil(Fraction(b) ** 2) for b in bands)  # d < b  <=>  d^2 < ceil(b^2)
 
 

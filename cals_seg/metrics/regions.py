@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 from typing import Any, Literal
 
 import cv2
@@ -23,6 +22,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.metrics._base import Meter
+from cals_seg.metrics._distance import int_thresholds, label_map_bands
 from cals_seg.metrics._functional import (
     BLOCK_ELEMENTS,
     bin_index,
@@ -80,7 +80,7 @@ def band_thresholds(bands: Sequence[float]) -> np.ndarray:
     Shape:
         - returns ``(len(bands),)`` float64 holding integers.
     """
-    return np.array([math.ceil(Fraction(b) ** 2) for b in bands], dtype=np.float64)
+    return np.array(int_thresholds(bands), dtype=np.float64)
 
 
 def squared_boundary_distance(boundary: np.ndarray) -> np.ndarray:
@@ -424,8 +424,6 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
         (no copy to the host), equal to it."""
         if target.device.type == "cpu":
             return super().group_map(target)
-        from cals_seg.metrics._distance import label_map_bands  # it imports this module
-
         return label_map_bands(target.long(), self.bands, self.ignore_index)
 
     def compute_states(self, states: dict[str, Tensor]) -> dict[str, Any]:
