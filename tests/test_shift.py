@@ -177,6 +177,17 @@ def test_different_protocols_are_refused():
         check_members(["r1", "r2"], [a, b])
 
 
+def test_a_member_given_twice_is_refused(tmp_path: Path):
+    from cals_seg.evaluation.ensemble import check_members, protocol_of
+    from cals_seg.evaluation.inference import EvalProtocol
+
+    a = protocol_of({"data": {"name": "voc", "num_classes": 21}}, EvalProtocol())
+    check_members(["r1", "r2", "r3"], [a, a, a], ["/c/1.pt", "/c/2.pt", "/c/3.pt"])
+    for order in (["/c/1.pt", "/c/2.pt", "/c/1.pt"], ["/c/2.pt", "/c/2.pt", "/c/3.pt"]):
+        with pytest.raises(UserError, match="same checkpoint .*give each member once"):
+            check_members(["r1", "r2", "r3"], [a, a, a], order)
+
+
 def _tiny_run(tmp_path: Path, name: str, seed: int, extra: tuple[str, ...] = ()) -> Path:
     from cals_seg.config.schema import load_config, save_config
     from cals_seg.tasks.segmentation import build_model
@@ -230,6 +241,12 @@ def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
     assert eval_seg.main([str(r1), str(r3), "--ensemble", "--out", str(tmp_path / "e4")]) != 0
     err = capsys.readouterr().err
     assert "eval protocol" in err and len(err.strip().splitlines()) == 1
+    # the same network twice (as its folder and as its checkpoint file): refused, nothing written
+    twice = [str(r1), str(r2), str(r1 / "checkpoint_best.pt")]
+    assert eval_seg.main([*twice, "--ensemble", "--out", str(tmp_path / "e5")]) != 0
+    err = capsys.readouterr().err
+    assert "same checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "e5" / "metrics.json").exists()
 
 
 def test_mean_entropy_flag_against_loops():

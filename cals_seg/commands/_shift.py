@@ -73,7 +73,8 @@ def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
         runs.append(open_run(member_args))
     protocols = [protocol_of(config_to_dict(r.config),
                              dataclasses.replace(r.task.protocol, tile_batch=1)) for r in runs]
-    check_members([str(r.path) for r in runs], protocols)
+    check_members([str(r.path) for r in runs], protocols,
+                  [str(Path(r.checkpoint).resolve()) for r in runs])
     first = runs[0]
     model = Ensemble([r.model for r in runs]).eval()
     first.task.model = model

@@ -56,12 +56,23 @@ def protocol_of(config: Mapping[str, Any], protocol: Any) -> dict[str, Any]:
     return {"data." + k: data.get(k) for k in DATA_KEYS} | {"eval protocol": protocol}
 
 
-def check_members(names: Sequence[str], protocols: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse members whose :func:`protocol_of` differ (one line naming the first difference).
+def check_members(names: Sequence[str], protocols: Sequence[Mapping[str, Any]],
+                  checkpoints: Sequence[str] | None = None) -> None:
+    """Refuse members whose :func:`protocol_of` differ (one line naming the first difference),
+    and, given their ``checkpoints`` (resolved paths), a checkpoint named twice: it would weigh
+    that network twice in the mean.
 
     Raises:
-        UserError: two members evaluated on different data or with different protocols.
+        UserError: two members evaluated on different data or with different protocols, or
+            the same checkpoint given twice.
     """
+    if checkpoints is not None:
+        seen: dict[str, str] = {}
+        for name, checkpoint in zip(names, checkpoints, strict=True):
+            if checkpoint in seen:
+                raise UserError(f"--ensemble: {name} and {seen[checkpoint]} are the same "
+                                f"checkpoint ({checkpoint}); give each member once.")
+            seen[checkpoint] = name
     first = protocols[0]
     for name, other in zip(names[1:], protocols[1:], strict=True):
         for key, value in first.items():
