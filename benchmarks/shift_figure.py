@@ -21,6 +21,7 @@ CURVES = (  # (method, calibration, label)
     ("ce", "boundary_ts", "CE + boundary_ts (clean fit)"),
     ("ce", "boundary_ts+drift", "CE + boundary_ts (drift fit)"),
     ("ce ensemble", "uncalibrated", "3 x CE ensemble"),
+    ("cals_alm_bands", "uncalibrated", "CALS-ALM bands"),
 )
 
 
