@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import warnings
 from pathlib import Path
 
@@ -158,6 +159,35 @@ def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch)
     assert config_differences(run.path, cfg) == [
         f"train.amp (resolved: {there} there, {here} here)"
     ]
+
+
+def test_compare_reads_one_data_folder_spelled_two_ways_as_the_same(tmp_path, monkeypatch):
+    """A run saved with data.root absolute (or through a link, or relative) is reused by a
+    study that spells the same folder another way; another folder is still a difference."""
+    from cals_seg.config.schema import save_config
+    from cals_seg.training.study import config_differences
+
+    data = tmp_path / "work" / "data" / "synthetic"
+    data.mkdir(parents=True)
+    other = tmp_path / "elsewhere" / "synthetic"
+    other.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(data.parent, target_is_directory=True)
+    monkeypatch.chdir(tmp_path / "work")
+    spellings = [str(data), "data/synthetic", "./data/synthetic", "data/../data/synthetic",
+                 str(tmp_path / "link" / "synthetic"), str(data) + "/"]
+    rng = random.Random(0)
+    for i in range(12):
+        saved_root, expected_root = rng.choice(spellings), rng.choice(spellings)
+        run = Run(tmp_path / f"r{i}")
+        run.path.mkdir()
+        save_config(load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
+                                [f"output_dir={tmp_path}", f"data.root={saved_root}"]), run.config)
+        expected = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
+                               [f"output_dir={tmp_path}", f"data.root={expected_root}"])
+        assert config_differences(run.path, expected) == [], (saved_root, expected_root)
+        moved = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
+                            [f"output_dir={tmp_path}", f"data.root={other}"])
+        assert config_differences(run.path, moved) == ["data.root"]
 
 
 # ----------------------------------------------------------------------------- run directory

@@ -48,14 +48,34 @@ COLUMNS = [
 
 
 
+# Keys naming a folder: two spellings of one folder (relative and absolute, through a symbolic
+# link) are the same value.
+PATH_KEYS = ("data.root",)
+
+
+def _same_folder(saved: dict[str, Any], now: dict[str, Any], key: str) -> bool:
+    """Whether ``key`` names the same existing folder in both config dicts (relative paths
+    taken from the working directory, as the loaders take them)."""
+    section, name = key.split(".")
+    try:
+        a = Path(str(saved[section][name])).expanduser().resolve()
+        b = Path(str(now[section][name])).expanduser().resolve()
+    except (KeyError, OSError, RuntimeError):
+        return False
+    return a == b and a.is_dir()
+
+
 def config_differences(run_dir: Path, expected: Config) -> list[str]:
-    """Dotted keys whose value in ``run_dir/config.yaml`` differs from ``expected``, and
+    """Dotted keys whose value in ``run_dir/config.yaml`` differs from ``expected`` (a folder
+    spelled two ways, :data:`PATH_KEYS`, is one value), and
     ``train.amp (resolved)`` when ``amp: auto`` resolved to another precision there (another
     CPU or GPU) than it does here."""
     run = Run(run_dir)
     saved = config_to_dict(run.read_config())
     neutral = keys_of("neutral")  # where the run is written, how it is shown
-    differ = [k for k in changed_keys(saved, config_to_dict(expected)) if k not in neutral]
+    now = config_to_dict(expected)
+    differ = [k for k in changed_keys(saved, now)
+              if k not in neutral and not (k in PATH_KEYS and _same_folder(saved, now, k))]
     there = run.precision()
     here = resolve_amp(expected.train.amp, resolve_device(expected.train.device), warn=False)
     if there is not None and there != here:
