@@ -9,9 +9,9 @@ run found in the output folder is reused (delete the folder to retrain).
 
 The two runs are seed 0 of the study's CE and CALS-ALM rows (``make compare``). With
 ``train.amp: auto`` they train in bfloat16 where the CPU has it natively and in float32
-elsewhere (emulated bf16 would be about 20x slower), which keeps the demo under 10 minutes on 2
-cores of either kind (docs/results.md, "The demo"). Run it from the repository's root (it
-reads ``configs/`` and writes ``data/`` and ``runs/`` there).
+elsewhere (emulated bf16 would be about 20x slower): on 2 cores about 5 minutes with native bf16
+and 11 on an AVX2-only CPU (docs/benchmarks.md, "The two commands"). Run it from the
+repository's root (it reads ``configs/`` and writes ``data/`` and ``runs/`` there).
 """
 
 from __future__ import annotations
