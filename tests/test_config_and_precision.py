@@ -46,9 +46,11 @@ def test_documented_command_names_and_alias():
     m5 = load_config(CONFIGS / "synthetic_cls_cals_alm_m5.yaml")
     assert m5.loss.name == "cals_alm" and m5.loss.params["margin"] == 5.0
     assert m5.name == "synthetic_cls_cals_alm_m5"
-    # the synthetic segmentation setups steer CALS-ALM's margin; the fixed ones stay named
+    # cals_alm is the paper's m = 10 in the synthetic segmentation setups too; the evidence rule
+    # and the other fixed margin are named
     for setup in ("synthetic_deeplabv3", "synthetic_deeplabv3_short"):
-        assert load_config(CONFIGS / f"{setup}_cals.yaml").loss.params["margin"] == "auto"
+        assert load_config(CONFIGS / f"{setup}_cals.yaml").loss.params["margin"] == 10.0
+        assert load_config(CONFIGS / f"{setup}_cals_alm_auto.yaml").loss.params["margin"] == "auto"
         m6 = load_config(CONFIGS / f"{setup}_cals_alm_m6.yaml")
         assert m6.name == f"{setup}_cals_alm_m6" and m6.loss.params["margin"] == 6.0
     short = load_config(CONFIGS / "synthetic_deeplabv3_short_ce.yaml")

@@ -18,7 +18,7 @@ from cals_seg.training.loggers import RunLoggers, check_loggers, flatten_record,
 from cals_seg.training.trainer import fit
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"
+CONFIG = ROOT / "configs" / "synthetic_deeplabv3_cals_alm_auto.yaml"  # logs the margin
 
 
 def _config(tmp: Path, name: str, loggers: str, epochs: int = 2):

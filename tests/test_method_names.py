@@ -1,0 +1,119 @@
+"""One meaning per method name, in every setup file found under configs/ (not a hand list):
+``cals_alm`` is the paper's CALS-ALM at the paper's setting (m = 10 on vision, 6 on text, and the
+paper's other hyper-parameters); ``cals_alm_auto`` is the evidence rule (``margin: auto``), opt-in,
+present in every segmentation setup with a comment stating its measured limits; no other name
+means the evidence rule. The demo runs the paper's method."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cals_seg.config.schema import load_config
+from cals_seg.data import DATASET_KINDS
+from cals_seg.losses import build_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+def _setups() -> list[Path]:
+    found = []
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())
+        if isinstance(raw, dict) and "methods" in raw:
+            found.append(path)
+    return found
+
+
+SETUPS = _setups()
+# The paper's hyper-parameters of CALS-ALM (its appendix table, and section 4's safeguarding
+# interval for the multipliers); the margin depends on the task.
+PAPER = {"lambda_init": 1e-6, "rho_init": 1.0, "gamma": 1.2, "tau": 0.9, "rho_period": 10,
+         "lambda_min": 1e-6, "lambda_max": 1e6, "penalty": "phr"}
+
+
+def _table(path: Path) -> tuple[dict, dict]:
+    raw = yaml.safe_load(path.read_text())
+    return raw, raw["methods"]
+
+
+def _kind(raw: dict) -> str:
+    return DATASET_KINDS[raw["data"]["name"]]
+
+
+def test_every_setup_is_found():
+    # the shipped setups of every family: a glob that finds nothing would pass everything below
+    kinds = {_kind(_table(p)[0]) for p in SETUPS}
+    assert len(SETUPS) >= 10 and kinds == {"segmentation", "classification", "text"}
+
+
+@pytest.mark.parametrize("path", SETUPS, ids=lambda p: p.stem)
+def test_cals_alm_is_the_papers_method(path):
+    raw, table = _table(path)
+    assert "cals_alm" in table, f"{path.name}: no `cals_alm` method"
+    entry = table["cals_alm"]
+    assert entry["name"] == "cals_alm", f"{path.name}: `cals_alm` runs the loss {entry['name']!r}"
+    params = entry.get("params", {})
+    paper_margin = 6.0 if _kind(raw) == "text" else 10.0
+    assert params.get("margin") == paper_margin, (
+        f"{path.name}: `cals_alm` has margin {params.get('margin')!r}, the paper's is "
+        f"{paper_margin:g}")
+    loss = build_loss("cals_alm", raw["data"]["num_classes"], **params)
+    assert loss.margin == paper_margin and not loss.auto_margin
+    assert loss.lambdas.eq(PAPER["lambda_init"]).all() and loss.rhos.eq(PAPER["rho_init"]).all()
+    assert (loss.gamma, loss.tau, loss.rho_period) == (PAPER["gamma"], PAPER["tau"],
+                                                      PAPER["rho_period"])
+    assert (loss.lambda_min, loss.lambda_max) == (PAPER["lambda_min"], PAPER["lambda_max"])
+    assert loss.penalty.name == PAPER["penalty"]
+    # the file name of the alias runs the same loss (configs/<setup>_cals.yaml)
+    cfg = load_config(CONFIGS / f"{path.stem}_cals.yaml")
+    assert cfg.loss.name == "cals_alm" and cfg.loss.params.get("margin") == paper_margin
+
+
+@pytest.mark.parametrize("path", SETUPS, ids=lambda p: p.stem)
+def test_the_evidence_rule_has_its_own_name(path):
+    raw, table = _table(path)
+    if _kind(raw) == "segmentation":
+        assert "cals_alm_auto" in table, f"{path.name}: no `cals_alm_auto` beside `cals_alm`"
+    for method, entry in table.items():
+        auto = entry.get("params", {}).get("margin") == "auto"
+        if entry["name"] in ("cals_alm", "cals_hr"):
+            assert auto == method.endswith("_auto"), (
+                f"{path.name}: method {method!r} {'is' if auto else 'is not'} the evidence rule")
+    if "cals_alm_auto" in table:
+        entry = table["cals_alm_auto"]
+        assert entry["name"] == "cals_alm" and entry["params"]["margin"] == "auto"
+        # the same loss as the paper's method but for the margin
+        same = {k: v for k, v in entry["params"].items() if k != "margin"}
+        paper = {k: v for k, v in table["cals_alm"].get("params", {}).items() if k != "margin"}
+        assert same == paper, f"{path.name}: `cals_alm_auto` differs from `cals_alm` beyond the margin"
+        assert raw["method"] != "cals_alm_auto", f"{path.name}: the evidence rule is opt-in"
+
+
+@pytest.mark.parametrize("path", [p for p in SETUPS if "cals_alm_auto" in _table(p)[1]],
+                         ids=lambda p: p.stem)
+def test_the_evidence_rule_states_its_limits_where_offered(path):
+    lines = path.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("cals_alm_auto:"))
+    above = []
+    for line in reversed(lines[:at]):  # the comment block right above the entry
+        if not line.strip().startswith("#"):
+            break
+        above.append(line)
+    comment = " ".join(above)
+    assert "docs/margin.md" in comment and "Opt-in" in comment and "Measured" in comment, (
+        f"{path.name}: `cals_alm_auto` needs a comment with its measured limits above it")
+    assert any(ch.isdigit() for ch in comment), f"{path.name}: the limits need their numbers"
+
+
+def test_the_demo_runs_the_papers_method():
+    from cals_seg.commands import demo
+
+    raw, table = _table(ROOT / demo.SETUP)
+    assert set(demo.METHODS) == {"ce", "cals_alm"}
+    assert table["cals_alm"]["params"]["margin"] == 10.0
+    assert math.isfinite(table["cals_alm"]["params"]["margin"])
