@@ -18,6 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped without one")
+    # Consent remembered by import_model / train_seg (cals_seg.models.consent) goes to a file of
+    # this test process, never to the developer's own ~/.config; removed when the process ends.
+    if "CALS_SEG_CONSENT_FILE" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="cals_seg_consent_")
+        atexit.register(shutil.rmtree, folder, True)
+        os.environ["CALS_SEG_CONSENT_FILE"] = os.path.join(folder, "consent.json")
 
 
 def load_tool(name: str) -> ModuleType:

@@ -43,6 +43,25 @@ def split_set_items(argv: Sequence[str]) -> list[str]:
     return out
 
 
+TRUST_HELP = ("allow the run folder's model.factory to import code outside the known model "
+              "builders (torchvision, timm, smp, transformers); only for run folders you trust")
+
+
+def add_trust_argument(parser: argparse.ArgumentParser) -> None:
+    """``--trust-code``: consent to import a ``model.factory`` that the run folder names
+    (:mod:`cals_seg.models.consent`); without it such a factory is refused before any import."""
+    parser.add_argument("--trust-code", action="store_true", help=TRUST_HELP)
+
+
+def consent_of(args: argparse.Namespace) -> Any:
+    """The consent block of a command that reads run folders: ``--trust-code`` allows their
+    factories; without it the decision is left to :func:`cals_seg.runs.run.load_run` (a known
+    builder, or consent remembered for the folder, else refused)."""
+    from cals_seg.models.consent import code_consent
+
+    return code_consent(True if getattr(args, "trust_code", False) else None)
+
+
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
     """``--set KEY=VALUE ...``: repeated groups add up, in order (a later value wins); only
     ``KEY=VALUE`` words belong to it, so ``--set train.epochs=1 CONFIG`` keeps CONFIG."""
@@ -114,6 +133,7 @@ def training_parser(doc: str | None) -> argparse.ArgumentParser:
         help="continue the run in RUN_DIR from its checkpoint_last.pt, with the run's own "
         "config.yaml (--set changes it)",
     )
+    add_trust_argument(parser)
     return parser
 
 
@@ -129,7 +149,14 @@ def run_config(args: argparse.Namespace) -> Config:
         run = Run(args.resume)
         run.check_resumable()
         # the run's own resolved config: --set is the way to change it
-        return load_config(run.config, args.set)
+        cfg = load_config(run.config, args.set)
+        if cfg.model.arch == "external" and isinstance(cfg.model.factory, str):
+            from cals_seg.models.consent import check_consent
+
+            # a run folder is data: its factory needs --trust-code or remembered consent
+            check_consent(cfg.model.factory, run.config, bool(getattr(args, "trust_code", False)),
+                          run.path)
+        return cfg
     if args.config is None:
         raise MissingPathError("give a CONFIG (a YAML config or setup file), or --resume "
                                "RUN_DIR to continue a run.")

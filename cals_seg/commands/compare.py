@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cals_seg.commands._cli import add_set_argument
+from cals_seg.commands._cli import add_set_argument, add_trust_argument
 
 SCORE_NAMES = {"miou": "mIoU", "acc": "Acc"}
 
@@ -119,6 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "its cost: OUT/ensemble.md and .csv; with row names (--ensemble ce), "
                         "of those rows only")
     add_set_argument(parser)
+    add_trust_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -497,6 +498,13 @@ def write_extras(args: argparse.Namespace, rows: dict[str, dict[str, Any]],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from cals_seg.commands._cli import consent_of
+
+    with consent_of(args):  # --trust-code: the run folders' factories may be imported
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from cals_seg.commands._cli import USER_ERRORS, report

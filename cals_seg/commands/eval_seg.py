@@ -60,6 +60,7 @@ from cals_seg.commands._cli import (
     add_method_argument,
     add_protocol_arguments,
     add_set_argument,
+    add_trust_argument,
     protocol_overrides,
 )
 from cals_seg.commands._shift import add_shift_arguments
@@ -110,6 +111,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_shift_arguments(parser)
     add_method_argument(parser)
     add_set_argument(parser)
+    add_trust_argument(parser)
     args = parser.parse_args(argv)
     if len(args.run) == 1 and not args.ensemble:
         args.run = args.run[0]
@@ -159,6 +161,13 @@ def open_run(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from cals_seg.commands._cli import consent_of
+
+    with consent_of(args):  # --trust-code: the run folders' factories may be imported
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     from cals_seg.commands._cli import USER_ERRORS, report
     from cals_seg.config.rules import check_folder
     from cals_seg.data.checks import check_voc_data

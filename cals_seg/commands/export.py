@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cals_seg.commands._cli import add_trust_argument
+
 # The library's names (cals_seg.runs.export imports torch; --help must not).
 FORMATS = ("onnx", "pt2")
 CALIBRATORS = ("ts", "none")
@@ -42,11 +44,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--conformal", nargs="+", default=None, metavar="ALPHA",
                         help="also output the prediction sets of predict_seg --conformal: ALPHA "
                         "[mode=risk|image:TAU|class] [score=lac|aps]")
+    add_trust_argument(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from cals_seg.commands._cli import consent_of
+
+    with consent_of(args):  # --trust-code: the run folders' factories may be imported
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cals_seg.commands._cli import USER_ERRORS, report

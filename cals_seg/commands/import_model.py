@@ -70,6 +70,7 @@ def import_model(config: str | Path, out: str | Path, overrides: list[str] | tup
     from cals_seg.config.checks import check_config
     from cals_seg.config.schema import config_to_dict, load_config, save_config
     from cals_seg.evaluation.stream import predict, unpack_batch
+    from cals_seg.models.consent import remember
     from cals_seg.models.external import load_weights_file
     from cals_seg.runs.run import Run
     from cals_seg.tasks import build_task
@@ -85,6 +86,10 @@ def import_model(config: str | Path, out: str | Path, overrides: list[str] | tup
             f"model.factory), got {cfg.model.arch!r}; train a toolkit model with "
             "tools/train_seg.py instead (docs/external_models.md).")
     cfg.name, cfg.output_dir = out.name, str(out.parent)  # the run's config names its folder
+    # Paths as absolute: the run is evaluated from any folder, not only where it was imported.
+    cfg.data.root = str(Path(cfg.data.root).absolute())
+    if cfg.model.weights is not None:
+        cfg.model.weights = str(Path(cfg.model.weights).absolute())
     check_config(cfg, reads_data=True, writes_run=True)
     run = Run(out)
     if run.holds_run():
@@ -114,6 +119,7 @@ def import_model(config: str | Path, out: str | Path, overrides: list[str] | tup
 
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.config)
+    remember(out, cfg.model.factory)  # the user named this config: their consent, kept off the run
     state = {name: t.detach().cpu() for name, t in model.state_dict().items()}
     save_checkpoint({
         "model": state, "num_classes": task.num_classes, "epoch": None,

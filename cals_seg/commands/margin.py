@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cals_seg.commands._cli import add_set_argument
+from cals_seg.commands._cli import add_set_argument, add_trust_argument
 from cals_seg.errors import UserError
 
 PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)  # as cals_seg.runs.gaps
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--hist-max", type=float, default=200.0, help="histogram range [0, max)")
     g.add_argument("--out", default=None, help="JSON file (default: RUN/margin_gaps_<split>.json)")
     add_set_argument(g)
+    add_trust_argument(g)
     s = sub.add_parser("sweep", help="train one short run per margin and recommend one")
     s.add_argument("config", help="setup file with the methods ce and --method")
     s.add_argument("--margins", type=float, nargs="+", default=[4.0, 6.0, 8.0, 10.0])
@@ -265,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         for q in args.percentiles:
             if not 0 <= q <= 100:
                 parser.error(f"percentiles must lie in [0, 100], got {q}")
-        return gaps_main(args)
+        from cals_seg.commands._cli import consent_of
+
+        with consent_of(args):  # --trust-code: the run folder's factory may be imported
+            return gaps_main(args)
     return sweep_main(args)
 
 

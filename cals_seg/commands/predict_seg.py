@@ -53,7 +53,12 @@ import time
 import warnings
 from pathlib import Path
 
-from cals_seg.commands._cli import add_protocol_arguments, add_set_argument, protocol_overrides
+from cals_seg.commands._cli import (
+    add_protocol_arguments,
+    add_set_argument,
+    add_trust_argument,
+    protocol_overrides,
+)
 from cals_seg.errors import MissingPathError, UserError
 
 
@@ -120,6 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="no warning for images far from the validation data")
     add_protocol_arguments(parser)
     add_set_argument(parser)
+    add_trust_argument(parser)
     args = parser.parse_args(argv)
     if not 0 < args.threshold <= 1:
         parser.error(f"--threshold: expected a number in (0, 1], got {args.threshold}")
@@ -128,6 +134,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from cals_seg.commands._cli import consent_of
+
+    with consent_of(args):  # --trust-code: the run folders' factories may be imported
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from cals_seg.commands._cli import USER_ERRORS, report

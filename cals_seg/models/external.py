@@ -57,6 +57,7 @@ from cals_seg.models._weights import (  # noqa: F401 (the weights half of this m
     read_state_dict,
     suggest_key_map,
 )
+from cals_seg.models.consent import check_consent, is_known_builder, known_library
 
 LIBRARIES = ("torchvision", "smp", "transformers")
 # Short names of Transformers segmentation classes.
@@ -128,6 +129,11 @@ def resolve_factory(factory: str) -> Any:
         return smp.MODEL_ARCHITECTURES_MAPPING[name.lower()]
     if module == "transformers":
         return _transformers_class(name)
+    check_consent(factory)  # before any import: a factory outside the known builders needs consent
+    library = known_library(factory)
+    if library is not None and not is_known_builder(factory):
+        raise ConfigError(f"model.factory: {factory!r} is not a model builder registered in "
+                          f"{library}; name one of its registered models, or your own function.")
     try:
         found = importlib.import_module(module)
     except ImportError as err:
@@ -138,7 +144,26 @@ def resolve_factory(factory: str) -> Any:
     function = getattr(found, name, None)
     if not callable(function):
         raise ConfigError(f"model.factory: {module} has no function {name!r}.")
+    if library is not None and function is not _registered_builder(library, name):
+        raise ConfigError(f"model.factory: {factory!r} is not the builder {library} registers "
+                          f"as {name!r}; use {library}'s own module path.")
     return function
+
+
+def _registered_builder(library: str, name: str) -> Any:
+    """The builder ``library`` registers under ``name`` (torchvision, timm or smp)."""
+    if library == "torchvision":
+        from torchvision.models import get_model_builder
+
+        return get_model_builder(name)
+    if library == "timm":
+        import timm
+
+        return timm.models.model_entrypoint(name)
+    import segmentation_models_pytorch as smp
+
+    classes = {cls.__name__: cls for cls in smp.MODEL_ARCHITECTURES_MAPPING.values()}
+    return smp.MODEL_ARCHITECTURES_MAPPING.get(name.lower(), classes.get(name))
 
 
 def build_network(factory: str, num_classes: int, params: Mapping[str, Any] | None = None,
@@ -170,6 +195,12 @@ def build_network(factory: str, num_classes: int, params: Mapping[str, Any] | No
                                             "activation": None})
         elif module == "transformers":
             net = builder(builder.config_class(**{**params, "num_labels": num_classes}))
+        elif known_library(factory) == "torchvision":  # a registered builder: no download
+            net = builder(**{**params, "weights": None, **(
+                {"weights_backbone": None} if "weights_backbone" in
+                inspect.signature(builder).parameters else {})})
+        elif known_library(factory) == "timm":
+            net = builder(**{**params, "pretrained": False})
         else:
             net = builder(**params)
     except (TypeError, ValueError, KeyError, AssertionError) as err:

@@ -50,6 +50,7 @@ from typing import Any
 
 from cals_seg.config.schema import Config, load_config
 from cals_seg.errors import CheckpointError, MissingPathError, RunExistsError, UserError
+from cals_seg.models.consent import code_consent
 from cals_seg.utils.io import (
     atomic_write,
     json_safe,
@@ -416,6 +417,7 @@ def load_run(
     with_data: bool = False,
     config: str | Path | None = None,
     method: str | None = None,
+    trust_code: bool | None = None,
 ) -> LoadedRun:
     """Load a trained run for evaluation or prediction (see the module docstring).
 
@@ -429,22 +431,47 @@ def load_run(
         with_data: also build the task (the three splits; reads the data).
         config, method: another config file (and setup method) instead of the run's own
             ``config.yaml`` (the older ``CONFIG --checkpoint FILE`` form of the tools).
+        trust_code: allow the run's ``model.factory`` to import code outside the known model
+            builders (:mod:`cals_seg.models.consent`). None: the enclosing command's
+            ``--trust-code`` (:func:`~cals_seg.models.consent.code_consent`), else consent
+            remembered on this machine for the folder, else refused before any import. A
+            ``config`` given here is the caller's own file: its factory is allowed.
 
     Raises:
         FileNotFoundError, CheckpointError, ConfigError, ValueError: with the file or key and
             the fix.
     """
+    folder, file = resolve_run(path, checkpoint, need_config=config is None)
+    config_file = Path(config) if config is not None else Run(folder).config
+    given = [f"train.{key}={value}" for key, value in (("device", device), ("amp", amp))
+             if value is not None]  # checked by the rules of the keys they replace
+    cfg = load_config(config_file, [*overrides, *given], method)
+    with code_consent(_consent_for(cfg, config_file, folder, trust_code, config is not None)):
+        return _load(cfg, folder, file, config_file, with_data, family, device, amp)
+
+
+def _consent_for(cfg: Config, config_file: Path, folder: Path, trust_code: bool | None,
+                 own_config: bool) -> bool:
+    """True when the run's ``model.factory`` may be imported (refused otherwise, before any
+    import, by :func:`~cals_seg.models.consent.check_consent`)."""
+    from cals_seg.models.consent import check_consent, consent_given
+
+    decision = True if own_config else trust_code if trust_code is not None else consent_given()
+    factory = cfg.model.factory if cfg.model.arch == "external" else None
+    if isinstance(factory, str):
+        check_consent(factory, config_file, bool(decision), folder)
+    return True
+
+
+def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: bool,
+          family: str | None, device: str | None, amp: str | None) -> LoadedRun:
+    """:func:`load_run` once the config is read and its factory allowed."""
     import torch
 
     from cals_seg.config.checks import check_config
     from cals_seg.tasks import TASK_TYPES, build_task, task_family
     from cals_seg.utils.precision import resolve_amp, resolve_device
 
-    folder, file = resolve_run(path, checkpoint, need_config=config is None)
-    config_file = Path(config) if config is not None else Run(folder).config
-    given = [f"train.{key}={value}" for key, value in (("device", device), ("amp", amp))
-             if value is not None]  # checked by the rules of the keys they replace
-    cfg = load_config(config_file, [*overrides, *given], method)
     try:
         check_config(cfg, reads_data=with_data, writes_run=False)  # every key, before any work
     except UserError as err:  # a value given as device= / amp= is named as the tools' flag

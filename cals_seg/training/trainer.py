@@ -12,7 +12,10 @@ Reads top to bottom like the run itself:
    last checkpoint, best checkpoint, in that order);
 4. the best checkpoint is tested once, before and after temperature scaling fitted on the
    validation split (:func:`cals_seg.runs.run.calibrated_test`, the one test pass of every
-   tool), and the plots are drawn.
+   tool), and the plots are drawn; when its validation temperature's interval lies below 1
+   (under-confident, where a margin penalty cannot help), one line says so and names the
+   post-hoc command (:mod:`cals_seg.evaluation.confidence_regime`), also in
+   ``test_metrics.json`` under ``under_confident``.
 
 The task (data, model, meters) is built from the config by :func:`cals_seg.tasks.build_task`.
 """
@@ -44,6 +47,7 @@ from cals_seg.data.checks import check_task_data
 from cals_seg.data.crops import crop_warning, sample_sizes
 from cals_seg.data.extra_inputs import request_extra_inputs
 from cals_seg.errors import UserError
+from cals_seg.evaluation import confidence_regime
 from cals_seg.evaluation.stream import Inference, compute, scalars
 from cals_seg.losses import AdaptiveLoss, build_loss
 from cals_seg.runs.run import Run, calibrated_test, load_weights
@@ -394,6 +398,10 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
             run.repair_best(state)
     if main:
         save_config(cfg, run.config)
+        if cfg.model.arch == "external" and isinstance(cfg.model.factory, str):
+            from cals_seg.models.consent import remember
+
+            remember(run.path, cfg.model.factory)  # its factory was allowed to train it
         todo = (f"epochs {s.start_epoch + 1}..{t.epochs}" if s.start_epoch < t.epochs else
                 f"all {t.epochs} epochs trained, testing the best checkpoint")
         print(f"{run.path}: {cfg.loss.name} on {device.type}, precision {precision_name(amp)}, "
@@ -442,6 +450,9 @@ def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
     infer.model.load_state_dict(best["model"])
     test = calibrated_test(infer, task, val_loader, test_loader, e.n_bins, e.temperature_scaling,
                            t.progress)
+    regime = _under_confidence(run, infer, task, val_loader, t.progress)
+    if regime is not None:
+        test[confidence_regime.KEY] = regime
     test.update(
         checkpoint=run.best.name,
         epoch=best["epoch"],
@@ -456,7 +467,24 @@ def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
         run.write_test_metrics(test)
         run.write_temperature(test["temperature"])
         plot_run(run, test, task.class_names)
+        if regime is not None:  # among the run's last lines: a margin cannot help here
+            print(regime["advice"], flush=True)
     return test
+
+
+def _under_confidence(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
+                      progress: bool) -> dict[str, Any] | None:
+    """The best checkpoint's validation temperature and its interval (one pass over the
+    validation split, :class:`~cals_seg.evaluation.confidence_regime.ValidationTemperature`);
+    the record of :func:`~cals_seg.evaluation.confidence_regime.under_confidence` when the
+    interval lies below 1, else None."""
+    evidence = confidence_regime.ValidationTemperature(task.num_classes, task.ignore_index,
+                                                       device=infer.device)
+    infer.evaluate(val_loader, [evidence], progress, desc="val T")
+    found = evidence.compute()
+    if found is None:
+        return None
+    return confidence_regime.under_confidence(*found, run=str(run.path), family=task.family)
 
 
 def _fingerprint(model: nn.Module) -> torch.Tensor:
