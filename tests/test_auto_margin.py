@@ -779,3 +779,134 @@ def test_evidence_step_by_hand():
     assert step(10.0, 0.5, 0.9, 11.0, False) == (11.0, "under-confident")
     assert step(10.0, 0.5, 0.9, 3.0, False) == (10.0, "under-confident, at a bound")  # inert
     assert step(1.0, 2.0, 3.0, 40.0, False) == (1.0, "over-confident, at a bound")
+
+
+# ----------------------------------------------------------------------------- issue 49: say when
+# a margin penalty cannot help (the validation temperature's interval below 1)
+
+_ENDS = (0.1, 0.5, 0.9, 0.99, 1.0, 1.01, 1.2, 4.0)
+INTERVALS = [(lo, hi) for lo in _ENDS for hi in _ENDS if lo <= hi]
+
+
+@pytest.mark.parametrize("family", ["segmentation", "classification"])
+@pytest.mark.parametrize(("lo", "hi"), INTERVALS)
+def test_advice_only_when_the_interval_lies_below_one(lo, hi, family):
+    from cals_seg.evaluation.confidence_regime import confidence_advice, under_confidence
+
+    t = math.sqrt(lo * hi)
+    line = confidence_advice(t, (lo, hi), run="runs/my run", family=family)
+    record = under_confidence(t, (lo, hi), run="runs/my run", family=family)
+    if hi < 1:
+        assert line is not None and "\n" not in line, line
+        assert "only lowers confidence" in line and f"[{lo:.2f}, {hi:.2f}]" in line
+        if family == "segmentation":  # the command, runnable as printed (the path quoted)
+            assert line.endswith(
+                "python tools/eval_seg.py 'runs/my run' --calibrators ts boundary_ts")
+        else:
+            assert "temperature scaling" in line and "eval_seg" not in line
+        assert record == {"T": t, "T_interval": [lo, hi], "advice": line}
+        assert json.loads(json.dumps(record)) == record
+    else:
+        assert line is None and record is None
+
+
+@pytest.mark.parametrize(("conf", "correct", "below"), [
+    (0.5, 180, True),     # confidence 0.5, accuracy 0.9: clearly under-confident
+    (0.6, 150, True),     # 0.6 against 0.75
+    (0.8, 160, False),    # calibrated
+    (0.8, 166, False),    # within the noise of 200 images
+    (0.99, 160, False),   # over-confident
+])
+def test_validation_temperature_is_the_rules_interval_on_planted_values(conf, correct, below):
+    from cals_seg.evaluation.confidence_regime import ValidationTemperature
+
+    logits, target = _planted(conf, correct)
+    evidence = ValidationTemperature(10)
+    for part in range(0, 200, 64):  # in batches, as a loader gives them
+        evidence.update(logits[part:part + 64].float(), target[part:part + 64])
+    t_hat, (lo, hi) = evidence.compute()
+    rule = CALSALMLoss(10, margin="auto", margin_patience=0)
+    rule.observe(logits.float(), target)
+    logs = rule.update_multipliers(0)
+    assert t_hat == pytest.approx(logs["margin_temperature"], rel=1e-9)
+    assert (lo, hi) == pytest.approx((logs["margin_t_low"], logs["margin_t_high"]), rel=1e-9)
+    assert (hi < 1) == below
+
+
+def test_validation_temperature_on_segmentation_batches_with_void():
+    # images as the sampling unit, void pixels left out: the same numbers as the rule's
+    from cals_seg.evaluation.confidence_regime import ValidationTemperature
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, K, 5, 7, generator=g) * 3
+    target = torch.randint(0, K, (6, 5, 7), generator=g)
+    target[:, 0, :] = IGN
+    evidence = ValidationTemperature(K, IGN)
+    evidence.update(logits[:4], target[:4])
+    evidence.update(logits[4:], target[4:])
+    rule = CALSALMLoss(K, ignore_index=IGN, margin="auto", margin_patience=0)
+    rule.observe(logits, target)
+    logs = rule.update_multipliers(0)
+    t_hat, (lo, hi) = evidence.compute()
+    assert t_hat == pytest.approx(logs["margin_temperature"], rel=1e-9)
+    assert (lo, hi) == pytest.approx((logs["margin_t_low"], logs["margin_t_high"]), rel=1e-9)
+    assert ValidationTemperature(K, IGN).compute() is None  # nothing seen
+
+
+@pytest.mark.parametrize(("conf", "correct", "below"), [(0.5, 180, True), (0.99, 160, False),
+                                                        (0.8, 160, False)])
+def test_planted_network_gets_the_line_only_when_under_confident(conf, correct, below):
+    # The trainer's check at the end of a run, on a planted network whose outputs are the
+    # planted logits (the identity on its inputs), through the evaluation pass it uses.
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cals_seg.evaluation.stream import Inference
+    from cals_seg.training.trainer import _under_confidence
+
+    logits, target = _planted(conf, correct)
+    loader = DataLoader(TensorDataset(logits.float(), target), batch_size=32)
+    infer = Inference(torch.nn.Identity(), torch.device("cpu"))
+    for family in ("segmentation", "classification"):
+        task = SimpleNamespace(num_classes=10, ignore_index=-100, family=family)
+        record = _under_confidence(SimpleNamespace(path="runs/planted"), infer, task, loader,
+                                   False)
+        assert (record is not None) == below
+        if below:
+            assert record["T_interval"][1] < 1 and record["T"] < 1
+            assert ("tools/eval_seg.py runs/planted" in record["advice"]) == (
+                family == "segmentation")
+
+
+@pytest.mark.parametrize("interval", [(0.5, 0.8), (0.9, 1.1), (1.2, 1.5)])
+def test_training_prints_the_line_and_writes_it_only_when_under_confident(
+        tmp_path, monkeypatch, capsys, interval):
+    # A planted run: a one-epoch training of the shipped classification setup whose validation
+    # temperature interval is planted; the line is printed once the run is tested, and is in
+    # test_metrics.json, exactly when the interval lies below 1.
+    from cals_seg.evaluation import confidence_regime
+
+    monkeypatch.setattr(confidence_regime.ValidationTemperature, "compute",
+                        lambda self: (math.sqrt(interval[0] * interval[1]), interval))
+    small = {"max_train": 30, "min_train": 3, "num_val": 2, "num_test": 2, "image_size": 16}
+    code = load_tool("train_cls").main([
+        str(ROOT / "configs" / "synthetic_cls.yaml"), "--method", "ce", "--set", "name=planted",
+        f"output_dir={tmp_path / 'runs'}", f"data.root={tmp_path / 'data'}", "train.epochs=1",
+        f"data.synthetic={json.dumps(small)}", "data.image_size=16", "train.batch_size=32",
+        "eval.batch_size=64", "train.amp=none", "train.progress=false", "train.threads=1",
+    ])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    metrics = json.loads((tmp_path / "runs" / "planted" / "test_metrics.json").read_text())
+    said = [line for line in lines if "only lowers confidence" in line]
+    if interval[1] < 1:
+        # after the training and the test, before the run directory (the last line)
+        at = lines.index(said[0])
+        last_epoch = max(i for i, line in enumerate(lines) if line.startswith("epoch "))
+        assert len(said) == 1 and last_epoch < at < len(lines) - 1, lines
+        assert lines[-1].startswith("run directory: ")
+        assert metrics["under_confident"]["T_interval"] == list(interval)
+        assert metrics["under_confident"]["advice"] == said[0]
+    else:
+        assert not said and "under_confident" not in metrics
