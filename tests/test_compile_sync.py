@@ -10,8 +10,11 @@
   multipliers, to float32 rounding.
 - A training step (``train_one_epoch``) converts no tensor to a Python value (``item``,
   ``bool``, ``float``, ``int``, ``index``, ``tolist`` counted by patching ``torch.Tensor``): the
-  label and finiteness checks are device-side and read at the check points, with the eager
+  label check is ``torch._assert_async`` at the call (checked at once on the CPU, device-side
+  on an accelerator), the finiteness check is read at the check points, with the eager
   messages; ``debug_checks=True`` restores the per-step checks.
+- A bad label raises at the criterion's call, for every loss and ignore_index convention,
+  eager and compiled.
 """
 
 from __future__ import annotations
@@ -335,21 +338,35 @@ def test_debug_checks_read_every_step():
 
 @pytest.mark.parametrize("debug_checks", [False, True])
 def test_bad_labels_stop_the_epoch(debug_checks):
-    """Deferred: the count, at the check after the bad batch; debug: the eager error of the
-    criterion, listing the values, at the bad batch."""
+    """Both ways the criterion raises at the bad batch, listing the values (on the CPU the
+    default call's assertion is checked at once; debug: the host check)."""
     model = nn.Conv2d(3, K, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = RecordingLoader(_batches(3, bad_label_at=1), HostReads())
-    if debug_checks:
-        match = r"`target` holds values \[7\] outside \[0, 5\) that are not ignore_index=255"
-    else:
-        match = (r"epoch 1: `target` holds 1 value\(s\) outside \[0, 5\) that are not "
-                 r"ignore_index=255; fix the labels or set ignore_index\. \(found by the check "
-                 r"at step 2; train.debug_checks: true")
+    match = r"`target` holds values \[7\] outside \[0, 5\) that are not ignore_index=255"
     with pytest.raises(ValueError, match=match):
         train_one_epoch(model, _make("cals_alm"), loader, opt, torch.device("cpu"),
                         progress=False, desc="epoch 1", debug_checks=debug_checks)
-    assert len(loader.marks) == (2 if debug_checks else 4)  # batches handed out (+ the end)
+    assert len(loader.marks) == 2  # the bad batch was the last one handed out
+
+
+def test_step_checks_report_a_count_the_call_did_not_raise(monkeypatch):
+    """The engine's own bad-label count (read every CHECK_EVERY steps) still words the error,
+    where the call's assertion has not fired yet (an accelerator's device-side assertion,
+    simulated by switching it off)."""
+    from cals_seg.losses import _base
+
+    monkeypatch.setattr(_base, "assert_labels", lambda *args: None)
+    model = nn.Conv2d(3, K, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = RecordingLoader(_batches(3, bad_label_at=1), HostReads())
+    match = (r"epoch 1: `target` holds 1 value\(s\) outside \[0, 5\) that are not "
+             r"ignore_index=255; fix the labels or set ignore_index\. \(found by the check "
+             r"at step 2; train.debug_checks: true")
+    with pytest.raises(ValueError, match=match):
+        train_one_epoch(model, _make("cals_alm"), loader, opt, torch.device("cpu"),
+                        progress=False, desc="epoch 1")
+    assert len(loader.marks) == 4
 
 
 def test_checks_are_read_every_check_every_steps(monkeypatch):
@@ -366,9 +383,12 @@ def test_checks_are_read_every_check_every_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_deferred_label_check_ignores_and_counts(name):
-    """With deferred_checks a bad target is ignored (the loss equals the loss with
-    ignore_index there) and counted in ``bad_labels``, without raising."""
+def test_deferred_label_check_ignores_and_counts(name, monkeypatch):
+    """Behind the call's assertion (switched off here, as when an accelerator's device-side
+    assertion has not fired yet) a bad target is ignored (the loss equals the loss with
+    ignore_index there: no kernel indexes with it) and counted in ``bad_labels``."""
+    from cals_seg.losses import _base
+
     logits, target = _data(2, 5, 6, seed=4)
     bad = target.clone()
     bad[0, 1, 2], bad[1, 4, 5], bad[1, 0, 0] = 9, -3, K
@@ -381,6 +401,9 @@ def test_deferred_label_check_ignores_and_counts(name):
         eager(logits, bad)
     deferred = _make(name)
     deferred.deferred_checks = True
+    with pytest.raises(ValueError, match=r"values \[-3, 5, 9\] outside \[0, 5\)"):
+        deferred(logits, bad)  # the default: at the call
+    monkeypatch.setattr(_base, "assert_labels", lambda *args: None)
     v1, g1 = _value_and_grad(deferred, logits, bad)
     assert int(deferred.bad_labels) == 3
     torch.testing.assert_close(v1, v0, rtol=1e-6, atol=1e-7)
@@ -431,30 +454,86 @@ DEFAULT_NAMES = tuple(LOSSES)
 
 @pytest.mark.parametrize("name", DEFAULT_NAMES)
 def test_default_call_reads_nothing_and_is_one_graph(name):
-    """``criterion(logits, target)`` at the defaults: zero conversions (forward and backward),
-    one graph under dynamo; a bad label in it is reported by the next ``check()``, with the
-    count message."""
-    logits, target = _data(2, 6, 7, seed=5)
-    target[1, 2, 3] = K + 4
-    loss = build_loss(name, K, ignore_index=VOID)
-    x = logits.clone().requires_grad_(True)
-    with HostReads() as reads:
-        loss(x, target).backward()
-        loss(x, target)
-    assert reads.calls == []
-    with pytest.raises(ValueError, match=r"`target` holds 2 value\(s\) outside \[0, 5\) that "
-                                         r"are not ignore_index=255; fix the labels"):
+    """``criterion(logits, target)`` at the defaults, for several ignore_index conventions
+    (void pixels included): zero conversions (forward and backward), one graph under dynamo
+    (the label assertion inside it); a bad label raises at the call, on the CPU listing the
+    values, and nothing is left pending."""
+    for seed, void in enumerate((VOID, -100, -1)):
+        logits, target = _data(2, 6, 7, seed=5 + seed)
+        target[target == VOID] = void
+        loss = build_loss(name, K, ignore_index=void)
+        x = logits.clone().requires_grad_(True)
+        with HostReads() as reads:
+            loss(x, target).backward()
+            loss(x, target)
+        assert reads.calls == [], (void, reads.calls)
+        for value in (K, K + 4, -7 if void != -7 else -8):
+            bad = target.clone()
+            bad[1, 2, 3] = value
+            with pytest.raises(ValueError, match=rf"`target` holds values \[{value}\] outside "
+                                                 rf"\[0, 5\) that are not ignore_index={void}"):
+                loss(x, bad)
         loss.check()
+    logits, target = _data(2, 6, 7, seed=5)
     fresh = build_loss(name, K, ignore_index=VOID)
     explained = torch._dynamo.explain(fresh)(logits, target)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, \
         explained.break_reasons
-    with pytest.raises(ValueError, match=r"holds 1 value\(s\)"):
-        fresh.check()  # the compiled call counted its bad label too
+    target[1, 2, 3] = K + 4
+    with pytest.raises(RuntimeError, match=r"`target` holds some values outside \[0, 5\) that "
+                                           r"are not ignore_index=255"):
+        torch._dynamo.explain(build_loss(name, K, ignore_index=VOID))(logits, target)
 
 
-def test_observe_and_update_report_earlier_bad_labels():
-    """The adaptive losses read the pending count at their own host reads."""
+@pytest.mark.parametrize("name", ["ce", "cals_alm"])
+def test_compiled_call_raises_on_bad_labels(name):
+    """Compiled with ``fullgraph`` (one graph, aot_eager), the criterion raises at the call on
+    a bad label (the assertion is a node of the graph) and computes the eager value otherwise."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    loss = build_loss(name, K, ignore_index=VOID)
+    compiled = torch.compile(loss, backend=counter, fullgraph=True, dynamic=True)
+    for seed, (n, h, w) in enumerate([(2, 6, 7), (3, 4, 9)]):
+        logits, target = _data(n, h, w, seed=seed)
+        torch.testing.assert_close(compiled(logits, target),
+                                   build_loss(name, K, ignore_index=VOID)(logits, target))
+        for value in (K, -3, 1000):
+            bad = target.clone()
+            bad[0, 0, seed] = value
+            with pytest.raises(RuntimeError, match=r"holds some values outside \[0, 5\)"):
+                compiled(logits, bad)
+    assert _graphs(counter) == 1
+
+
+def test_label_assertion_on_an_accelerator_reads_nothing(monkeypatch):
+    """Where the assertion is device-side (an accelerator, or inside a compiled graph) the
+    check hands ``torch._assert_async`` a 0-dim tensor that is true exactly when no label is
+    bad, and converts nothing to a Python value (so it cannot synchronise)."""
+    from cals_seg.losses import _base
+
+    seen = []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch, "_assert_async", lambda cond, msg: seen.append((cond, msg)))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        target = torch.randint(-3, K + 3, (2, 4, 5), generator=g)
+        target[target == -3] = VOID
+        bad = ((target != VOID) & ((target < 0) | (target >= K))).sum()
+        with HostReads() as reads:
+            _base.assert_labels(bad, target, K, VOID)
+        assert reads.calls == []
+        cond, msg = seen.pop()
+        assert cond.dim() == 0 and cond.dtype == torch.bool
+        expected = not ((target != VOID) & ((target < 0) | (target >= K))).any()
+        assert bool(cond) == expected
+        assert "outside [0, 5)" in msg and "ignore_index=255" in msg
+
+
+def test_observe_and_update_report_earlier_bad_labels(monkeypatch):
+    """The adaptive losses read the pending count at their own host reads (a count the call's
+    assertion did not raise on: switched off here, as on an accelerator before it fires)."""
+    from cals_seg.losses import _base
+
+    monkeypatch.setattr(_base, "assert_labels", lambda *args: None)
     logits, target = _data(2, 6, 7, seed=6)
     bad = target.clone()
     bad[0, 0, 0] = 11

@@ -277,11 +277,11 @@ def test_bad_input_errors(name):
     bad = y.clone()
     bad[0, 0, 0] = K
     loss.check()  # nothing pending
-    loss(x, bad)  # the default check is deferred: counted on the device, reported by check()
-    with pytest.raises(ValueError, match=r"holds 1 value\(s\) outside \[0, 5\).*deferred"):
-        loss.check()
-    loss.check()  # reported once
-    loss.deferred_checks = False  # the eager check raises at once, listing the values
+    # the default call raises at the call (on the CPU: listing the values), like F.cross_entropy
+    with pytest.raises(ValueError, match=r"values \[5\] outside \[0, 5\)"):
+        loss(x, bad)
+    loss.check()  # nothing left pending: the call itself reported it
+    loss.deferred_checks = False  # the host check raises at once too, listing the values
     with pytest.raises(ValueError, match=r"values \[5\] outside \[0, 5\)"):
         loss(x, bad)
     loss.deferred_checks = True
@@ -289,6 +289,43 @@ def test_bad_input_errors(name):
         loss(x.long(), y)
     with pytest.raises(ValueError, match="classes"):
         loss(x[:, :-1], y)
+
+
+def _bad_label_cases():
+    """(ignore_index, bad labels) pairs: above K, far above, negative, the other convention's
+    void value, a label that int32 would wrap into range."""
+    return [(255, [K]), (255, [K + 5]), (255, [-2]), (255, [-100]), (-100, [255]),
+            (-100, [K, -1]), (-1, [-100, K + 1]), (255, [2**32 + 1])]
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_bad_labels_raise_at_the_call_like_f_cross_entropy(name):
+    """Every registered loss at its defaults, several ignore_index conventions and bad labels:
+    the call raises at once (listing the values) exactly when F.cross_entropy (the reference)
+    raises; a label equal to ignore_index never raises; the loss stays usable after."""
+    g = torch.Generator().manual_seed(7)
+    for case, (ignore, values) in enumerate(_bad_label_cases()):
+        loss = build_loss(name, K, ignore_index=ignore)
+        x = torch.randn(2, K, 5, 6, generator=g, dtype=torch.float64)
+        y = torch.randint(0, K, (2, 5, 6), generator=g)
+        y[torch.rand(2, 5, 6, generator=g) < 0.2] = ignore
+        assert torch.isfinite(loss(x, y))  # valid labels and void: no error
+        F.cross_entropy(x, y, ignore_index=ignore)
+        bad = y.clone()
+        flat = bad.view(-1)
+        where = torch.randperm(flat.numel(), generator=g)[:len(values)]
+        flat[where] = torch.tensor(values)
+        with pytest.raises((IndexError, RuntimeError, ValueError)):  # the reference raises
+            F.cross_entropy(x, bad, ignore_index=ignore)
+        shown = sorted(set(values))
+        for deferred in (True, False):
+            loss.deferred_checks = deferred
+            with pytest.raises(ValueError, match=r"values \[" + ", ".join(map(str, shown))
+                               + rf"\] outside \[0, {K}\) that are not ignore_index={ignore}"):
+                loss(x, bad)
+        loss.deferred_checks = True
+        loss.check()  # nothing pending after the call raised
+        assert torch.isfinite(loss(x, y)), case
 
 
 def test_build_loss_errors():

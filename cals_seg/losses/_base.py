@@ -42,17 +42,23 @@ class SegLoss(nn.Module):
     (a dict of 0-dim tensors, e.g. ``{"ce": ..., "penalty": ...}``) for logging; no ``.item()``
     is called inside the loss, so logging costs no device synchronisation unless it is read.
 
-    Label check: by default (``deferred_checks = True``) a call never synchronises and
-    compiles to one graph: targets outside ``[0, K)`` other than ``ignore_index`` are treated as
-    ``ignore_index`` (so no kernel indexes with them), their count is left in
-    ``self.bad_labels`` (0-dim int64 tensor, this call's) and added to a device-side count of
-    the calls not yet checked. That count is read, and a non-zero one raises ``ValueError``,
-    at the first host read the criterion owns: :meth:`check`, ``observe`` and
-    ``update_multipliers`` (adaptive losses), so bad labels are never silent.
-    :func:`cals_seg.training.engine.train_one_epoch` reads ``bad_labels`` every
-    ``CHECK_EVERY`` steps. ``deferred_checks = False`` (``train.debug_checks``) checks each
-    call on the host instead and raises at once, listing the values (a synchronisation per
-    call, and a graph break under ``torch.compile``).
+    Label check: a call with a target outside ``[0, K)`` that is not ``ignore_index`` raises,
+    at that call, as ``F.cross_entropy`` does. By default (``deferred_checks = True``) the call
+    still converts no tensor to a Python value and compiles to one graph: the test is
+    ``torch._assert_async`` (:func:`assert_labels`). On the CPU that assertion is checked at
+    once (there is no device to wait for) and the call raises ``ValueError`` listing the
+    values; on an accelerator it is a device-side assertion, so the step is not held up by a
+    synchronisation and the error comes at the device's next synchronisation, as
+    ``F.cross_entropy``'s own device-side assertion does. Under ``torch.compile`` the
+    assertion is part of the graph (``RuntimeError`` with the same message, without the
+    values). Bad targets are also treated as ``ignore_index`` (so no kernel indexes with
+    them), their count is left in ``self.bad_labels`` (0-dim int64 tensor, this call's) and
+    added to a device-side count read by :meth:`check`, ``observe`` and
+    ``update_multipliers`` (adaptive losses) and by
+    :func:`cals_seg.training.engine.train_one_epoch` every ``CHECK_EVERY`` steps.
+    ``deferred_checks = False`` (``train.debug_checks``) checks each call on the host instead
+    and lists the values on every device (a synchronisation per call, and a graph break under
+    ``torch.compile``).
 
     Args:
         num_classes: K.
@@ -109,9 +115,9 @@ class SegLoss(nn.Module):
         the float32 ones.
 
         Raises:
-            ValueError: bad shapes or dtypes; targets out of range only with
-                ``deferred_checks = False`` (by default they are ignored, counted in
-                ``self.bad_labels`` and reported by :meth:`check`).
+            ValueError: bad shapes or dtypes; targets out of range (on an accelerator with the
+                default ``deferred_checks``: a device-side assertion, reported at the device's
+                next synchronisation; under ``torch.compile``: ``RuntimeError``).
         """
         with autocast_off(logits.device):
             return self._forward(*self._prepare(as_float32(logits), target,
@@ -133,6 +139,7 @@ class SegLoss(nn.Module):
             logits3, target2, valid, bad = flatten_deferred(
                 logits, target, self.num_classes, self.ignore_index
             )
+            assert_labels(bad, target, self.num_classes, self.ignore_index)  # at the call
             self.bad_labels = bad
             self._unchecked_bad_labels = bad + self._unchecked_bad_labels
             return logits3, target2, valid
@@ -167,13 +174,41 @@ def check_and_flatten(
     return logits3, target2, valid
 
 
-def bad_labels_message(values: list[int] | int, num_classes: int, ignore_index: int) -> str:
+def bad_labels_message(values: list[int] | int | str, num_classes: int,
+                       ignore_index: int) -> str:
     """The one-line error for targets outside ``[0, K)``: ``values`` lists them (the eager
-    check), or counts them (a deferred check, which no longer has the values)."""
+    check), counts them (a deferred check, which no longer has the values), or is a word
+    (``"some"``: the device-side assertion, which has neither)."""
     what = (f"values {values}" if isinstance(values, list)
-            else f"{values} value(s)")
+            else f"{values} value(s)" if isinstance(values, int) else f"{values} values")
     return (f"`target` holds {what} outside [0, {num_classes}) that are not "
             f"ignore_index={ignore_index}; fix the labels or set ignore_index.")
+
+
+def assert_labels(bad: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> None:
+    """Raise at the call when ``bad`` (the 0-dim count of targets outside ``[0, K)`` that are
+    not ``ignore_index``) is not zero, without converting a tensor to a Python value.
+
+    ``torch._assert_async(bad == 0, message)``: on the CPU it is checked at once, and the
+    ``RuntimeError`` becomes the eager ``ValueError`` listing the values (read from ``target``
+    only then); on an accelerator it is a device-side assertion (no synchronisation: the
+    error surfaces at the device's next one, as ``F.cross_entropy``'s does); under
+    ``torch.compile`` it is a node of the graph and raises ``RuntimeError`` with the message.
+
+    Shape:
+        ``bad`` 0-dim integer; ``target`` ``(N, *S)``.
+    """
+    message = bad_labels_message("some", num_classes, ignore_index)
+    if torch.compiler.is_compiling() or bad.device.type != "cpu":
+        torch._assert_async(bad == 0, message)
+        return
+    try:
+        torch._assert_async(bad == 0, message)
+    except RuntimeError:
+        flat = target.reshape(-1).long()
+        wrong = (flat != ignore_index) & ((flat < 0) | (flat >= num_classes))
+        values = torch.unique(flat[wrong])[:10].tolist()
+        raise ValueError(bad_labels_message(values, num_classes, ignore_index)) from None
 
 
 def flatten_deferred(
