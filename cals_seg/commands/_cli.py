@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -19,6 +20,23 @@ if TYPE_CHECKING:
 # nothing heavy at the top; torch, the data and the models are imported inside the commands.
 # The tools catch one type, UserError (USER_ERRORS is that type as a tuple): anything else keeps
 # its traceback.
+
+
+def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: Any = None, line: str | None = None) -> None:
+    """A warning as the tools show it: one line ``warning: <message>`` on stderr (the category
+    named unless it is a plain UserWarning), without the file, line and source Python prints."""
+    text = " ".join(str(message).split())
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    try:
+        print(f"warning{kind}: {text}", file=file if file is not None else sys.stderr)
+    except OSError:  # stderr closed: nothing to show it on
+        pass
+
+
+# The tools import this module first: their warnings are one line each (library code, which does
+# not import it, keeps Python's own format).
+warnings.showwarning = show_warning
 
 # A --set item: a dotted key, "=", the value (a config path never looks like this).
 _SET_ITEM = re.compile(r"^[A-Za-z_][\w.-]*=")

@@ -196,7 +196,6 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     calibrators, the default output folder), and an output folder that neither overlaps the
     data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``).
     """
-    from cals_seg.runs.run import EVAL_METRICS_FILE
     from cals_seg.utils.distributed import is_main_process
     from cals_seg.utils.lock import RunLock
     from cals_seg.utils.paths import OutputFolder
@@ -210,14 +209,32 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     outputs = OutputFolder(out, "eval_seg", inputs=[run.config.data.root])
     split_set = getattr(run.task, f"{args.split}_set")
     num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
-    names = [EVAL_METRICS_FILE, "calibrators.md", "lambda_curves.png", "ece_bands.png",
-             "ece_sizes.png", "risk_coverage.png",
-             *[f"reliability_{k}.png" for k in ("pre_ts", "post_ts", *args.calibrators)],
-             *[f"reliability_bands_{k}.png" for k in ("pre_ts", "post_ts", *args.calibrators)],
-             *[f"maps/{i}.png" for i in split_set.ids[:num_maps]]]
-    if args.out:  # the default folder is inside the run, which the toolkit wrote
-        outputs.check_free(names)
+    names = planned_outputs(args, split_set.ids[:num_maps])
+    # The default folder is inside the run, which the toolkit wrote: its files of these names
+    # are eval_seg's; a link is never written through either way.
+    outputs.check_free(names, replace_unlisted=not args.out)
     outputs.claim(names)
+
+
+def planned_outputs(args: argparse.Namespace, map_ids: list) -> list[str]:
+    """Every file eval_seg may write into its output folder for ``args``, relative to it:
+    checked against the folder's manifest before any work and claimed (a test runs every option
+    and checks that nothing else is written)."""
+    from cals_seg.runs.run import EVAL_METRICS_FILE
+
+    keys = ["pre_ts", "post_ts", *args.calibrators]
+    if getattr(args, "calibrator_fit_shift", False):
+        keys += [f"{name}+drift" for name in args.calibrators]
+    names = [EVAL_METRICS_FILE, "calibrators.md", "lambda_curves.png", "ece_bands.png",
+             "ece_sizes.png", "risk_coverage.png", "conformal.md", "shift.md",
+             *[f"reliability_{k}.png" for k in keys],
+             *[f"reliability_bands_{k}.png" for k in keys],
+             *[f"maps/{i}.png" for i in map_ids]]
+    conformal = getattr(args, "conformal", None)
+    if isinstance(conformal, dict):
+        names += [f"maps/{i}_set_size_{m.replace(':', '-')}.png" for m in conformal["mode"]
+                  for i in map_ids]
+    return names
 
 
 def evaluate_run(run, args: argparse.Namespace) -> int:
@@ -283,8 +300,13 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     if getattr(args, "shift", None):
         from cals_seg.commands._shift import shift_results
 
-        result["shift"], result["entropy_flag"] = shift_results(run, args, split_set, result,
-                                                                calibrators)
+        from cals_seg.commands._cli import USER_ERRORS, report
+
+        try:
+            result["shift"], result["entropy_flag"] = shift_results(run, args, split_set,
+                                                                    result, calibrators)
+        except USER_ERRORS as err:
+            return report(err)
     if getattr(args, "conformal", None):
         from cals_seg.commands._cli import USER_ERRORS, report
         from cals_seg.commands._conformal import conformal_evaluation
@@ -293,9 +315,10 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
             out = Path(args.out) if args.out else run.checkpoint.resolve().parent / \
                 f"eval_{args.split}"
             num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
-            result["conformal"] = conformal_evaluation(run, args.conformal, task.val_set,
-                                                       split_set, cfg.train.progress,
-                                                       out / "maps", num_maps)
+            # an ensemble's fits live in its --out (args.calibrator_folder), never in a member's
+            result["conformal"] = conformal_evaluation(
+                run, args.conformal, task.val_set, split_set, cfg.train.progress, out / "maps",
+                num_maps, getattr(args, "calibrator_folder", None))
         except USER_ERRORS as err:
             return report(err)
     if names and skipped:

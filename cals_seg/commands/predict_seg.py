@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -159,6 +160,12 @@ def _main(args: argparse.Namespace) -> int:
     from cals_seg.utils.paths import OutputFolder, os_error
 
     try:
+        missing = [item for item in args.inputs if not os.path.lexists(item)]
+        if missing:  # a mistyped path: said before anything is created
+            raise MissingPathError(f"{missing[0]} does not exist"
+                                   + (f" (nor {len(missing) - 1} more inputs)" if len(missing) > 1
+                                      else "")
+                                   + "; check the path. Nothing was written.")
         check_folder("--out", args.out, must_exist=False, writable=True)
         # never into (or around) the inputs; never over a file predict_seg did not write
         out_folder = OutputFolder(args.out, "predict_seg", inputs=args.inputs)

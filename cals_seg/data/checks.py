@@ -313,6 +313,7 @@ class SplitStats:
     void_pixels: int = 0
     min_size: tuple[int, int] | None = None
     max_size: tuple[int, int] | None = None
+    unlisted: int = 0  # file problems found beyond the MAX_LISTED named one by one
 
     def to_dict(self) -> dict[str, Any]:
         return {"samples": self.samples, "class_pixels": self.class_pixels.tolist(),
@@ -328,6 +329,15 @@ class DataReport:
     splits: dict[str, SplitStats]
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # Problems found but not listed one by one (``problems`` holds one "N more ... like these"
+    # line for them per split).
+    unlisted: int = 0
+    summary_lines: int = 0
+
+    @property
+    def problem_count(self) -> int:
+        """Every problem found: those listed, and those counted in a "more like these" line."""
+        return len(self.problems) - self.summary_lines + self.unlisted
 
     @property
     def ok(self) -> bool:
@@ -337,7 +347,8 @@ class DataReport:
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "class_names": self.class_names,
                 "splits": {k: v.to_dict() for k, v in self.splits.items()},
-                "problems": self.problems, "warnings": self.warnings}
+                "problems": self.problems, "problem_count": self.problem_count,
+                "warnings": self.warnings}
 
     def format(self) -> str:
         """A plain-text report: split sizes and image-size ranges, the class histogram per
@@ -365,7 +376,7 @@ class DataReport:
         lines += [""] + [f"warning: {w}" for w in self.warnings]
         lines += [f"problem: {p}" for p in self.problems]
         verdict = ("OK: nothing found that would make training wrong" if self.ok else
-                   f"{len(self.problems)} problem(s) would make training wrong")
+                   f"{self.problem_count} problem(s) would make training wrong")
         return "\n".join(lines + [verdict])
 
 
@@ -414,6 +425,7 @@ def _scan(ds: Any, split: str, num_classes: int, ignore_index: int, bar: Any,
     problems += errors[:MAX_LISTED]
     if len(errors) > MAX_LISTED:
         problems.append(f"{split}: {len(errors) - MAX_LISTED} more file problem(s) like these")
+        stats.unlisted = len(errors) - MAX_LISTED
     return stats
 
 
@@ -475,4 +487,6 @@ def check_splits(
     val = stats.get("val")
     if val is not None and val.samples and not val.class_pixels.any():
         problems.append(void_validation(val.samples, ignore_index))
-    return DataReport(names, stats, list(dict.fromkeys(problems)), list(dict.fromkeys(notes)))
+    unlisted = [s.unlisted for s in stats.values() if s.unlisted]
+    return DataReport(names, stats, list(dict.fromkeys(problems)), list(dict.fromkeys(notes)),
+                      unlisted=sum(unlisted), summary_lines=len(unlisted))

@@ -189,9 +189,11 @@ class OutputFolder:
         return inside(self.path, name, f"{self.tool} output") if self.path.exists() \
             else self.path / name
 
-    def check_free(self, names: Iterable[str]) -> list[Path]:
-        """The paths of ``names``, refused before any is written when one exists and is not the
-        tool's own (not in the manifest).
+    def check_free(self, names: Iterable[str], replace_unlisted: bool = False) -> list[Path]:
+        """The paths of ``names``, refused before any is written when one is a symbolic link,
+        resolves outside the folder, or exists and is not the tool's own (not in the manifest;
+        ``replace_unlisted``: a folder the toolkit made itself, e.g. inside a run, whose files
+        of these names are its own outputs).
 
         Raises:
             OutputCollisionError: naming the file and the fix.
@@ -199,7 +201,12 @@ class OutputFolder:
         names = list(names)
         paths = [self.target(name) for name in names]
         for name, path in zip(names, paths, strict=True):
-            if (path.exists() or path.is_symlink()) and name not in self.written:
+            if path.is_symlink():  # never written through, even when the tool made the name
+                raise OutputCollisionError(
+                    f"{self.tool}: '{path}' is a symbolic link; {self.tool} never writes through "
+                    "a link: remove it, or give another output folder."
+                )
+            if path.exists() and name not in self.written and not replace_unlisted:
                 raise OutputCollisionError(
                     f"{self.tool}: '{path}' exists and was not written by {self.tool}; it is "
                     "not overwritten: move it, or give another output folder."
