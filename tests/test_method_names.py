@@ -6,7 +6,6 @@ means the evidence rule. The demo runs the paper's method."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -90,7 +89,7 @@ def test_the_evidence_rule_has_its_own_name(path):
         # the same loss as the paper's method but for the margin
         same = {k: v for k, v in entry["params"].items() if k != "margin"}
         paper = {k: v for k, v in table["cals_alm"].get("params", {}).items() if k != "margin"}
-        assert same == paper, f"{path.name}: `cals_alm_auto` differs from `cals_alm` beyond the margin"
+        assert same == paper, f"{path.name}: `cals_alm_auto` is more than `cals_alm` + auto"
         assert raw["method"] != "cals_alm_auto", f"{path.name}: the evidence rule is opt-in"
 
 
@@ -110,10 +109,50 @@ def test_the_evidence_rule_states_its_limits_where_offered(path):
     assert any(ch.isdigit() for ch in comment), f"{path.name}: the limits need their numbers"
 
 
-def test_the_demo_runs_the_papers_method():
+@pytest.mark.parametrize("long", [False, True])
+def test_the_demo_runs_the_papers_method(long):
     from cals_seg.commands import demo
 
-    raw, table = _table(ROOT / demo.SETUP)
-    assert set(demo.METHODS) == {"ce", "cals_alm"}
-    assert table["cals_alm"]["params"]["margin"] == 10.0
-    assert math.isfinite(table["cals_alm"]["params"]["margin"])
+    raw, table = _table(ROOT / demo.SETUPS[long])
+    assert set(demo.METHODS) == {"ce", "cals_alm"} and demo.SETUP == demo.SETUPS[False]
+    assert table["cals_alm"] == {"name": "cals_alm", "params": {"margin": 10.0}}
+    assert set(demo.CALIBRATORS) == {"ts", "boundary_ts"}
+
+
+def test_the_demos_reference_column_quotes_the_docs():
+    # every 3-seed number the demo prints next to its rows is one the docs published
+    from cals_seg.commands import demo
+
+    docs = "".join((ROOT / "docs" / f).read_text() for f in ("margin.md", "calibrators.md"))
+    for setup, rows in demo.REFERENCE.items():
+        assert setup in demo.SETUPS.values()
+        assert set(rows) == {(m, c) for m in demo.METHODS for c in ("raw", *demo.CALIBRATORS)}
+        for value in rows.values():
+            if value[0].isdigit():
+                number = value.split(" ")[0]
+                assert number in docs, (setup, value)
+                if "±" in value:
+                    assert value in docs, (setup, value)
+
+
+def _metrics(ece: float, calibrated: dict[str, float]) -> dict:
+    row = lambda e: {"ece": e, "ece_band_weighted": e + 0.01, "nll": 0.4, "miou": 0.3}  # noqa: E731
+    return {"pre_ts": row(ece), "calibrators": {k: row(v) for k, v in calibrated.items()}}
+
+
+def test_the_demo_picks_the_calibrator_on_validation_only():
+    from cals_seg.commands import demo
+
+    # the validation ECE decides, whatever the test split says
+    val = _metrics(0.03, {"ts": 0.012, "boundary_ts": 0.010})
+    test = _metrics(0.03, {"ts": 0.005, "boundary_ts": 0.020})
+    assert demo.pick_calibrator(val) == ("boundary_ts", 0.010)
+    assert demo.pick_calibrator(_metrics(0.03, {"ts": 0.01, "boundary_ts": 0.01}))[0] == "ts"
+    lines = demo.table({"ce": (test, val, {}), "cals_alm": (test, _metrics(0.03, {"ts": 0.01}),
+                                                           {})}, demo.SETUP)
+    assert len(lines) == 2 + 4  # header, rule, two rows per method
+    assert lines[2].startswith("| ce | raw | 3.00 | 3.00 |") and "| 2.97 ± 0.31 |" in lines[2]
+    assert lines[3].startswith("| ce | boundary_ts | 1.00 | 2.00 |")
+    assert lines[5].startswith("| cals_alm | ts | 1.00 | 0.50 |") and "1.21 ± 0.36" in lines[5]
+    with pytest.raises(SystemExit):
+        demo.pick_calibrator({"pre_ts": {}, "calibrators": {}})

@@ -1,4 +1,5 @@
-"""The main job on the embedded dataset: train CE and CALS-ALM, evaluate both, compare.
+"""The main job on the embedded dataset: CE and CALS-ALM (the paper's setting), each raw and with
+the post-hoc calibrator picked on validation, in one table.
 
 ``python tools/demo.py --help`` tells how to use it. The command lives in
 ``cals_seg/commands/demo.py``; installed, it is also ``cals-demo``.
