@@ -92,15 +92,19 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects
     )
     from cals_seg.losses import (
         LOSSES,
+        BandCALSALMLoss,
         CALSALMLoss,
         CALSHRLoss,
         ConfidencePenaltyLoss,
+        CRaCLoss,
         CrossEntropyLoss,
         FocalLoss,
         FocalLossSD,
         LabelSmoothingLoss,
         MbLSLoss,
+        NACLLoss,
         SegLoss,
+        SVLSLoss,
         build_loss,
     )
     from cals_seg.metrics import CalibrationMeter, SegmentationMeter, ShotGroupMeter

@@ -34,3 +34,22 @@ def test_setup_file_counts():
     n_files = len(list((ROOT / "configs").glob("*.yaml")))
     for where, n in _claims(r"\bthe " + NUMBER + r" setup files\b"):
         assert n == n_files, where
+
+
+def test_public_names_are_listed_alike():
+    """``cals_seg``'s public names: ``__all__``, the lazy table and the names static analysers
+    see (the ``TYPE_CHECKING`` imports) are the same set."""
+    import ast
+
+    import cals_seg
+
+    tree = ast.parse((ROOT / "cals_seg" / "__init__.py").read_text())
+    typed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.ImportFrom):
+                    typed |= {a.asname or a.name for a in sub.names}
+    lazy = set(cals_seg._EXPORTS)
+    assert set(cals_seg.__all__) == lazy | {"__version__"}
+    assert typed == lazy
