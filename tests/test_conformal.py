@@ -488,11 +488,15 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
         assert r["calibration_images"] == len(r["calibration_ids"]) >= 1
         assert len(r["coverage_band"]) == 3
         assert sum(r["count_band"]) == r["pixels"]
-        assert 1 <= r["set_size"] <= 11 and 0 <= r["risk"] <= 1
+        assert 0 <= r["set_size"] <= 11 and 0 <= r["risk"] <= 1
+        # 6 validation images: every is lowered from 5 to 2, the 3 that alpha = 0.3 needs
+        assert r["every"] == 2 and r["calibration_images"] == 3 and r["needs_images"] == 3
+        assert r["guarantee"] == (mode in ("risk", "image:0.5")), mode
+        assert r["fitted_for"]["seed"] == 0 and r["fitted_for"]["every"] == 2
     assert isinstance(metrics["conformal"]["class"]["threshold"], list)
     assert "| band |" in (tmp_path / "eval" / "conformal.md").read_text()
     assert len(list((tmp_path / "eval" / "maps").glob("*_set_size_image-0.5.png"))) == 1
-    saved = run / "calibrators" / "conformal_risk_aps_a0.3.json"
+    saved = run / "calibrators" / "conformal_risk_aps_a0.3_s0.json"
     assert load_conformal(saved).thresholds() == metrics["conformal"]["risk"]["threshold"]
 
     folder = tmp_path / "images"
@@ -513,7 +517,7 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
     assert load_tool("predict_seg").main([str(run), str(folder), "--out", str(out),
                                           "--conformal", "alpha=0.3", "mode=class",
                                           "--no-progress"]) == 0
-    assert (run / "calibrators" / "conformal_class_lac_a0.3.json").is_file()
+    assert (run / "calibrators" / "conformal_class_lac_a0.3_s0.json").is_file()
     # After a calibrator fitted on the other validation images.
     assert load_tool("eval_seg").main([*args[:-2], "mode=risk", "calibrator=ts"]) == 0
     after = json.loads((tmp_path / "eval" / "metrics.json").read_text())["conformal"]["risk"]

@@ -178,14 +178,30 @@ def test_different_protocols_are_refused():
 
 
 def test_a_member_given_twice_is_refused(tmp_path: Path):
+    """The same network twice, by path or by content (a byte copy), is refused naming both
+    files; different bytes are different networks."""
+    import shutil
+
     from cals_seg.evaluation.ensemble import check_members, protocol_of
     from cals_seg.evaluation.inference import EvalProtocol
 
     a = protocol_of({"data": {"name": "voc", "num_classes": 21}}, EvalProtocol())
-    check_members(["r1", "r2", "r3"], [a, a, a], ["/c/1.pt", "/c/2.pt", "/c/3.pt"])
-    for order in (["/c/1.pt", "/c/2.pt", "/c/1.pt"], ["/c/2.pt", "/c/2.pt", "/c/3.pt"]):
-        with pytest.raises(UserError, match="same checkpoint .*give each member once"):
+    files = []
+    for i in range(3):
+        files.append(tmp_path / f"{i}.pt")
+        files[-1].write_bytes(bytes([i]) * 64)
+    check_members(["r1", "r2", "r3"], [a, a, a], files)
+    copy = tmp_path / "copy" / "0.pt"
+    copy.parent.mkdir()
+    shutil.copyfile(files[0], copy)
+    (tmp_path / "link").symlink_to(tmp_path)
+    for order in ([files[0], files[1], files[0]], [files[1], files[1], files[2]],
+                  [files[0], files[1], copy], [files[2], tmp_path / "link" / "2.pt", files[1]]):
+        with pytest.raises(UserError, match="same network .*give each member once") as err:
             check_members(["r1", "r2", "r3"], [a, a, a], order)
+        assert "\n" not in str(err.value)
+        if copy in order:
+            assert str(files[0]) in str(err.value) and str(copy) in str(err.value)
 
 
 def _tiny_run(tmp_path: Path, name: str, seed: int, extra: tuple[str, ...] = ()) -> Path:
@@ -222,7 +238,7 @@ def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
         assert set(entry["calibrators"]) == {"ts", "ts+drift"}
         assert entry["temperature"] == m["temperature"]
     assert m["shift"]["contrast:5"]["pre_ts"]["ece"] != m["pre_ts"]["ece"]
-    assert (r1 / "calibrators" / "drift" / "ts.pt").is_file()
+    assert (r1 / "calibrators" / "drift_s0" / "ts.pt").is_file()
     assert "mean at severity 5" in (out / "shift.md").read_text()
     # the ensemble of one run is the run
     ens = tmp_path / "ens1"
@@ -245,7 +261,7 @@ def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
     twice = [str(r1), str(r2), str(r1 / "checkpoint_best.pt")]
     assert eval_seg.main([*twice, "--ensemble", "--out", str(tmp_path / "e5")]) != 0
     err = capsys.readouterr().err
-    assert "same checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert "same network" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "e5" / "metrics.json").exists()
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cals_seg.errors import MissingPathError, UserError
+from cals_seg.errors import UserError
 
 DRIFT_SUFFIX = "+drift"
 
@@ -33,8 +34,9 @@ def add_shift_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also evaluate with each image corruption (severity 1-5; all:3 "
                         "every corruption at 3; all: every one at every severity); "
                         "docs/shift.md")
-    parser.add_argument("--shift-seed", type=int, default=0,
-                        help="seed of the corruptions (the same for every method compared)")
+    parser.add_argument("--shift-seed", default="0", metavar="SEED",
+                        help="seed of the corruptions, an integer >= 0 (the same for every "
+                        "method compared)")
     parser.add_argument("--ensemble", action="store_true",
                         help="evaluate the mean probability of the runs given (needs --out)")
     parser.add_argument("--calibrator-fit-shift", action="store_true",
@@ -42,8 +44,25 @@ def add_shift_arguments(parser: argparse.ArgumentParser) -> None:
                         "(held-out corruptions), reported as NAME+drift")
 
 
+def parse_seed(value: Any) -> int:
+    """``--shift-seed``: an integer >= 0 written in ASCII digits (``int`` also reads other
+    scripts' digits, and refuses ``"²"`` with a traceback).
+
+    Raises:
+        UserError: one line naming the value.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    text = str(value)
+    if not (text.isascii() and text.isdigit()):
+        raise UserError(f"--shift-seed {text!r}: expected an integer >= 0 (ASCII digits), e.g. "
+                        "--shift-seed 0.")
+    return int(text)
+
+
 def check_shift_arguments(args: argparse.Namespace) -> None:
-    """Parse ``--shift`` into corruptions and refuse inconsistent options (one line each)."""
+    """Parse ``--shift`` into corruptions and ``--shift-seed`` into an integer, and refuse
+    inconsistent options (one line each)."""
     from cals_seg.data.corruptions import parse_shifts
 
     runs = args.run if isinstance(args.run, list) else [args.run]
@@ -57,14 +76,24 @@ def check_shift_arguments(args: argparse.Namespace) -> None:
     if args.calibrator_fit_shift and not args.calibrators:
         raise UserError("--calibrator-fit-shift: name the calibrators to fit with --calibrators, "
                         "e.g. --calibrators ts boundary_ts --calibrator-fit-shift.")
+    args.shift_seed = parse_seed(args.shift_seed)
     args.shift = parse_shifts(args.shift, args.shift_seed) if args.shift else []
+
+
+def ensemble_folder(out: str | Path, digest: str) -> Path:
+    """Where an ensemble's fits (calibrators, conformal thresholds, drift fits) live: in its
+    own ``--out``, one folder per set of members (by content), never in a member's run."""
+    return Path(out) / "calibrators" / f"ensemble_{digest[:16]}"
 
 
 def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
     """The first member's run with the :class:`Ensemble` of every member as its model; the
-    members' data and protocols checked to match."""
+    members' data and protocols checked to match, and each network given once (by content:
+    a byte copy of a checkpoint is the same network). Its fits go to :func:`ensemble_folder`
+    (``args.calibrator_folder``); ``extra["ensemble"]["network"]`` is the members' digest."""
     from cals_seg.config.schema import config_to_dict
     from cals_seg.evaluation.ensemble import Ensemble, check_members, protocol_of
+    from cals_seg.utils.fits import members_digest
 
     runs = []
     for folder in args.run:
@@ -78,28 +107,70 @@ def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
     first = runs[0]
     model = Ensemble([r.model for r in runs]).eval()
     first.task.model = model
-    args.calibrator_folder = Path(args.out) / "calibrators"
+    digest = members_digest([r.checkpoint for r in runs])
+    args.calibrator_folder = ensemble_folder(args.out, digest)
     return dataclasses.replace(first, model=model, extra={
         **first.extra, "ensemble": {"members": [str(r.checkpoint) for r in runs],
-                                    "size": len(runs), "forward_passes_per_image": len(runs)}})
+                                    "size": len(runs), "forward_passes_per_image": len(runs),
+                                    "network": digest,
+                                    "fits_folder": str(args.calibrator_folder)}})
+
+
+DRIFT_RECORD = "drift_fitted_for"  # the key of a drift fit's record in its fit_info
+
+
+def drift_record(run: Any, name: str, params: Mapping[str, Any], mixture: Any,
+                 val_ids: Sequence[Any]) -> dict[str, Any]:
+    """What a drift fit of calibrator ``name`` is for: the network (by content), classes,
+    validation ids, the corruption mixture and its seed, the calibrator's parameters and the
+    evaluation protocol."""
+    from cals_seg.commands._conformal import network_digest, protocol_record
+    from cals_seg.utils.fits import ids_digest, plain_record
+
+    return plain_record({"network": network_digest(run), "num_classes": run.task.num_classes,
+                         "split": "val", "ids": ids_digest(val_ids), "data": mixture.key,
+                         "seed": mixture.seed, "calibrator": name, "params": dict(params),
+                         "protocol": protocol_record(run.task.protocol)})
 
 
 def drift_calibrators(run: Any, args: argparse.Namespace, names: Sequence[str], folder: Path,
                       batch_size: int, workers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``({NAME+drift: calibrator}, {NAME+drift: fit summary})``: ``names`` fitted (or loaded
-    from ``folder/drift/``) on the validation split under :class:`DriftMixture`."""
-    from cals_seg.calibrators import load_or_fit_calibrators
+    """``({NAME+drift: calibrator}, {NAME+drift: fit summary})``: ``names`` fitted on the
+    validation split under :class:`DriftMixture` (seeded by ``--shift-seed``), or loaded from
+    ``folder/drift_s<seed>/NAME.pt`` when the record it holds (:func:`drift_record`) is this
+    use's; refit otherwise (the reason printed)."""
+    from cals_seg.calibrators import load_calibrator, load_or_fit_calibrators, save_calibrator
     from cals_seg.data.corruptions import DriftMixture, corrupted_dataset
     from cals_seg.training.engine import make_loader
+    from cals_seg.utils.fits import fit_mismatch
 
     task = run.task
     mixture = DriftMixture(seed=args.shift_seed)
+    drift_folder = Path(folder) / f"drift_s{mixture.seed}"
     loader = make_loader(corrupted_dataset(task.val_set, mixture), batch_size, False, workers)
-    cals, fits = load_or_fit_calibrators(
-        names, folder / "drift", task.num_classes, run.inference, loader, task.ignore_index,
-        args.refit_calibrators, getattr(args, "calibrator_params", None))
+    params = getattr(args, "calibrator_params", None) or {}
+    val_ids = getattr(task.val_set, "ids", None) or list(range(len(task.val_set)))
+    cals, fits = {}, {}
+    for name in names:
+        wanted = drift_record(run, name, params.get(name, {}), mixture, val_ids)
+        path = drift_folder / f"{name}.pt"
+        refit = bool(args.refit_calibrators)
+        if path.is_file() and not refit:
+            saved = load_calibrator(path, "cpu")  # one line when the file is not a calibrator
+            reason = fit_mismatch(saved.fit_info.get(DRIFT_RECORD), wanted)
+            if reason is not None:
+                print(f"{path}: {reason}; refitting it.", flush=True)
+                refit = True
+        one, info = load_or_fit_calibrators(
+            [name], drift_folder, task.num_classes, run.inference, loader, task.ignore_index,
+            refit, params)
+        if not info[name].get("loaded"):  # keep the record with the fit
+            cal = one[name]
+            cal.fit_info = {**cal.fit_info, DRIFT_RECORD: wanted}
+            save_calibrator(cal, path)
+        cals[name] = one[name]
+        fits[name] = {**info[name], "fit_data": mixture.key, "fitted_for": wanted}
     suffix = lambda d: {f"{k}{DRIFT_SUFFIX}": v for k, v in d.items()}  # noqa: E731
-    fits = {k: {**v, "fit_data": mixture.key} for k, v in fits.items()}
     return suffix(cals), suffix(fits)
 
 
@@ -159,30 +230,110 @@ def shift_results(run: Any, args: argparse.Namespace, split_set: Any, result: Ma
 ENTROPY_FILE = "entropy_p{q}_{how}.json"
 
 
+def read_entropy(path: Path, fix: str) -> dict[str, Any]:
+    """The entropy reference saved at ``path``, validated: a JSON object with ``quantile`` in
+    (0, 1), a finite ``limit_nats >= 0``, ``images >= 1``, a ``calibration`` string and a
+    ``fitted_for`` object.
+
+    Raises:
+        UserError: one line naming the file, what is wrong and ``fix``.
+    """
+    import json
+
+    def bad(what: str) -> UserError:
+        return UserError(f"{path}: {what}; {fix}.")
+
+    try:
+        info = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise bad(f"cannot be read ({err.strerror or type(err).__name__})") from None
+    except (ValueError, UnicodeDecodeError):
+        raise bad("is not valid JSON (truncated or edited?)") from None
+    if not isinstance(info, dict):
+        raise bad(f"holds a {type(info).__name__}, not an entropy reference")
+
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    checks = {
+        "quantile": (lambda v: number(v) and 0 < v < 1, "a number in (0, 1)"),
+        "limit_nats": (lambda v: number(v) and v >= 0, "a finite number >= 0"),
+        "images": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                   "an integer >= 1"),
+        "calibration": (lambda v: isinstance(v, str), "a string"),
+        "fitted_for": (lambda v: isinstance(v, dict), "an object"),
+    }
+    for key, (ok, allowed) in checks.items():
+        if key not in info:
+            raise bad(f"has no {key!r} (not a complete entropy reference)")
+        if not ok(info[key]):
+            raise bad(f"{key}: expected {allowed}, got {json.dumps(info[key])[:40]}")
+    return info
+
+
+def entropy_record(run: Any, how: str, calibrator_file: Path | None, quantile: float,
+                   val_ids: Sequence[Any] | None) -> dict[str, Any]:
+    """What an entropy reference is for: the network (by content), classes, the validation
+    ids (left out when they cannot be read), the calibration (T or calibrator, and the
+    calibrator file's digest), the quantile and the protocol."""
+    from cals_seg.commands._conformal import network_digest, protocol_record
+    from cals_seg.utils.fits import file_digest, ids_digest, plain_record
+
+    record = {"network": network_digest(run), "num_classes": len(run.class_names),
+              "split": "val", "calibration": how, "quantile": quantile,
+              "calibrator_file": file_digest(calibrator_file) if calibrator_file else None,
+              "protocol": protocol_record(run.protocol)}
+    if val_ids is not None:
+        record["ids"] = ids_digest(val_ids)
+    return plain_record(record)
+
+
 def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
                       calibrator: Any) -> dict[str, Any] | None:
     """The validation images' mean-entropy limit for ``predict_seg``: read from
-    ``<run>/calibrators/entropy_p99_<T or calibrator>.json``, else computed once over the
-    validation split with the same calibration and saved; ``None`` (with a warning) when the
-    validation images cannot be read."""
-    import json
+    ``<run>/calibrators/entropy_p99_<T or calibrator>.json`` when the record it holds
+    (:func:`entropy_record`) is this use's, else computed over the validation split with the
+    same calibration and saved; ``None`` (with a warning) when there is no file and the
+    validation images cannot be read.
+
+    Raises:
+        UserError: a file that is not a valid reference (:func:`read_entropy`), or one fitted
+            for something else while the validation images cannot be read to recompute it.
+    """
     import warnings
 
     import torch
 
+    from cals_seg.commands._conformal import validation_split
     from cals_seg.evaluation.inference import predict_image
     from cals_seg.evaluation.ood import QUANTILE, entropy_limit
-    from cals_seg.tasks.segmentation import segmentation_splits
+    from cals_seg.utils.fits import fit_mismatch
     from cals_seg.utils.io import write_json
 
     how = f"calibrator-{calibrator_name}" if calibrator_name else f"T{temperature:.4f}"
     path = run.path / "calibrators" / ENTROPY_FILE.format(q=round(100 * QUANTILE), how=how)
+    cal_file = run.run.calibrator_file(calibrator_name) if calibrator_name else None
+    fix = (f"delete it to have it recomputed from the validation images of {run.path}, or "
+           "give --no-ood-check")
+    val, unreadable = validation_split(run)
+    val_ids = None if val is None else getattr(val, "ids", None) or list(range(len(val)))
     if path.is_file():
-        return json.loads(path.read_text())
+        info = read_entropy(path, fix)
+        wanted = entropy_record(run, how, cal_file, QUANTILE, val_ids)
+        if val is None and "ids" in info["fitted_for"]:  # cannot be checked without the data
+            wanted["ids"] = info["fitted_for"]["ids"]
+        reason = fit_mismatch(info["fitted_for"], wanted)
+        if reason is None:
+            return info
+        if val is None:
+            raise UserError(f"{path}: {reason}, and the validation images cannot be read to "
+                            f"recompute it ({unreadable}); {fix}.")
+        print(f"{path.name}: {reason}; recomputing it on the validation images.", flush=True)
+    elif val is None:
+        warnings.warn(f"no far-from-validation check: the validation images of {run.path} "
+                      f"could not be read ({unreadable}).", stacklevel=1)
+        return None
     try:
-        if not Path(run.config.data.root).is_dir():  # nothing is generated or downloaded here
-            raise MissingPathError(f"data.root {run.config.data.root} does not exist")
-        val = segmentation_splits(run.config)["val"]
         values = []
         for i in range(len(val)):
             pred = predict_image(run.model, val[i]["image"][None], temperature, run.protocol,
@@ -193,8 +344,13 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
         warnings.warn(f"no far-from-validation check: the validation images of {run.path} "
                       f"could not be read ({str(err).splitlines()[0]}).", stacklevel=1)
         return None
+    if not math.isfinite(limit):
+        raise UserError(f"the validation images of {run.path} give a mean predictive entropy "
+                        f"of {limit} (the network's outputs are not finite); check the network, "
+                        "or give --no-ood-check.")
     info = {"quantile": QUANTILE, "limit_nats": limit, "images": len(values), "calibration": how,
-            "torch": torch.__version__}
+            "torch": torch.__version__,
+            "fitted_for": entropy_record(run, how, cal_file, QUANTILE, val_ids)}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, info)
     return info

@@ -389,17 +389,22 @@ def parse_shifts(items: Sequence[str], seed: int = 0) -> list[Corruption]:
     Raises:
         UserError: a malformed item, an unknown name or a severity outside 1-5.
     """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise UserError(f"--shift-seed {seed!r}: expected an integer >= 0, e.g. --shift-seed 0.")
     out: dict[str, Corruption] = {}
     for item in items:
         name, sep, sev = item.partition(":")
         if name == "all" and not sep:
             pairs = [(n, s) for n in CORRUPTIONS for s in SEVERITIES]
         else:
-            if not (sep and sev.strip().isdigit()):
+            if not sep:
                 raise UserError(f"--shift {item!r}: expected NAME:SEVERITY (severity 1-5), "
                                 "all:SEVERITY or all, e.g. fog:3.")
-            if int(sev) not in SEVERITIES:
-                raise UserError(f"--shift {item!r}: severity must be 1-5, e.g. {name}:3.")
+            # one ASCII digit: int() also reads other scripts' digits ("²" is refused by it
+            # with a traceback, "٣" is 3), spaces and "+3"
+            if sev not in {str(s) for s in SEVERITIES}:
+                raise UserError(f"--shift {item!r}: severity must be one of the digits 1-5, "
+                                f"e.g. {name or 'fog'}:3.")
             severity = int(sev)
             if name != "all" and name not in CORRUPTIONS:
                 raise UserError(f"--shift {item!r}: unknown corruption {name!r}; valid names "

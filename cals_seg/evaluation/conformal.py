@@ -123,6 +123,71 @@ def quantile_threshold(hist: Sequence[int], alpha: float) -> int:
     return len(counts) - 1  # unreachable: seen == n >= k
 
 
+def guarantee_images(alpha: float) -> int:
+    """The fewest calibration images ``n`` for which a threshold at level ``alpha`` can be
+    anything but "every class": ``ceil(1 / alpha) - 1`` (exact, :func:`rational`).
+
+    Both rules need ``alpha (n + 1) >= 1``. Split conformal (``image:TAU``, the dilation
+    margin) takes the ``k``-th smallest score, ``k = ceil((n + 1)(1 - alpha))``, which exists
+    iff ``k <= n``, i.e. ``(n + 1)(1 - alpha) <= n``. Risk control (``risk``, and per group
+    ``class`` / ``band``) accepts ``g`` when ``(n R_n(g) + 1) / (n + 1) <= alpha``: with
+    ``R_n >= 0`` some ``g`` below the last qualifies only if ``1 / (n + 1) <= alpha``. Below
+    that ``n`` each set holds every class: coverage 1, a guarantee that says nothing.
+    For ``class`` / ``band`` the ``n`` is per group (the images holding the class / having
+    pixels in the band).
+    """
+    a = rational(alpha)
+    if not 0 < a < 1:
+        raise ValueError(f"Expected `alpha` in (0, 1), but got {alpha!r}.")
+    return math.ceil(1 / a) - 1
+
+
+def guarantee_status(alpha: float, kind: str, per_group: Sequence[int],
+                     group_names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Whether a fit on these calibration counts has a guarantee worth the name.
+
+    Args:
+        alpha: the level.
+        kind: ``risk``, ``image``, ``class`` or ``band`` (``dilation`` for the margin).
+        per_group: calibration images per group (one entry for ``risk`` / ``image``).
+        group_names: names of the groups for the warning (default: their indices).
+
+    Returns:
+        ``{"guarantee": bool, "needs_images": N}`` (``N`` per group for ``class`` /
+        ``band``), with ``"groups_without_guarantee"`` (indices) for the grouped kinds and,
+        when there is no guarantee, a one-line ``"warning"`` naming ``N``, the images there are
+        and the fixes (more calibration images, or a larger alpha).
+    """
+    need = guarantee_images(alpha)
+    counts = [int(c) for c in per_group]
+    short = [g for g, c in enumerate(counts) if c < need]
+    out: dict[str, Any] = {"guarantee": not short, "needs_images": need}
+    grouped = kind in ("class", "band")
+    if grouped:
+        out["groups_without_guarantee"] = short
+    if not short:
+        return out
+    fewest = min(counts[g] for g in short)
+    fix = "give more validation images"
+    if fewest:
+        fix += f" or a larger alpha (>= {float(Fraction(1, fewest + 1)):.3g})"
+    if grouped:
+        what = "classes" if kind == "class" else "bands"
+        names = [str(group_names[g]) if group_names else str(g) for g in short]
+        listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        every = ("those classes are in every pixel's set" if kind == "class"
+                 else "those bands' pixels get every class")
+        out["warning"] = (f"no guarantee at alpha={alpha:g} for {len(short)} of {len(counts)} "
+                          f"{what} ({listed}): each needs {need} calibration images holding "
+                          f"it, the fewest have {fewest} ({every}); {fix}")
+    else:
+        empty = ("the margin is the whole image" if kind == "dilation"
+                 else "every set holds every class")
+        out["warning"] = (f"no guarantee at alpha={alpha:g}: {counts[0]} calibration image(s), "
+                          f"it needs {need} ({empty}); {fix}")
+    return out
+
+
 def coverage_needed(total: Tensor, tau: float) -> Tensor:
     """``ceil(tau * total)`` exactly (tau as :func:`rational`): covered pixels an image needs
     for coverage ``>= tau``. int64 tensor of the shape of ``total``."""
@@ -261,6 +326,7 @@ class ConformalSets(nn.Module):
         self.register_buffer("threshold_index",
                              torch.full((self.num_groups,), grid, dtype=torch.int64))
         self.calibration_images = 0
+        self.calibration_images_group: list[int] = [0] * self.num_groups
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, alpha={self.alpha}, mode={self.mode!r}, "
@@ -322,7 +388,8 @@ class ConformalSets(nn.Module):
         Returns ``{"alpha", "mode", "score", "threshold", "calibration_images"}`` (and
         ``calibration_images_group``, the images holding each class / band):
         ``threshold`` a number (``risk``, ``image``) or a list per class / band, each
-        ``g / grid`` (1.0 means every class). Images without a valid pixel are not counted
+        ``g / grid`` (1.0 means every class), and :meth:`guarantee`'s ``guarantee``,
+        ``needs_images`` (and ``warning``). Images without a valid pixel are not counted
         (they have no coverage; the test meter skips them too)."""
         if self.kind == "image":
             hist, seen = sum_over_ranks([self.image_hist, self.seen])
@@ -336,11 +403,20 @@ class ConformalSets(nn.Module):
         n = int(seen[0])
         self.threshold_index.copy_(torch.tensor(idx, dtype=torch.int64))
         self.calibration_images = n
+        self.calibration_images_group = [int(c) for c in per_group]
         out: dict[str, Any] = {"alpha": self.alpha, "mode": self.mode, "score": self.score,
                                "threshold": self.thresholds(), "calibration_images": n}
         if self.kind in ("class", "band"):
             out["calibration_images_group"] = per_group
-        return out
+        return {**out, **self.guarantee()}
+
+    def guarantee(self) -> dict[str, Any]:
+        """:func:`guarantee_status` of the last fit: ``{"guarantee", "needs_images"}`` (and
+        ``groups_without_guarantee`` per class / band, ``warning`` when it is empty)."""
+        counts = self.calibration_images_group
+        if self.kind in ("risk", "image"):
+            counts = [self.calibration_images]
+        return guarantee_status(self.alpha, self.kind, counts)
 
     def thresholds(self) -> float | list[float]:
         """The fitted threshold (``risk`` / ``image``) or thresholds (per class / band)."""

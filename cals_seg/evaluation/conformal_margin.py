@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cals_seg.evaluation.conformal import quantile_threshold
+from cals_seg.evaluation.conformal import guarantee_status, quantile_threshold
 from cals_seg.metrics._functional import sum_over_ranks
 from cals_seg.metrics.regions import squared_boundary_distance
 
@@ -67,12 +67,16 @@ class DilationMargin(nn.Module):
 
     @torch.no_grad()
     def fit(self) -> dict[str, Any]:
-        """``{"alpha", "radius" (None: no finite radius qualifies), "calibration_images"}``."""
+        """``{"alpha", "radius" (None: no finite radius qualifies), "calibration_images",
+        "guarantee", "needs_images"}`` (and a one-line ``"warning"`` when there are fewer than
+        ``needs_images = ceil(1 / alpha) - 1`` images: the radius is then None, the whole
+        image, and the guarantee says nothing; :func:`guarantee_status`)."""
         (hist,) = sum_over_ranks([self.radius_hist])
         g = quantile_threshold(hist.tolist(), self.alpha)
         self.radius = None if g > self.max_radius else g
-        return {"alpha": self.alpha, "radius": self.radius,
-                "calibration_images": int(hist.sum())}
+        n = int(hist.sum())
+        return {"alpha": self.alpha, "radius": self.radius, "calibration_images": n,
+                **guarantee_status(self.alpha, "dilation", [n])}
 
     @torch.no_grad()
     def dilate(self, logits: Tensor) -> Tensor:

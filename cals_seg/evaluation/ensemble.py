@@ -15,7 +15,9 @@ runs evaluated on different inputs is refused.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,22 +59,31 @@ def protocol_of(config: Mapping[str, Any], protocol: Any) -> dict[str, Any]:
 
 
 def check_members(names: Sequence[str], protocols: Sequence[Mapping[str, Any]],
-                  checkpoints: Sequence[str] | None = None) -> None:
+                  checkpoints: Sequence[str | os.PathLike] | None = None) -> None:
     """Refuse members whose :func:`protocol_of` differ (one line naming the first difference),
-    and, given their ``checkpoints`` (resolved paths), a checkpoint named twice: it would weigh
+    and, given their ``checkpoints`` (files), one network given twice: the same file, or two
+    byte-identical files (a copied run; :func:`~cals_seg.utils.fits.file_digest`), would weigh
     that network twice in the mean.
 
     Raises:
         UserError: two members evaluated on different data or with different protocols, or
-            the same checkpoint given twice.
+            the same network given twice (both paths named).
     """
+    from cals_seg.utils.fits import file_digest
+
     if checkpoints is not None:
-        seen: dict[str, str] = {}
+        seen: dict[str, tuple[str, str]] = {}
         for name, checkpoint in zip(names, checkpoints, strict=True):
-            if checkpoint in seen:
-                raise UserError(f"--ensemble: {name} and {seen[checkpoint]} are the same "
-                                f"checkpoint ({checkpoint}); give each member once.")
-            seen[checkpoint] = name
+            path = str(Path(checkpoint).resolve())
+            digest = file_digest(path)
+            if digest in seen:
+                other, other_path = seen[digest]
+                how = (f"the same checkpoint file {path}" if other_path == path else
+                       f"the same checkpoint by content: {other_path} and {path} are "
+                       "byte-identical")
+                raise UserError(f"--ensemble: {other} and {name} are the same network ({how}); "
+                                "give each member once.")
+            seen[digest] = (name, path)
     first = protocols[0]
     for name, other in zip(names[1:], protocols[1:], strict=True):
         for key, value in first.items():
