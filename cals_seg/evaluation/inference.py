@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cals_seg.evaluation.logit_cache import cached_logits
 from cals_seg.utils.precision import autocast_context
 
 MODES = ("whole", "slide")
@@ -175,8 +176,19 @@ def segment_logits(
 
     Shape:
         ``images (N, 3, H, W)`` -> logits ``(N, K, H, W)`` float32.
+
+    Inside a :func:`cals_seg.evaluation.logit_cache.logit_cache` block, images already run with
+    this model, protocol and precision are served from memory (one network call per distinct
+    input within an evaluation).
     """
     protocol = protocol or EvalProtocol()
+    return cached_logits(model, images, (repr(protocol), amp),
+                         lambda: _segment_logits(model, images, protocol, amp))
+
+
+def _segment_logits(model: nn.Module, images: Tensor, protocol: EvalProtocol, amp: str
+                    ) -> Tensor:
+    """:func:`segment_logits` without the cache."""
     height, width = images.shape[-2:]
     fill = _fill(protocol, images)
     x = images

@@ -1,0 +1,139 @@
+"""One network call per distinct input: ``eval_seg RUN --calibrators ts boundary_ts --conformal
+... --shift fog:1`` sends each distinct image (validation, test, each corrupted test image)
+through the network once (counted inside the network's own forward), and its numbers equal
+those of the same evaluation with the logit cache off (every consumer running the network)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from cals_seg.commands import eval_seg, import_model
+from cals_seg.evaluation.logit_cache import LogitCache, cached_logits, image_digest, logit_cache
+from tests.conftest import assert_tree_close
+
+K = 11
+SEEN: Counter = Counter()  # digest of each network input image -> forward calls
+
+
+class Counted(nn.Module):
+    """A small network that counts every image it is run on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(8, K, 1))
+
+    def forward(self, x):
+        for i in range(x.shape[0]):
+            SEEN[image_digest(x[i])] += 1
+        return self.body(x) * 3
+
+
+def counted() -> nn.Module:
+    return Counted()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("onepass")
+    cfg = {
+        "data": {"name": "synthetic", "root": str(root / "synthetic"), "num_classes": K,
+                 "crop_size": 32, "val_fraction": 0.5,
+                 "synthetic": {"num_train": 12, "num_test": 5, "image_size": 32}},
+        "model": {"arch": "external", "factory": "tests.test_one_pass:counted"},
+        "train": {"device": "cpu", "amp": "none", "progress": False},
+        "eval": {"batch_size": 4, "num_maps": 2},
+    }
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    folder = root / "run"
+    assert import_model.main([str(config), "--out", str(folder)]) == 0
+    return folder
+
+
+OPTIONS = ["--calibrators", "ts", "boundary_ts", "--conformal", "alpha=0.5", "mode=risk,band",
+           "--shift", "fog:1", "--num-maps", "2", "--refit-calibrators"]
+
+
+def _evaluate(run: Path, out: Path, *extra: str) -> dict:
+    SEEN.clear()
+    code = eval_seg.main([str(run), "--out", str(out), *OPTIONS, *extra])
+    assert code in (0, 1)
+    return json.loads((out / "metrics.json").read_text())
+
+
+def _numbers(metrics: dict) -> dict:
+    """The metrics without what records how they were computed."""
+    return {k: v for k, v in metrics.items() if k not in ("network_passes", "calibrator_fits")}
+
+
+def test_each_distinct_input_goes_through_the_network_once(run, tmp_path):
+    cached = _evaluate(run, tmp_path / "cached")
+    calls = dict(SEEN)
+    assert calls and max(calls.values()) == 1, Counter(calls.values())
+    passes = cached["network_passes"]
+    assert passes["forwarded"] == len(calls) and passes["recomputed"] == 0
+    assert passes["served"] > passes["forwarded"]  # the consumers that no longer run it
+
+    plain = _evaluate(run, tmp_path / "plain", "--logit-cache-gb", "0")
+    assert max(SEEN.values()) > 1  # without the cache the same images run several times
+    assert set(SEEN) == set(calls)  # the same distinct inputs
+    assert_tree_close(_numbers(cached), _numbers(plain), rel=1e-9, abs_=1e-12)
+
+
+def test_budget_and_batches():
+    """Generated batches: served from memory only when every image is held; a batch with a new
+    image runs the network on the whole batch; the budget caps what is held."""
+    net = nn.Conv2d(3, 2, 1)
+    calls = []
+
+    def compute(x):
+        calls.append(len(x))
+        return net(x)
+
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randn(6, 3, 4, 4, generator=gen)
+    per_image = 2 * 4 * 4 * 4  # K * H * W * float32 bytes
+    for b in range(7):  # images the budget holds
+        calls.clear()
+        with torch.no_grad(), logit_cache(b * per_image) as cache:
+            first = cached_logits(net, images, "p", lambda: compute(images))
+            again = cached_logits(net, images, "p", lambda: compute(images))
+            if b:
+                head = images[:b]
+                some = cached_logits(net, head, "p", lambda h=head: compute(h))
+                torch.testing.assert_close(some, first[:b], rtol=0, atol=0)
+            other = cached_logits(net, images[:2], "q", lambda: compute(images[:2]))
+            want = net(images[:2])
+        torch.testing.assert_close(first, again, rtol=0, atol=0)
+        torch.testing.assert_close(other, want, rtol=0, atol=0)
+        assert cache.held_bytes == b * per_image
+        assert calls == [6] + ([] if b == 6 else [6]) + [2]
+        assert cache.stats["served"] == (6 if b == 6 else 0) + b
+    # outside a block, and with gradients on, nothing is held
+    calls.clear()
+    cached_logits(net, images, "p", lambda: compute(images))
+    with logit_cache() as cache:
+        cached_logits(net, images, "p", lambda: compute(images))
+        assert cache.held_bytes == 0 and cache.stats["forwarded"] == 0
+    assert calls == [6, 6]
+
+
+def test_digest_tells_images_apart():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 8, 8, generator=gen)
+    y = x.clone()
+    y[2, 7, 7] = torch.nextafter(y[2, 7, 7], torch.tensor(float("inf")))
+    assert image_digest(x) == image_digest(x.clone())
+    assert image_digest(x) != image_digest(y)
+    assert image_digest(x) != image_digest(x.double())
+    assert image_digest(x) != image_digest(x.reshape(3, 4, 16))
+    assert isinstance(LogitCache().stats, dict)
