@@ -124,6 +124,8 @@ def test_the_demos_reference_column_quotes_the_docs():
     from cals_seg.commands import demo
 
     docs = "".join((ROOT / "docs" / f).read_text() for f in ("margin.md", "calibrators.md"))
+    section = demo.STUDY.split('"')[1]  # the section of margin.md the demo names
+    assert f"## {section}\n" in (ROOT / "docs" / "margin.md").read_text()
     for setup, rows in demo.REFERENCE.items():
         assert setup in demo.SETUPS.values()
         assert set(rows) == {(m, c) for m in demo.METHODS for c in ("raw", *demo.CALIBRATORS)}

@@ -43,7 +43,7 @@ SETUPS = {  # --long: False / True
 }
 SETUP = SETUPS[False]
 STUDY = ("3 seeds, 2-core AMD EPYC (AVX2 only, float32), 2026-11-27: docs/margin.md, "
-         "\"Segmentation, with fixed margins beside it\"; boundary_ts: docs/calibrators.md")
+         "\"Segmentation, both regimes\"; boundary_ts: docs/calibrators.md")
 # The test ECE (%) of the 3-seed study each demo row belongs to: mean ± std over seeds 0, 1, 2
 # (the demo's runs are seed 0), or the mean where only the per-seed values were published.
 REFERENCE: dict[str, dict[tuple[str, str], str]] = {
@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
           f"Last column: the same row over {STUDY}.\n")
     for line in table(rows, setup):
         print(line)
+    if args.epochs is not None or args.set:
+        print("\n(--epochs / --set given: the 3-seed column is of the setup as shipped, not of "
+              "these runs.)")
     for method, (_, _, trained) in rows.items():
         advice = (trained.get("under_confident") or {}).get("advice")
         if advice:
