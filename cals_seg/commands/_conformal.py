@@ -593,8 +593,7 @@ def load_or_fit_conformal(run, spec: dict[str, Any]):
         cs = load_conformal(path, k, f"refit it with {refit}")
     status = cs.guarantee()
     if not status["guarantee"]:
-        print(f"warning: {path.name}: {status['warning']}; refit with more images: {refit}",
-              file=sys.stderr, flush=True)
+        print(f"warning: {path}: {status['warning']}", file=sys.stderr, flush=True)
     return cs
 
 

@@ -116,61 +116,32 @@ def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
                                     "fits_folder": str(args.calibrator_folder)}})
 
 
-DRIFT_RECORD = "drift_fitted_for"  # the key of a drift fit's record in its fit_info
-
-
-def drift_record(run: Any, name: str, params: Mapping[str, Any], mixture: Any,
-                 val_ids: Sequence[Any]) -> dict[str, Any]:
-    """What a drift fit of calibrator ``name`` is for: the network (by content), classes,
-    validation ids, the corruption mixture and its seed, the calibrator's parameters and the
-    evaluation protocol."""
-    from cals_seg.commands._conformal import network_digest, protocol_record
-    from cals_seg.utils.fits import ids_digest, plain_record
-
-    return plain_record({"network": network_digest(run), "num_classes": run.task.num_classes,
-                         "split": "val", "ids": ids_digest(val_ids), "data": mixture.key,
-                         "seed": mixture.seed, "calibrator": name, "params": dict(params),
-                         "protocol": protocol_record(run.task.protocol)})
-
-
 def drift_calibrators(run: Any, args: argparse.Namespace, names: Sequence[str], folder: Path,
                       batch_size: int, workers: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """``({NAME+drift: calibrator}, {NAME+drift: fit summary})``: ``names`` fitted on the
     validation split under :class:`DriftMixture` (seeded by ``--shift-seed``), or loaded from
-    ``folder/drift_s<seed>/NAME.pt`` when the record it holds (:func:`drift_record`) is this
-    use's; refit otherwise (the reason printed)."""
-    from cals_seg.calibrators import load_calibrator, load_or_fit_calibrators, save_calibrator
+    ``folder/drift_s<seed>/NAME.pt`` when the record it holds
+    (:func:`cals_seg.calibrators.calibrator_record`: the network by content, classes, ids,
+    parameters, precision, protocol, and the mixture with its seed as ``data``) is this use's;
+    refit otherwise (the reason printed)."""
+    from cals_seg.calibrators import calibrator_record, load_or_fit_calibrators
     from cals_seg.data.corruptions import DriftMixture, corrupted_dataset
     from cals_seg.training.engine import make_loader
-    from cals_seg.utils.fits import fit_mismatch
 
-    task = run.task
+    task, infer = run.task, run.inference
     mixture = DriftMixture(seed=args.shift_seed)
-    drift_folder = Path(folder) / f"drift_s{mixture.seed}"
+    data = f"{mixture.key} seed {mixture.seed}"
     loader = make_loader(corrupted_dataset(task.val_set, mixture), batch_size, False, workers)
     params = getattr(args, "calibrator_params", None) or {}
     val_ids = getattr(task.val_set, "ids", None) or list(range(len(task.val_set)))
-    cals, fits = {}, {}
-    for name in names:
-        wanted = drift_record(run, name, params.get(name, {}), mixture, val_ids)
-        path = drift_folder / f"{name}.pt"
-        refit = bool(args.refit_calibrators)
-        if path.is_file() and not refit:
-            saved = load_calibrator(path, "cpu")  # one line when the file is not a calibrator
-            reason = fit_mismatch(saved.fit_info.get(DRIFT_RECORD), wanted)
-            if reason is not None:
-                print(f"{path}: {reason}; refitting it.", flush=True)
-                refit = True
-        one, info = load_or_fit_calibrators(
-            [name], drift_folder, task.num_classes, run.inference, loader, task.ignore_index,
-            refit, params)
-        if not info[name].get("loaded"):  # keep the record with the fit
-            cal = one[name]
-            cal.fit_info = {**cal.fit_info, DRIFT_RECORD: wanted}
-            save_calibrator(cal, path)
-        cals[name] = one[name]
-        fits[name] = {**info[name], "fit_data": mixture.key, "fitted_for": wanted}
+    records = {name: calibrator_record(run, name, params.get(name, {}), val_ids, data=data,
+                                       precision=infer.amp, protocol=infer.protocol)
+               for name in names}
+    cals, fits = load_or_fit_calibrators(
+        names, Path(folder) / f"drift_s{mixture.seed}", task.num_classes, infer, loader,
+        task.ignore_index, args.refit_calibrators, params, fitted_for=records)
     suffix = lambda d: {f"{k}{DRIFT_SUFFIX}": v for k, v in d.items()}  # noqa: E731
+    fits = {k: {**v, "fit_data": data} for k, v in fits.items()}
     return suffix(cals), suffix(fits)
 
 

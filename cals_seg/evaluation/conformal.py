@@ -170,7 +170,8 @@ def guarantee_status(alpha: float, kind: str, per_group: Sequence[int],
     fewest = min(counts[g] for g in short)
     fix = "give more validation images"
     if fewest:
-        fix += f" or a larger alpha (>= {float(Fraction(1, fewest + 1)):.3g})"
+        # 1 / (n + 1) rounded up on 4 decimals: the alpha written is enough
+        fix += f" or a larger alpha (>= {math.ceil(Fraction(10**4, fewest + 1)) / 10**4:g})"
     if grouped:
         what = "classes" if kind == "class" else "bands"
         names = [str(group_names[g]) if group_names else str(g) for g in short]
