@@ -342,9 +342,10 @@ def test_evaluate_calibrators_one_pass():
 
 # ----------------------------------------------------------------------------- eval_seg
 @pytest.mark.filterwarnings("ignore:boundary_ts", "ignore:The validation NLL is minimal")
-def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path):
+def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys):
     """eval_seg --calibrators: fitted on validation, saved in the run, evaluated in the same
-    pass as pre/post-TS; the ts calibrator reproduces post-TS; a second call loads them."""
+    pass as pre/post-TS; the ts calibrator reproduces post-TS; a second call with the same
+    parameters loads them; one with other parameters refits those they change, saying so."""
     import json
     from pathlib import Path
 
@@ -382,10 +383,22 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path):
     assert "band-weighted ECE" in table and "| boundary_ts |" in table
     assert (tmp_path / "eval" / "reliability_boundary_ts.png").is_file()
     # A second call loads the saved calibrators and gives the same numbers.
-    assert load_tool("eval_seg").main(base) == 0
+    capsys.readouterr()
+    assert load_tool("eval_seg").main(base + params) == 0
     again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert all(again["calibrator_fits"][n]["loaded"] for n in names)
     assert again["calibrators"] == cals
+    assert "refitting" not in capsys.readouterr().err
+    record = again["calibrator_fits"]["dirichlet"]["fitted_for"]
+    assert record["params"]["max_iter"] == 5 and record["split"] == "val"
+    # Without the parameters: dirichlet and selective were fitted with others, so refit.
+    assert load_tool("eval_seg").main(base) == 0
+    third = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert {n: third["calibrator_fits"][n]["loaded"] for n in names} == {
+        "ts": True, "boundary_ts": True, "dirichlet": False, "selective": False}
+    err = capsys.readouterr().err
+    assert "dirichlet.pt was fitted for params=" in err and "max_iter" in err
+    assert "selective.pt was fitted for params=" in err and "ts.pt was" not in err
 
 
 def test_eval_seg_calibrator_params():

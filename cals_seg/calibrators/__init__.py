@@ -25,13 +25,21 @@ Example::
     cal = build_calibrator("boundary_ts", num_classes=21)
     cal.fit(lambda: ((model(x), y) for x, y in val_loader), ignore_index=255)
     probs = cal(model(x)).softmax(dim=1)
-    save_calibrator(cal, "runs/my_run/calibrators/boundary_ts.pt")
+    save_calibrator(cal, "runs/my_run/calibrators/boundary_ts.pt", fitted_for=record)
+
+A saved calibrator records what it was fitted for (:func:`calibrator_record`: the network by
+content digest, the classes, the split and the digest of its image ids, the calibrator and its
+parameters, the precision and protocol of the forward pass, the data variant, ignore_index),
+and every file read back is validated (:func:`load_calibrator`); a fit is reused only when its
+record equals the record of the use at hand (:func:`load_or_fit_calibrators`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pickle
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +65,7 @@ from cals_seg.calibrators.selective import SelectiveScaling
 from cals_seg.calibrators.ts import TemperatureScaling
 from cals_seg.calibrators.vector import VectorScaling
 from cals_seg.errors import MissingPathError, UserError
+from cals_seg.utils.fits import file_digest, ids_digest, members_digest, plain_record
 from cals_seg.utils.registry import Registry
 
 CALIBRATORS: Registry[type[Calibrator]] = Registry("calibrator")
@@ -84,38 +93,318 @@ def build_calibrator(name: str, num_classes: int, **params: Any) -> Calibrator:
     return cls(num_classes, **params)
 
 
-def save_calibrator(calibrator: Calibrator, path: str | Path) -> Path:
-    """Write ``{"name", "num_classes", "params", "fit_info", "state"}`` (tensors and plain
-    types only, readable with ``torch.load(weights_only=True)``) to ``path``."""
+# The keys of a calibrator's ``fitted_for`` record (:func:`calibrator_record`).
+RECORD_KEYS = ("network", "classes", "split", "ids", "calibrator", "params", "precision",
+               "protocol", "data", "ignore_index")
+
+# Fitted state that must be positive (a temperature of 0 or below is no calibration).
+_POSITIVE_STATE = ("temperature", "temperatures")
+
+
+class CalibratorFileError(UserError):
+    """A saved calibrator that cannot be used: its message is one line naming the file, what
+    is wrong (``reason``) and the fix."""
+
+    def __init__(self, path: Path, reason: str, hint: str) -> None:
+        super().__init__(f"{path} {reason}; {hint}")
+        self.path, self.reason, self.hint = path, reason, hint
+
+
+def refit_command(run_path: str | Path | None, name: str) -> str:
+    """The command that refits calibrator ``name`` of the run at ``run_path``."""
+    run = run_path if run_path is not None else "RUN"
+    return f"tools/eval_seg.py {run} --calibrators {name} --refit-calibrators"
+
+
+def network_digest(run: Any) -> str:
+    """The content digest of ``run``'s network: of its checkpoint file, or for an ensemble
+    (``run.extra["ensemble"]["members"]``: the members' checkpoints) of the set of members
+    (:func:`cals_seg.utils.fits.members_digest`: a byte-identical copy is the same network)."""
+    members = (getattr(run, "extra", None) or {}).get("ensemble", {}).get("members")
+    if members:
+        return members_digest(members)
+    return file_digest(run.checkpoint)
+
+
+def protocol_record(protocol: Any) -> dict[str, Any] | None:
+    """The evaluation protocol as plain values, ``tile_batch`` left out (how many tiles share a
+    forward pass does not change the logits)."""
+    if protocol is None or not dataclasses.is_dataclass(protocol):
+        return None
+    fields = dataclasses.asdict(protocol)
+    fields.pop("tile_batch", None)
+    return plain_record(fields)
+
+
+def resolved_params(name: str, num_classes: int | None,
+                    params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every constructor parameter of calibrator ``name`` with ``params`` applied (the
+    defaults filled in), as plain values: a fit made with the defaults equals one that named
+    them.
+
+    Raises:
+        UserError: an unknown calibrator or parameter, or a bad value.
+    """
+    try:
+        return plain_record(build_calibrator(name, num_classes, **dict(params or {})).params)
+    except UserError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise UserError(f"calibrator {name}: {' '.join(str(err).split())}") from None
+
+
+def calibrator_record(
+    run: Any,
+    name: str,
+    params: Mapping[str, Any] | None = None,
+    split_ids: Sequence[Any] | None = None,
+    *,
+    split: str = "val",
+    data: str = "clean",
+    precision: str | None = None,
+    protocol: Any = None,
+) -> dict[str, Any]:
+    """What a fit of calibrator ``name`` on ``run`` is for: the ``fitted_for`` record that
+    :func:`save_calibrator` writes and :func:`load_or_fit_calibrators` compares.
+
+    ``{"network": content digest of the checkpoint (ensemble: of the members),
+    "classes": {"num_classes": K, "names": [...]}, "split": split, "ids": digest of the fit
+    images' ids in order, "calibrator": name, "params": every constructor parameter,
+    "precision": of the forward pass, "protocol": the evaluation protocol (resize, pad, slide;
+    None for none), "data": "clean" or the drift mixture's key, "ignore_index": ...}``.
+
+    A caller that has no data (``predict_seg``) leaves ``params`` and ``split_ids`` None: the
+    record then holds neither ``params`` nor ``split`` / ``ids``, and is compared with
+    ``partial=True`` (:func:`fit_problem`) on the keys it has.
+
+    Args:
+        run: a :class:`cals_seg.runs.run.LoadedRun` (``checkpoint``, ``config``,
+            ``class_names``, ``precision``, ``protocol``, ``extra``).
+        name, params: the calibrator and the parameters given for it.
+        split_ids: the ids of the images the fit sees (``task.val_set.ids``).
+        split: the split those images come from.
+        data: ``"clean"``, or the key of the corruption mixture the fit sees.
+        precision, protocol: of the forward pass, when not the run's own.
+
+    Raises:
+        UserError: an unknown calibrator or parameter (``params`` are resolved).
+    """
+    cfg = run.config.data
+    names = getattr(run, "class_names", None)
+    record: dict[str, Any] = {
+        "network": network_digest(run),
+        "classes": {"num_classes": cfg.num_classes,
+                    "names": list(names) if names is not None else None},
+        "calibrator": name,
+        "precision": precision if precision is not None else run.precision,
+        "protocol": protocol_record(protocol if protocol is not None
+                                    else getattr(run, "protocol", None)),
+        "data": data,
+        "ignore_index": cfg.ignore_index,
+    }
+    if params is not None:
+        record["params"] = resolved_params(name, cfg.num_classes, params)
+    if split_ids is not None:
+        record.update(split=split, ids=ids_digest(split_ids))
+    return plain_record(record)
+
+
+def fit_problem(saved: Any, wanted: Mapping[str, Any],
+                partial: bool = False) -> tuple[str, str] | None:
+    """``(key, reason)`` of the first recorded field on which a fit whose record is ``saved``
+    differs from the use ``wanted``; None when the fit is for this use.
+
+    The rule of :func:`cals_seg.utils.fits.fit_mismatch`: every key equal (as plain JSON), no
+    key on one side only; ``partial`` compares only the keys of ``wanted`` (a use that cannot
+    know them all: ``predict_seg`` has no data). A fit without a record is for no use.
+
+    Returns:
+        e.g. ``("network", "was fitted for another network (checkpoint digest 3fa2..., this
+        one 8b1c...)")`` or ``("record", "records nothing of what it was fitted for ...")``.
+    """
+    if not isinstance(saved, Mapping) or not saved:
+        return "record", "records nothing of what it was fitted for (written by an older version)"
+    saved, wanted = plain_record(saved), plain_record(wanted)
+    if partial:
+        saved = {k: v for k, v in saved.items() if k in wanted}
+    for key in sorted(set(saved) | set(wanted)):
+        if key not in wanted:
+            return key, f"records {key}={_short(saved[key])}, which this use does not have"
+        if key not in saved:
+            return key, f"does not record {key} (this use has {key}={_short(wanted[key])})"
+        if saved[key] == wanted[key]:
+            continue
+        if key == "network":
+            return key, (f"was fitted for another network (checkpoint digest "
+                         f"{str(saved[key])[:12]}, this one {str(wanted[key])[:12]})")
+        if key == "ids":
+            return key, "was fitted on other images (another list of image ids)"
+        return key, f"was fitted for {key}={_short(saved[key])}, not {key}={_short(wanted[key])}"
+    return None
+
+
+def _short(value: Any) -> str:
+    import json
+
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def save_calibrator(calibrator: Calibrator, path: str | Path,
+                    fitted_for: Mapping[str, Any] | None = None) -> Path:
+    """Write ``{"name", "num_classes", "params", "fit_info", "state", "fitted_for"}`` (tensors
+    and plain types only, readable with ``torch.load(weights_only=True)``) to ``path``,
+    atomically (a crash leaves the old file or the new one).
+
+    Args:
+        fitted_for: what the fit is for (:func:`calibrator_record`); None writes a file that
+            is never reused by :func:`load_or_fit_calibrators`.
+    """
+    from cals_seg.utils.io import atomic_write
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().clone() for k, v in calibrator.state_dict().items()}
-    torch.save({"name": calibrator.name, "num_classes": calibrator.num_classes,
-                "params": dict(calibrator.params), "fit_info": _plain(calibrator.fit_info),
-                "state": state}, path)
+    payload = {"name": calibrator.name, "num_classes": calibrator.num_classes,
+               "params": dict(calibrator.params), "fit_info": _plain(calibrator.fit_info),
+               "state": state,
+               "fitted_for": plain_record(fitted_for) if fitted_for is not None else None}
+    atomic_write(path, lambda tmp: torch.save(payload, tmp))
     return path
 
 
-def load_calibrator(path: str | Path, map_location: str | torch.device = "cpu") -> Calibrator:
-    """The calibrator saved by :func:`save_calibrator` at ``path``.
+def load_calibrator(path: str | Path, map_location: str | torch.device = "cpu",
+                    num_classes: int | None = None, hint: str | None = None) -> Calibrator:
+    """The calibrator saved by :func:`save_calibrator` at ``path``, validated like a config.
+
+    Checked before it is used: the file reads as tensors and plain types; it holds ``name``
+    (a registered calibrator), ``num_classes`` (``num_classes``, the run's, when given),
+    ``params`` (valid for that calibrator) and ``state`` (exactly the tensors such a
+    calibrator holds, with their shapes and dtypes, finite; temperatures positive; a chosen
+    candidate among the candidates); ``fit_info`` and ``fitted_for`` are mappings when present.
+    The record is left in ``calibrator.fitted_for`` (None for an older file without one).
+
+    Args:
+        hint: the fix named in the messages (default: the ``eval_seg`` command that refits).
 
     Raises:
-        FileNotFoundError / ValueError: no such file, or not a saved calibrator.
+        MissingPathError: no such file.
+        CalibratorFileError: anything else, in one line naming the file, what is wrong and the
+            fix (never a shape traceback at the first use).
     """
     path = Path(path)
     if not path.is_file():
         raise MissingPathError(f"{path}: no such calibrator file.")
+    hint = hint or f"refit it: {refit_command(_run_of(path), path.stem)}"
+
+    def refuse(reason: str) -> CalibratorFileError:
+        return CalibratorFileError(path, reason, hint)
+
     try:
-        saved = torch.load(path, map_location=map_location, weights_only=True)
-        cal = build_calibrator(saved["name"], saved["num_classes"], **saved["params"])
-        cal.load_state_dict(saved["state"])
-    except (KeyError, TypeError, RuntimeError, ValueError, EOFError, OSError,
-            pickle.UnpicklingError) as err:  # truncated, unreadable, not a calibrator
-        reason = " ".join(str(err).split())[:200] or type(err).__name__
-        raise UserError(f"{path} is not a saved calibrator ({reason}); refit it "
-                        "(tools/eval_seg.py RUN --calibrators NAME --refit-calibrators).") from None
-    cal.fit_info = saved.get("fit_info", {})
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (KeyError, TypeError, RuntimeError, ValueError, EOFError, OSError, AttributeError,
+            IndexError, pickle.UnpicklingError) as err:  # truncated, unreadable, not a file of ours
+        reason = " ".join(str(err).split())[:160] or type(err).__name__
+        raise refuse(f"is not a saved calibrator (it cannot be read: {reason})") from None
+    if not isinstance(saved, Mapping):
+        raise refuse(f"is not a saved calibrator (it holds a {type(saved).__name__})")
+    missing = [k for k in ("name", "num_classes", "params", "state") if k not in saved]
+    if missing:
+        raise refuse(f"is not a saved calibrator (no {', '.join(missing)})")
+    name, k, params = saved["name"], saved["num_classes"], saved["params"]
+    if not isinstance(name, str) or name not in CALIBRATORS:
+        raise refuse(f"names calibrator {name!r}, not one of {sorted(CALIBRATORS)}")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
+        raise refuse(f"holds num_classes={k!r}, not an integer >= 2")
+    if num_classes is not None and k is not None and k != num_classes:
+        raise refuse(f"was fitted for {k} classes, but the run has {num_classes}")
+    if not isinstance(params, Mapping) or not all(isinstance(p, str) for p in params):
+        raise refuse(f"holds params {params!r}, not a mapping of names to values")
+    try:
+        cal = build_calibrator(name, k, **params)
+    except (TypeError, ValueError) as err:  # an unknown parameter, a bad value
+        raise refuse(f"holds invalid params ({' '.join(str(err).split())[:160]})") from None
+    _check_state(saved["state"], cal, params, refuse)
+    for key in ("fit_info", "fitted_for"):
+        if saved.get(key) is not None and not isinstance(saved[key], Mapping):
+            raise refuse(f"holds {key} {saved[key]!r}, not a mapping")
+    cal.load_state_dict(saved["state"])
+    cal.fit_info = dict(saved.get("fit_info") or {})
+    cal.fitted_for = dict(saved["fitted_for"]) if saved.get("fitted_for") else None
     return cal.to(map_location).eval()
+
+
+def load_run_calibrator(run: Any, name: str, folder: str | Path | None = None) -> Calibrator:
+    """Calibrator ``name`` saved for ``run`` (``<run>/calibrators/<name>.pt``, or ``folder``),
+    for a use without data (``predict_seg``, ``export``): read by :func:`load_calibrator`
+    (validated, the run's class count) and used only when its record matches the run on
+    every key such a use knows (:func:`calibrator_record` without params and image ids: the
+    network's digest, the classes, the calibrator, the precision and protocol of the forward
+    pass, clean data, ignore_index), compared with ``partial=True``.
+
+    Args:
+        run: a :class:`cals_seg.runs.run.LoadedRun` (its ``precision`` and ``protocol`` are the
+            ones the calibrator will see).
+
+    Raises:
+        MissingPathError: no saved fit (the message gives the command that fits it).
+        UserError: a file that cannot be used, or a fit made for something else: one line
+            naming the file, the recorded key that differs and the command that refits it.
+    """
+    folder = Path(folder) if folder is not None else Path(run.path) / "calibrators"
+    path = folder / f"{name}.pt"
+    command = refit_command(run.path, name)
+    if not path.is_file():
+        raise MissingPathError(f"{path} does not exist: fit it first with "
+                               f"{command.replace(' --refit-calibrators', '')}.")
+    cal = load_calibrator(path, run.device, num_classes=run.config.data.num_classes,
+                          hint=f"refit it: {command}")
+    problem = fit_problem(cal.fitted_for, calibrator_record(run, name), partial=True)
+    if problem is not None:
+        key, reason = problem
+        also = ""
+        if key == "precision" and cal.fitted_for and "precision" in cal.fitted_for:
+            also = (f" (or use the fit's precision: --amp {cal.fitted_for['precision']}; to "
+                    f"refit at this one add --set train.amp={run.precision})")
+        elif key == "protocol":
+            also = " (or use the evaluation protocol the fit was made with)"
+        what = "" if key == "record" else f" [{key}]"
+        raise UserError(f"{path} {reason}{what}; refit it: {command}{also}.")
+    return cal
+
+
+def _check_state(state: Any, cal: Calibrator, params: Mapping[str, Any], refuse: Any) -> None:
+    """Raise ``refuse(reason)`` unless ``state`` holds exactly ``cal``'s tensors, with their
+    shapes and dtypes, finite, temperatures positive and a chosen candidate in range."""
+    expected = cal.state_dict()
+    if not isinstance(state, Mapping) or not all(
+            isinstance(v, torch.Tensor) for v in state.values()):
+        raise refuse("holds a state that is not a mapping of tensors")
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise refuse(f"lacks the state {missing[:3]} of a {cal.name} calibrator")
+    unknown = sorted(set(state) - set(expected))
+    if unknown:
+        raise refuse(f"holds state {unknown[:3]} that a {cal.name} calibrator does not have")
+    for key, ref in expected.items():
+        value = state[key]
+        if tuple(value.shape) != tuple(ref.shape) or value.dtype != ref.dtype:
+            raise refuse(f"holds state {key} of {str(value.dtype)[6:]} {tuple(value.shape)}; a "
+                         f"{cal.name} calibrator for {cal.num_classes} classes holds "
+                         f"{str(ref.dtype)[6:]} {tuple(ref.shape)}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise refuse(f"holds NaN or infinite values in state {key}")
+        if key.split(".")[-1] in _POSITIVE_STATE and not bool((value > 0).all()):
+            raise refuse(f"holds a temperature <= 0 in state {key}")
+        if key == "choice":
+            count = len(params.get("candidates") or ())
+            if not 0 <= int(value) < count:
+                raise refuse(f"holds choice={int(value)}, not one of its {count} candidates")
+
+
+def _run_of(path: Path) -> Path | str:
+    """The run folder of a calibrator file (``<run>/calibrators/<name>.pt``), for messages."""
+    return path.parent.parent if path.parent.name == "calibrators" else "RUN"
 
 
 def _plain(obj: Any) -> Any:
@@ -130,6 +419,7 @@ def _plain(obj: Any) -> Any:
 
 __all__ = [
     "CALIBRATORS",
+    "RECORD_KEYS",
     "TABLE_COLUMNS",
     "Batches",
     "ArgmaxKeepingScaling",
@@ -137,6 +427,7 @@ __all__ = [
     "BoundaryTemperatureScaling",
     "Calibrated",
     "Calibrator",
+    "CalibratorFileError",
     "DirichletCalibration",
     "FineBoundaryTemperatureScaling",
     "LocalTemperatureScaling",
@@ -146,10 +437,15 @@ __all__ = [
     "VectorScaling",
     "build_calibrator",
     "calibration_table",
+    "calibrator_record",
     "evaluate_calibrators",
     "fit_calibrators",
+    "fit_problem",
     "load_calibrator",
     "load_or_fit_calibrators",
+    "load_run_calibrator",
+    "network_digest",
+    "refit_command",
     "save_calibrator",
     "table_values",
 ]

@@ -12,7 +12,6 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from cals_seg.calibrators._base import Calibrator
-from cals_seg.errors import UserError
 
 if TYPE_CHECKING:
     from cals_seg.evaluation.stream import Inference
@@ -178,30 +177,58 @@ def load_or_fit_calibrators(
     ignore_index: int,
     refit: bool = False,
     params: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    fitted_for: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[dict[str, Calibrator], dict[str, dict[str, Any]]]:
-    """The calibrators ``names``: loaded from ``folder/<name>.pt`` when saved there (and not
-    ``refit``), else built (with ``params[name]``), fitted on the logits of ``infer`` (the
-    model, device, precision and protocol) over ``val_loader`` and saved there.
+    """The calibrators ``names``: loaded from ``folder/<name>.pt`` when the fit saved there is
+    for this use, else built (with ``params[name]``), fitted on the logits of ``infer`` (the
+    model, device, precision and protocol) over ``val_loader`` and saved there with its record.
+
+    A saved fit is reused only when it passes :func:`cals_seg.calibrators.load_calibrator`'s
+    checks and its ``fitted_for`` record equals ``fitted_for[name]`` on every key
+    (:func:`cals_seg.calibrators.fit_problem`; build the record with
+    :func:`cals_seg.calibrators.calibrator_record`). Otherwise it is refit, with one line on
+    stderr: ``<folder>/ts.pt was fitted for precision="bf16", not precision="none":
+    refitting``. Without a record for ``name`` (a caller that does not say what the fit is
+    for) a saved fit is never reused, and the new one is saved without a record.
 
     Returns:
         ``({name: calibrator}, {name: fit summary})``; a summary holds the method's
         ``fit_info``, ``"loaded": True`` for a loaded one, else the fit's wall-clock
         ``fit_seconds`` and, on CUDA, ``fit_peak_memory_mib`` (peak allocated during the fit,
-        the network's forward passes included).
+        the network's forward passes included); ``file`` and ``fitted_for`` (the record).
     """
-    from cals_seg.calibrators import build_calibrator, load_calibrator, save_calibrator
+    import sys
+
+    from cals_seg.calibrators import (
+        CalibratorFileError,
+        build_calibrator,
+        fit_problem,
+        load_calibrator,
+        save_calibrator,
+    )
 
     folder, device = Path(folder), infer.device
     out, info = {}, {}
     for name in names:
         path = folder / f"{name}.pt"
+        wanted = (fitted_for or {}).get(name)
         if path.is_file() and not refit:
-            cal = load_calibrator(path, device)
-            if cal.num_classes != num_classes:
-                raise UserError(f"{path} has {cal.num_classes} classes, the run {num_classes}; "
-                                 "refit it (--refit-calibrators).")
-            out[name], info[name] = cal, {**cal.fit_info, "loaded": True, "file": str(path)}
-            continue
+            try:
+                cal = load_calibrator(path, device, num_classes=num_classes)
+            except CalibratorFileError as err:
+                reason = err.reason
+            else:
+                problem = ((None, "is not reused: the caller gives no record of what the fit "
+                                  "must be for") if wanted is None
+                           else fit_problem(cal.fitted_for, wanted))
+                if problem is None:
+                    out[name] = cal
+                    info[name] = {**cal.fit_info, "loaded": True, "file": str(path),
+                                  "fitted_for": wanted}
+                    continue
+                reason = problem[1]
+            print(f"{path} {reason}: refitting", file=sys.stderr, flush=True)
         cal = build_calibrator(name, num_classes, **dict((params or {}).get(name, {})))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -212,8 +239,9 @@ def load_or_fit_calibrators(
         if device.type == "cuda":
             summary["fit_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         cal.fit_info = summary
-        save_calibrator(cal, path)
-        out[name], info[name] = cal, {**summary, "file": str(path)}
+        save_calibrator(cal, path, fitted_for=wanted)
+        cal.fitted_for = dict(wanted) if wanted is not None else None
+        out[name], info[name] = cal, {**summary, "file": str(path), "fitted_for": wanted}
     return out, info
 
 

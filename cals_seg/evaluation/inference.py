@@ -14,6 +14,12 @@ the saved confidence maps are taken on the original pixels, against the unmodifi
 
 Memory: ``whole`` runs the batch it is given; ``slide`` runs one image at a time, ``tile_batch``
 tiles per forward pass, and keeps one ``(K, H, W)`` sum of logits per image.
+
+Logits that are NaN or infinite (a diverged checkpoint, an imported network that overflows)
+never reach a metric or a saved map: :func:`segment_logits` raises
+:class:`NonFiniteLogitsError`, one line naming what to check. On the CPU each call checks its
+logits at once; on an accelerator a pass hands it a :class:`FiniteLogits` that keeps a device
+flag and is read once at the end of the pass (no synchronisation per batch).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cals_seg.errors import UserError
 from cals_seg.evaluation.logit_cache import cached_logits
 from cals_seg.utils.precision import autocast_context
 
@@ -82,6 +89,68 @@ class EvalProtocol:
                 f"`stride`: expected an integer in [1, `window`] = [1, {self.window}] (a larger "
                 f"stride leaves pixels no tile covers), got {self.stride}."
             )
+
+
+class NonFiniteLogitsError(UserError, RuntimeError):
+    """The network returned NaN or infinite logits: no metric or map would mean anything."""
+
+
+# What to check, in the one line of a NonFiniteLogitsError.
+NON_FINITE_HINT = ("check the network's weights (a checkpoint saved after the training "
+                   "diverged), the factory and weights of an imported network, and the "
+                   "precision of the forward pass (fp16 overflows: --set train.amp=none, or "
+                   "--amp none)")
+
+
+class FiniteLogits:
+    """Whether every logit of one pass is finite: :meth:`observe` each batch's logits,
+    :meth:`check` once at the end of the pass.
+
+    On the CPU :meth:`observe` raises at once (there is no device to wait for). On an
+    accelerator it adds ``not isfinite(logits).all()`` to a 0-dim device count, with no
+    synchronisation; :meth:`check` reads that count once (one synchronisation per pass).
+
+    Raises:
+        NonFiniteLogitsError: from :meth:`observe` (CPU) or :meth:`check` (accelerators).
+    """
+
+    def __init__(self) -> None:
+        self.bad: Tensor | None = None  # batches with a non-finite logit (device, 0-dim)
+        self.batches = 0
+
+    def observe(self, logits: Tensor) -> Tensor:
+        """Note one batch's logits ``(N, K, *S)``; returns them."""
+        self.batches += 1
+        finite = torch.isfinite(logits).all()
+        if logits.device.type == "cpu":
+            if not bool(finite):
+                raise NonFiniteLogitsError(self.message(1))
+            return logits
+        count = (~finite).to(torch.int64)
+        self.bad = count if self.bad is None else self.bad + count
+        return logits
+
+    def check(self) -> None:
+        """Raise if a batch of the pass had a NaN or infinite logit (one host read)."""
+        if self.bad is not None:
+            count = int(self.bad)
+            self.bad = None
+            if count:
+                raise NonFiniteLogitsError(self.message(count))
+
+    def message(self, count: int) -> str:
+        where = "" if self.batches <= 1 else f" in {count} of {self.batches} batches"
+        return f"the network returned NaN or infinite logits{where}; {NON_FINITE_HINT}."
+
+
+def _checked(logits: Tensor, finite: FiniteLogits | None) -> Tensor:
+    """``logits``, noted by the pass's ``finite`` or (None) checked now."""
+    if finite is not None:
+        return finite.observe(logits)
+    once = FiniteLogits()
+    once.observe(logits)
+    once.check()
+    return logits
 
 
 def input_multiple(model: nn.Module) -> int:
@@ -159,7 +228,8 @@ def resized_shape(height: int, width: int, longest: int | None) -> tuple[int, in
 
 @torch.no_grad()
 def segment_logits(
-    model: nn.Module, images: Tensor, protocol: EvalProtocol | None = None, amp: str = "none"
+    model: nn.Module, images: Tensor, protocol: EvalProtocol | None = None, amp: str = "none",
+    finite: FiniteLogits | None = None,
 ) -> Tensor:
     """Logits of normalised images at their own resolution, whatever the network input was.
 
@@ -173,17 +243,23 @@ def segment_logits(
         images: normalised images (what the dataset returns).
         protocol: see :class:`EvalProtocol` (default: whole images, no resize, no padding).
         amp: resolved precision of the forward pass (``none``, ``bf16``, ``fp16``).
+        finite: the pass's :class:`FiniteLogits` (read once at its end on an accelerator);
+            None: these logits are checked now (on an accelerator: one synchronisation).
 
     Shape:
         ``images (N, 3, H, W)`` -> logits ``(N, K, H, W)`` float32.
+
+    Raises:
+        NonFiniteLogitsError: a NaN or infinite logit (with ``finite`` on an accelerator: at
+            ``finite.check()``).
 
     Inside a :func:`cals_seg.evaluation.logit_cache.logit_cache` block, images already run with
     this model, protocol and precision are served from memory (one network call per distinct
     input within an evaluation).
     """
     protocol = protocol or EvalProtocol()
-    return cached_logits(model, images, (repr(protocol), amp),
-                         lambda: _segment_logits(model, images, protocol, amp))
+    return _checked(cached_logits(model, images, (repr(protocol), amp),
+                                  lambda: _segment_logits(model, images, protocol, amp)), finite)
 
 
 def _segment_logits(model: nn.Module, images: Tensor, protocol: EvalProtocol, amp: str
@@ -320,6 +396,9 @@ def predict_image(
 
 __all__ = [
     "MODES",
+    "NON_FINITE_HINT",
+    "FiniteLogits",
+    "NonFiniteLogitsError",
     "Prediction",
     "EvalProtocol",
     "calibrated_outputs",
