@@ -118,7 +118,8 @@ def test_calibrator_boundary_ts_gives_the_confidence_maps(run_dir, tmp_path, cap
     divided by the temperature of each pixel's predicted band (bands by a brute-force loop)."""
     import shutil
 
-    from cals_seg.calibrators import build_calibrator, save_calibrator
+    from cals_seg.calibrators import build_calibrator, calibrator_record, save_calibrator
+    from cals_seg.runs.run import load_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -141,7 +142,11 @@ def test_calibrator_boundary_ts_gives_the_confidence_maps(run_dir, tmp_path, cap
     assert "--calibrators dirichlet" in capsys.readouterr().err
     cal = build_calibrator("boundary_ts", 11, bands=(2.0, 5.0))
     cal.temperatures.copy_(torch.tensor([3.0, 0.5, 1.5]))  # far apart: a wrong band shows
-    save_calibrator(cal, run / "calibrators" / "boundary_ts.pt")
+    save_calibrator(cal, run / "calibrators" / "boundary_ts.pt")  # no record: refused
+    assert load_tool("predict_seg").main([*args, "--calibrator", "boundary_ts"]) == 2
+    assert "records nothing of what it was fitted for" in capsys.readouterr().err
+    record = calibrator_record(load_run(run, family="segmentation"), "boundary_ts")
+    save_calibrator(cal, run / "calibrators" / "boundary_ts.pt", fitted_for=record)
     assert load_tool("predict_seg").main([*args, "--calibrator", "boundary_ts"]) == 0
 
     x = torch.from_numpy(((pixels / 255 - MEAN) / STD).astype(np.float32)).permute(2, 0, 1)[None]

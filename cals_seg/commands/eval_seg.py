@@ -161,10 +161,15 @@ def open_run(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import consent_of
+    from cals_seg.commands._cli import consent_of, report
+    from cals_seg.evaluation.inference import NonFiniteLogitsError
 
     with consent_of(args):  # --trust-code: the run folders' factories may be imported
-        return _main(args)
+        try:
+            return _main(args)
+        except NonFiniteLogitsError as err:  # NaN / inf logits: one line naming the run
+            runs = args.run if isinstance(args.run, str) else ", ".join(args.run)
+            return report(UserError(f"{runs}: {err}"))
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -258,8 +263,9 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     calibrators, fits, skipped = {}, {}, {}
     names = getattr(args, "calibrators", [])
     if names:
-        from cals_seg.calibrators import load_or_fit_calibrators
+        from cals_seg.calibrators import calibrator_record, load_or_fit_calibrators
         from cals_seg.commands._cli import USER_ERRORS, report
+        from cals_seg.evaluation.inference import NonFiniteLogitsError
         from cals_seg.utils.distributed import is_distributed
 
         cal_folder = getattr(args, "calibrator_folder", None) or \
@@ -267,11 +273,16 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
+        params = getattr(args, "calibrator_params", None) or {}
         for name in dict.fromkeys(names):  # one that cannot be fitted is reported, not fatal
-            try:
+            try:  # reused only when fitted for this network, classes, images, params, precision
+                record = calibrator_record(run, name, params.get(name, {}), task.val_set.ids,
+                                           precision=infer.amp, protocol=infer.protocol)
                 one, fit = load_or_fit_calibrators(
                     [name], cal_folder, task.num_classes, infer, val_loader, task.ignore_index,
-                    args.refit_calibrators, getattr(args, "calibrator_params", None))
+                    args.refit_calibrators, params, fitted_for={name: record})
+            except NonFiniteLogitsError as err:  # the network's fault, not the calibrator's
+                return report(UserError(f"{run.path}: {err}"))
             except (*USER_ERRORS, ValueError) as err:
                 skipped[name] = calibrator_skip(name, err)
                 report(UserError(f"calibrator {name} skipped: {skipped[name]}"))

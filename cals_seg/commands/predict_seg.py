@@ -71,19 +71,10 @@ def open_run(args: argparse.Namespace):
     run = load_run(args.run, overrides=[*args.set, *protocol_overrides(args)],
                    device=args.device, amp=args.amp, family="segmentation")
     args.calibrator_module = None
-    if args.calibrator is not None:
-        from cals_seg.calibrators import load_calibrator
+    if args.calibrator is not None:  # validated, and refused unless fitted for this use
+        from cals_seg.calibrators import load_run_calibrator
 
-        path = run.run.calibrator_file(args.calibrator)
-        if not path.is_file():
-            raise MissingPathError(
-                f"{path} does not exist: fit it first with tools/eval_seg.py {run.path} "
-                f"--calibrators {args.calibrator}."
-            )
-        args.calibrator_module = load_calibrator(path, run.device)
-        if args.calibrator_module.num_classes != run.config.data.num_classes:
-            raise UserError(f"{path} has {args.calibrator_module.num_classes} classes, but the "
-                             f"run has {run.config.data.num_classes}; refit it.")
+        args.calibrator_module = load_run_calibrator(run, args.calibrator)
         return run, 1.0
     temperature = args.temperature
     if temperature is None:
@@ -135,10 +126,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import consent_of
+    from cals_seg.commands._cli import consent_of, report
+    from cals_seg.evaluation.inference import NonFiniteLogitsError
 
     with consent_of(args):  # --trust-code: the run folders' factories may be imported
-        return _main(args)
+        try:
+            return _main(args)
+        except NonFiniteLogitsError as err:  # NaN / inf logits: one line naming the run
+            runs = args.run if isinstance(args.run, str) else ", ".join(args.run)
+            return report(UserError(f"{runs}: {err}"))
 
 
 def _main(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
-from cals_seg.evaluation.inference import EvalProtocol, segment_logits
+from cals_seg.evaluation.inference import EvalProtocol, FiniteLogits, segment_logits
 from cals_seg.metrics import BoundaryAwareECEMeter
 from cals_seg.utils.distributed import is_main_process
 from cals_seg.utils.precision import autocast_context
@@ -202,8 +202,11 @@ def _predict(
     """:func:`predict`'s ``(logits, target, inputs)`` and the batch's group maps
     (:func:`batch_groups`, split and moved like the target: the protocol brings the logits to
     the mask as the loader gives it, which is never cropped or padded, so neither are they;
-    ``{}`` without ``with_groups``)."""
+    ``{}`` without ``with_groups``). NaN or infinite logits raise
+    :class:`~cals_seg.evaluation.inference.NonFiniteLogitsError` (on an accelerator once, at
+    the end of the pass: :class:`~cals_seg.evaluation.inference.FiniteLogits`)."""
     model.eval()
+    finite = FiniteLogits()
     progress = progress and is_main_process()
     bar = tqdm(total=_num_samples(loader) if progress else None, desc=desc, unit="img",
                leave=False, disable=not progress, dynamic_ncols=True)
@@ -215,7 +218,7 @@ def _predict(
                 for inputs, target, groups in pieces:
                     inputs = inputs.to(device, non_blocking=True)
                     if protocol is not None:
-                        logits = segment_logits(model, inputs, protocol, amp)
+                        logits = segment_logits(model, inputs, protocol, amp, finite)
                     else:
                         with autocast_context(device, amp):
                             logits = model(inputs)
@@ -223,6 +226,7 @@ def _predict(
                     target = target.to(device, non_blocking=True)
                     groups = {k: v.to(device, non_blocking=True) for k, v in groups.items()}
                     yield logits.float(), target, inputs, groups
+    finite.check()
 
 
 def _pieces(inputs: Tensor, target: Tensor, protocol: EvalProtocol | None,
