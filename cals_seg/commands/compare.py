@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--calibrators", nargs="+", default=[], metavar="NAME",
         choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts",
-                 "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf"],
+                 "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf", "image_ts"],
         help="post-hoc calibrators fitted on each segmentation run's validation split and "
         "evaluated on its test split: OUT/calibrators.md and .csv",
     )
@@ -135,10 +135,16 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
     from cals_seg.config.schema import load_config, resolve_config_path
     from cals_seg.tasks import build_task
 
-    jobs, prepared = [], set()
+    jobs, prepared, given = [], set(), {}
     for config in args.configs:
         if config.is_dir():  # a run folder: evaluated, not trained
             row = given_run_row(config, rows)
+            same = given_run_identity(config)  # one row per run, however spelt or copied
+            if same in given:
+                print(f"compare: {config} is the same run as {given[same]} (the same checkpoint "
+                      "and config by content): one row for both.", flush=True)
+                continue
+            given[same] = config
             rows[row] = {"summaries": [], "failed": [], "given": True}
             jobs.append((row, config, GIVEN, None))
             continue
@@ -158,6 +164,17 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
 
 
 GIVEN = "<run folder>"  # the method of a job whose run folder was given (not trained)
+
+
+def given_run_identity(folder: Path) -> tuple[str, str]:
+    """A given run folder by content: the digests of its best checkpoint and its config, so
+    that a folder spelt two ways (relative / absolute, through a link) or copied byte for byte
+    is one run."""
+    from cals_seg.runs.run import Run
+    from cals_seg.utils.fits import file_digest
+
+    run = Run(folder)
+    return file_digest(run.best), file_digest(run.config)
 
 
 def given_run_row(folder: Path, rows: dict[str, dict[str, Any]]) -> str:
