@@ -110,11 +110,16 @@ class FiniteLogits:
     accelerator it adds ``not isfinite(logits).all()`` to a 0-dim device count, with no
     synchronisation; :meth:`check` reads that count once (one synchronisation per pass).
 
+    Args:
+        defer: keep the count for :meth:`check` (True) or raise in :meth:`observe` (False);
+            None: defer on an accelerator, not on the CPU.
+
     Raises:
         NonFiniteLogitsError: from :meth:`observe` (CPU) or :meth:`check` (accelerators).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, defer: bool | None = None) -> None:
+        self.defer = defer
         self.bad: Tensor | None = None  # batches with a non-finite logit (device, 0-dim)
         self.batches = 0
 
@@ -122,7 +127,8 @@ class FiniteLogits:
         """Note one batch's logits ``(N, K, *S)``; returns them."""
         self.batches += 1
         finite = torch.isfinite(logits).all()
-        if logits.device.type == "cpu":
+        defer = self.defer if self.defer is not None else logits.device.type != "cpu"
+        if not defer:
             if not bool(finite):
                 raise NonFiniteLogitsError(self.message(1))
             return logits
