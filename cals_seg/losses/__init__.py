@@ -3,7 +3,9 @@ spatial losses SVLS, NACL and CRaC, and the region-adaptive CALS-ALM (``cals_alm
 
 Every loss takes logits ``(N, K, *S)`` and targets ``(N, *S)``, excludes ``ignore_index``
 positions from every mean and returns a scalar, so it is a drop-in for ``F.cross_entropy``
-(the spatial losses need ``(N, K, H, W)`` and refuse other shapes).
+(the spatial losses need ``(N, K, H, W)`` and refuse other shapes). Like ``F.cross_entropy``
+it raises at the call on a target outside ``[0, K)`` that is not ``ignore_index``, without a
+host synchronisation on an accelerator (:func:`cals_seg.losses._base.assert_labels`).
 """
 
 from __future__ import annotations
