@@ -207,6 +207,7 @@ def load_or_fit_calibrators(
         load_calibrator,
         save_calibrator,
     )
+    from cals_seg.utils.distributed import is_main_process
 
     folder, device = Path(folder), infer.device
     out, info = {}, {}
@@ -239,7 +240,8 @@ def load_or_fit_calibrators(
         if device.type == "cuda":
             summary["fit_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         cal.fit_info = summary
-        save_calibrator(cal, path, fitted_for=wanted)
+        if is_main_process():  # every rank fitted the same calibrator; one writes it
+            save_calibrator(cal, path, fitted_for=wanted)
         cal.fitted_for = dict(wanted) if wanted is not None else None
         out[name], info[name] = cal, {**summary, "file": str(path), "fitted_for": wanted}
     return out, info
