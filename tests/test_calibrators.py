@@ -70,8 +70,8 @@ def test_changes_argmax_flags():
     assert {n: c.changes_argmax for n, c in CALIBRATORS.items()} == {
         "ts": False, "vector": True, "dirichlet": True, "lts": False, "selective": False,
         "boundary_ts": False, "cms_ap": False, "cms_op": False, "boundary_ts_fine": False,
-        "boundary_ts_conf": False}
-    assert {n for n, c in CALIBRATORS.items() if c.needs_image} == {"lts"}
+        "boundary_ts_conf": False, "image_ts": False}
+    assert {n for n, c in CALIBRATORS.items() if c.needs_image} == {"lts", "image_ts"}
     assert build_calibrator("lts", 3, use_image=False).needs_image is False
 
 

@@ -157,6 +157,7 @@ FAST = {"boundary_ts_fine": {"holdout_every": 2},
         "cms_ap": {"max_iter": 15, "holdout_every": 2},
         "cms_op": {"max_iter": 15, "holdout_every": 2},
         "lts": {"epochs": 1, "holdout_every": 2, "use_image": False},
+        "image_ts": {"max_iter": 5, "holdout_every": 2, "use_image": False},
         "selective": {"epochs": 1, "holdout_every": 2, "steps_per_batch": 2,
                       "pixels_per_step": 64}}
 

@@ -42,7 +42,7 @@ def test_the_package_registries_are_registries():
     assert LOSSES["cals_alm"].__name__ == "CALSALMLoss" and "ce" in LOSSES
     assert sorted(CALIBRATORS) == sorted(["ts", "vector", "dirichlet", "lts", "selective",
                                           "boundary_ts", "boundary_ts_fine", "boundary_ts_conf",
-                                          "cms_ap", "cms_op"])
+                                          "cms_ap", "cms_op", "image_ts"])
     assert METERS["calibration"] is CalibrationMeter
     with pytest.raises(ValueError, match=r"Unknown loss 'cals'; valid names are \['cals_alm'"):
         build_loss("cals", 3)

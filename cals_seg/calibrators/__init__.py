@@ -18,6 +18,7 @@ network's; ``needs_image`` whether ``forward`` needs the image.
     boundary_ts_conf a temperature per (band, confidence bin) cell  no             no
     cms_ap     per-argmax-class affine map on gaps to the top      no             no
     cms_op     per-argmax-class affine map on consecutive gaps     no (no order)  no
+    image_ts   a temperature per image and band from its statistics no             yes
     ========== =================================================== ============== ===========
 
 Example::
@@ -59,6 +60,7 @@ from cals_seg.calibrators.boundary_conf_ts import BoundaryConfidenceTemperatureS
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
 from cals_seg.calibrators.boundary_ts_fine import FineBoundaryTemperatureScaling
 from cals_seg.calibrators.dirichlet import DirichletCalibration
+from cals_seg.calibrators.image_ts import ImageTemperatureScaling
 from cals_seg.calibrators.lts import LocalTemperatureScaling
 from cals_seg.calibrators.order_keeping import ArgmaxKeepingScaling, OrderKeepingScaling
 from cals_seg.calibrators.selective import SelectiveScaling
@@ -72,7 +74,7 @@ CALIBRATORS: Registry[type[Calibrator]] = Registry("calibrator")
 for _cls in (TemperatureScaling, VectorScaling, DirichletCalibration, LocalTemperatureScaling,
              SelectiveScaling, BoundaryTemperatureScaling, ArgmaxKeepingScaling,
              OrderKeepingScaling, FineBoundaryTemperatureScaling,
-             BoundaryConfidenceTemperatureScaling):
+             BoundaryConfidenceTemperatureScaling, ImageTemperatureScaling):
     CALIBRATORS.register(_cls.name, _cls)
 
 
@@ -430,6 +432,7 @@ __all__ = [
     "CalibratorFileError",
     "DirichletCalibration",
     "FineBoundaryTemperatureScaling",
+    "ImageTemperatureScaling",
     "LocalTemperatureScaling",
     "OrderKeepingScaling",
     "SelectiveScaling",

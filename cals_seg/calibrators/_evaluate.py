@@ -77,7 +77,9 @@ def fit_calibrators(
     out = {}
     for name, calibrator in calibrators.items():
         calibrator.to(device)
-        out[name] = calibrator.fit(batches, ignore_index=ignore_index)
+        own = getattr(calibrator, "fit_on_loader", None)  # image_ts adds corrupted copies
+        out[name] = (own(model, val_loader, device, ignore_index, amp, protocol) if own
+                     else calibrator.fit(batches, ignore_index=ignore_index))
         calibrator.eval()
     return out
 

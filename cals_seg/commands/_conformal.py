@@ -33,7 +33,7 @@ from cals_seg.errors import MissingPathError, UserError
 
 CONFORMAL_KEYS = ("alpha", "mode", "score", "calibrator", "seed", "every")
 CALIBRATOR_NAMES = ("ts", "vector", "dirichlet", "lts", "selective", "boundary_ts", "cms_ap",
-                    "cms_op", "boundary_ts_fine", "boundary_ts_conf")
+                    "cms_op", "boundary_ts_fine", "boundary_ts_conf", "image_ts")
 DEFAULT_EVERY = 5  # the lts / selective hold-out, kept when validation allows it
 MAX_GRID = 2**20  # a saved grid above it is refused (the state is 8 (grid + 2) bytes per group)
 

@@ -69,7 +69,7 @@ from cals_seg.errors import MissingPathError, UserError
 # The names of cals_seg.calibrators.CALIBRATORS (listed here so that --help does not import torch;
 # a test checks that they agree).
 CALIBRATOR_NAMES = ["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts", "cms_ap",
-                    "cms_op", "boundary_ts_fine", "boundary_ts_conf"]
+                    "cms_op", "boundary_ts_fine", "boundary_ts_conf", "image_ts"]
 
 
 def _count(value: str) -> int:

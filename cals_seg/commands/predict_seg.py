@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="precision of the forward pass (default: the run's train.amp)")
     parser.add_argument("--calibrator", default=None, metavar="NAME",
                         choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts",
-                                 "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf"],
+                                 "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf",
+                                 "image_ts"],
                         help="a post-hoc calibrator saved in <run>/calibrators/ (instead of T)")
     parser.add_argument("--conformal", nargs="+", default=None, metavar="ALPHA",
                         help="prediction sets with miscoverage ALPHA (then optional mode=..., "

@@ -1,0 +1,126 @@
+"""The statistics ``image_ts`` reads from an image and its logits, and the predicted-boundary
+bands, in tensor operations only (no numpy, no loop over a data-dependent size), so that the
+calibrator's forward pass goes into ``torch.export`` (:mod:`cals_seg.calibrators.image_ts`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FEATURES = ("brightness", "log_contrast", "log_sharpness", "log_noise", "saturation",
+            "entropy_mean", "entropy_std", "margin_mean", "margin_std")
+IMAGE_FEATURES = 5  # the first five come from the image
+LOG_T_MAX = math.log(100.0)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+LUMA = (0.299, 0.587, 0.114)
+_LAPLACIAN = ((0.0, 1.0, 0.0), (1.0, -4.0, 1.0), (0.0, 1.0, 0.0))
+_NOISE = ((1.0, -2.0, 1.0), (-2.0, 4.0, -2.0), (1.0, -2.0, 1.0))
+
+
+def work_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _filter(y: Tensor, kernel: Sequence[Sequence[float]]) -> Tensor:
+    """``y (N, 1, H, W)`` convolved with a 3 x 3 kernel, replicate-padded (same size)."""
+    k = torch.tensor(kernel, dtype=y.dtype, device=y.device).view(1, 1, 3, 3)
+    return F.conv2d(F.pad(y, (1, 1, 1, 1), mode="replicate"), k)
+
+
+def image_statistics(image: Tensor, mean: Sequence[float] = IMAGENET_MEAN,
+                     std: Sequence[float] = IMAGENET_STD) -> Tensor:
+    """The five image statistics of :data:`FEATURES`, per image (formulas in the docstring of
+    :mod:`cals_seg.calibrators.image_ts`).
+
+    Shape:
+        - image: ``(N, 3, H, W)`` normalised ``(x - mean) / std``; returns ``(N, 5)`` in float64
+          for a float64 image, else float32.
+    """
+    x = image.to(work_dtype(image))
+    m = torch.tensor(mean, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    rgb = (x * s + m).clamp(0.0, 1.0)
+    luma = (rgb * torch.tensor(LUMA, dtype=x.dtype, device=x.device).view(1, 3, 1, 1)).sum(
+        dim=1, keepdim=True)
+    flat = luma.flatten(1)
+    brightness = flat.mean(dim=1)
+    contrast = torch.log(flat.std(dim=1, correction=0) + 1e-3)
+    sharpness = torch.log(_filter(luma, _LAPLACIAN).flatten(1).var(dim=1, correction=0) + 1e-6)
+    sigma = math.sqrt(math.pi / 2.0) / 6.0 * _filter(luma, _NOISE).abs().flatten(1).mean(dim=1)
+    noise = torch.log(sigma + 1e-4)
+    high, low = rgb.amax(dim=1), rgb.amin(dim=1)
+    saturation = ((high - low) / (high + 1e-3)).flatten(1).mean(dim=1)
+    return torch.stack([brightness, contrast, sharpness, noise, saturation], dim=1)
+
+
+def logit_statistics(logits: Tensor) -> Tensor:
+    """The four logit statistics of :data:`FEATURES`: mean and spread of the predictive entropy
+    (nats) and of the top-1 minus top-2 logit margin, per image.
+
+    Shape:
+        - logits: ``(N, K, H, W)``, K >= 2; returns ``(N, 4)`` (float64 for float64 logits,
+          else float32).
+    """
+    x = logits.to(work_dtype(logits))
+    logp = torch.log_softmax(x, dim=1)
+    entropy = -(logp.exp() * logp).sum(dim=1).flatten(1)
+    top = x.topk(2, dim=1).values
+    margin = (top[:, 0] - top[:, 1]).flatten(1)
+    return torch.stack([entropy.mean(dim=1), entropy.std(dim=1, correction=0),
+                        margin.mean(dim=1), margin.std(dim=1, correction=0)], dim=1)
+
+
+def band_map(logits: Tensor, thresholds: Sequence[int]) -> Tensor:
+    """Band of every pixel from the boundaries of ``argmax(logits)``, the bands of
+    :func:`cals_seg.calibrators.boundary_ts.predicted_bands` (equal to them, tested), written
+    with tensor operations and loops of a fixed length only (for ``torch.export``).
+
+    The capped squared distance ``min(D, L)`` (``L = max(thresholds)``) is exact: with ``R =
+    isqrt(L - 1)``, the vertical distance ``g`` to a boundary pixel of the same column is
+    counted up to ``R + 1`` by ``R`` dilations, and ``D = min over |dx| <= R`` of ``g(x + dx)^2
+    + dx^2`` (columns outside the image count ``(R + 1)^2 >= L``); a larger ``|dx|`` or ``g``
+    gives at least ``L`` anyway.
+
+    Shape:
+        - logits: ``(N, K, H, W)``; returns ``(N, H, W)`` int64 in ``[0, len(thresholds)]``.
+    """
+    label = logits.argmax(dim=1)
+    if not thresholds:
+        return torch.zeros_like(label)
+    lab = label.unsqueeze(1).to(torch.float32)  # exact for K < 2^24
+    h, w = lab.shape[2], lab.shape[3]
+    # Replicate padding puts the pixel itself or one of its in-image neighbours outside the
+    # image, so a difference is only ever with a neighbour inside the image.
+    padded = F.pad(lab, (1, 1, 1, 1), mode="replicate")
+    boundary = torch.zeros_like(lab, dtype=torch.bool)
+    for dy in (-1, 0, 1):
+        for dx in (-1, 0, 1):
+            if dy or dx:
+                boundary = boundary | (padded[:, :, 1 + dy:1 + dy + h, 1 + dx:1 + dx + w] != lab)
+    limit = max(thresholds)
+    r = math.isqrt(limit - 1)
+    near = boundary.to(torch.float32)
+    far = 1.0 - near
+    for _ in range(r):
+        near = F.max_pool2d(near, (3, 1), stride=1, padding=(1, 0))
+        far = far + (1.0 - near)
+    g2 = far * far
+    out = g2
+    if r:
+        wide = F.pad(g2, (r, r, 0, 0), value=float((r + 1) ** 2))
+        for dx in range(1, r + 1):
+            out = torch.minimum(out, wide[:, :, :, r - dx:r - dx + w] + dx * dx)
+            out = torch.minimum(out, wide[:, :, :, r + dx:r + dx + w] + dx * dx)
+    dist2 = out.clamp(max=float(limit))[:, 0]
+    band = torch.zeros_like(label)
+    for t in thresholds:
+        band = band + (dist2 >= t).to(torch.int64)
+    return band
+
+
+__all__ = ["FEATURES", "band_map", "image_statistics", "logit_statistics", "work_dtype"]
