@@ -901,11 +901,10 @@ def test_training_prints_the_line_and_writes_it_only_when_under_confident(
     metrics = json.loads((tmp_path / "runs" / "planted" / "test_metrics.json").read_text())
     said = [line for line in lines if "only lowers confidence" in line]
     if interval[1] < 1:
-        # after the training and the test, before the run directory (the last line)
-        at = lines.index(said[0])
+        # training's last line, after the test and the run directory
         last_epoch = max(i for i, line in enumerate(lines) if line.startswith("epoch "))
-        assert len(said) == 1 and last_epoch < at < len(lines) - 1, lines
-        assert lines[-1].startswith("run directory: ")
+        assert len(said) == 1 and lines[-1] == said[0] and last_epoch < len(lines) - 1, lines
+        assert lines[-2].startswith("run directory: ")
         assert metrics["under_confident"]["T_interval"] == list(interval)
         assert metrics["under_confident"]["advice"] == said[0]
     else:

@@ -257,6 +257,9 @@ def train_command(
         if summary is not None:
             print(summary(test))
         print(f"run directory: {args.resume or cfg.run_dir}")
+        advice = (test.get("under_confident") or {}).get("advice")
+        if advice:  # the last line: a margin penalty cannot help this network
+            print(advice)
         return 0
 
     return main

@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_method_argument(parser)
     add_set_argument(parser)
     add_trust_argument(parser)
+    parser.add_argument("--logit-cache-gb", type=float, default=2.0, metavar="GB",
+                        help="logits kept in memory so that each distinct image goes through the "
+                        "network once (default 2; 0: run it for every consumer)")
     args = parser.parse_args(argv)
     if len(args.run) == 1 and not args.ensemble:
         args.run = args.run[0]
@@ -193,7 +196,12 @@ def _main(args: argparse.Namespace) -> int:
         claim_outputs(run, args)
     except USER_ERRORS as err:
         return report(err)
-    return evaluate_run(run, args)
+    from cals_seg.evaluation.logit_cache import logit_cache
+
+    # One network call per distinct input image: every consumer (temperature and calibrator
+    # fits, conformal fits, meters, shift statistics, maps) reads the logits from one cache.
+    with logit_cache(int(max(args.logit_cache_gb, 0.0) * 2**30)):
+        return evaluate_run(run, args)
 
 
 def claim_outputs(run, args: argparse.Namespace) -> None:
@@ -304,14 +312,18 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     )
     result.update(checkpoint=str(run.checkpoint), epoch=run.epoch, split=args.split,
                   precision=infer.amp, family=run.family, score_metric=run.score_metric)
+    from cals_seg.evaluation.confidence_regime import KEY as REGIME_KEY
+
+    regime = under_confidence(run, infer, val_loader)
+    if regime is not None:  # a margin penalty cannot help this network: said in one line
+        result[REGIME_KEY] = regime
     if fits:
         result["calibrator_fits"] = fits
     if run.extra.get("ensemble"):
         result["ensemble"] = run.extra["ensemble"]
     if getattr(args, "shift", None):
-        from cals_seg.commands._shift import shift_results
-
         from cals_seg.commands._cli import USER_ERRORS, report
+        from cals_seg.commands._shift import shift_results
 
         try:
             result["shift"], result["entropy_flag"] = shift_results(run, args, split_set,
@@ -334,11 +346,37 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
             return report(err)
     if names and skipped:
         result["calibrator_errors"] = skipped
+    from cals_seg.evaluation.logit_cache import active_cache
+
+    cache = active_cache()
+    if cache is not None:  # images the network ran on, and those served from memory
+        result["network_passes"] = dict(cache.stats)
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
     code = write_evaluation(run, args, result, split_set)
     return code or (1 if skipped else 0)  # 1: some calibrators could not be fitted (named)
+
+
+def under_confidence(run, infer, val_loader) -> dict | None:
+    """The network's validation temperature interval (one more pass over validation, served
+    by the logit cache); the record of
+    :func:`cals_seg.evaluation.confidence_regime.under_confidence` when it lies below 1 (the
+    network is under-confident), printed as one line; else None."""
+    from cals_seg.evaluation import confidence_regime
+    from cals_seg.utils.distributed import is_main_process
+
+    task = run.task
+    evidence = confidence_regime.ValidationTemperature(task.num_classes, task.ignore_index,
+                                                       device=infer.device)
+    infer.evaluate(val_loader, [evidence], False, desc="val T")
+    found = evidence.compute()
+    if found is None:
+        return None
+    record = confidence_regime.under_confidence(*found, run=str(run.path), family=run.family)
+    if record is not None and is_main_process():
+        print(record["advice"], flush=True)
+    return record
 
 
 def calibrator_skip(name: str, err: Exception) -> str:

@@ -467,8 +467,6 @@ def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
         run.write_test_metrics(test)
         run.write_temperature(test["temperature"])
         plot_run(run, test, task.class_names)
-        if regime is not None:  # among the run's last lines: a margin cannot help here
-            print(regime["advice"], flush=True)
     return test
 
 
