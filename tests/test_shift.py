@@ -112,6 +112,47 @@ def test_parse_shifts():
     assert not set(FIT_CORRUPTIONS) & set(CORRUPTIONS)
 
 
+# Malformed --shift items: other scripts' digits (int() reads "٣" as 3 and refuses "²" with a
+# traceback), spaces, empty parts, out-of-range, non-integer and unregistered names.
+BAD_SHIFTS = ["fog:²", "fog:٣", "fog:³", "fog: 3", "fog:3 ", " fog:3", "fog:", ":3", "fog", "",
+              "fog:0", "fog:6", "fog:3.0", "fog:+3", "fog:-1", "fog:03", "fog:3:1", "FOG:3",
+              "nope:3", "snow:2", "speckle_noise:2", "all:²", "all:0", "all:", "all:x"]
+BAD_SEEDS = ["-1", "²", "٣", " 1", "1.0", "", "x", "+1", "1e3"]
+
+
+def test_malformed_shifts_are_refused_in_one_line():
+    for item in BAD_SHIFTS:
+        with pytest.raises(UserError, match="--shift") as err:
+            parse_shifts([item])
+        assert "\n" not in str(err.value), item
+    for seed in (-1, -100, True, 1.0):
+        with pytest.raises(UserError, match="--shift-seed"):
+            parse_shifts(["fog:3"], seed)
+    good = {"fog:3": ["fog:3"], "all:2": [f"{n}:2" for n in CORRUPTIONS]}
+    for item, keys in good.items():
+        assert [c.key for c in parse_shifts([item], 7)] == keys
+
+
+def test_eval_seg_refuses_malformed_shifts_before_any_work(tmp_path, capsys):
+    """Through the command: each malformed --shift or --shift-seed is one error line and a
+    non-zero exit, before the run is opened (nothing written)."""
+    from .conftest import load_tool
+
+    run = _tiny_run(tmp_path, "r", 0)
+    eval_seg = load_tool("eval_seg")
+    cases = [["--shift", item] for item in BAD_SHIFTS]
+    cases += [["--shift", "fog:1", "--shift-seed", seed] for seed in BAD_SEEDS]
+    cases += [["--calibrators", "ts", "--calibrator-fit-shift", "--shift-seed", "-1"]]
+    for extra in cases:
+        capsys.readouterr()
+        assert eval_seg.main([str(run), "--out", str(tmp_path / "e"), *extra]) != 0, extra
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --shift"), (extra, err)
+    assert not (tmp_path / "e").exists()
+
+
 class _Samples(torch.utils.data.Dataset):
     def __init__(self) -> None:
         self.ids = ["a", "b", "c"]
@@ -239,7 +280,16 @@ def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
         assert entry["temperature"] == m["temperature"]
     assert m["shift"]["contrast:5"]["pre_ts"]["ece"] != m["pre_ts"]["ece"]
     assert (r1 / "calibrators" / "drift_s0" / "ts.pt").is_file()
+    assert m["calibrator_fits"]["ts+drift"]["fitted_for"]["data"].endswith("seed 0")
     assert "mean at severity 5" in (out / "shift.md").read_text()
+    # another corruption seed: another drift fit (its own file), never the seed-0 one
+    assert eval_seg.main([str(r1), "--out", str(out), "--shift", "fog:1", "--shift-seed", "1",
+                          "--calibrators", "ts", "--calibrator-fit-shift"]) == 0
+    m1 = json.loads((out / "metrics.json").read_text())
+    assert m1["calibrator_fits"]["ts+drift"]["loaded"] is False
+    assert m1["calibrator_fits"]["ts+drift"]["fitted_for"]["data"].endswith("seed 1")
+    assert (r1 / "calibrators" / "drift_s1" / "ts.pt").is_file()
+    assert m1["shift"]["fog:1"]["pre_ts"]["ece"] != m["shift"]["fog:1"]["pre_ts"]["ece"]
     # the ensemble of one run is the run
     ens = tmp_path / "ens1"
     assert eval_seg.main([str(r1), "--ensemble", "--out", str(ens)]) == 0
@@ -315,6 +365,106 @@ def test_predict_seg_warns_far_from_validation(tmp_path, capsys):
         far = line["mean_entropy"] > saved["limit_nats"]
         assert line["far_from_validation"] == far
         assert (f"{line['input']}: mean predictive entropy" in err) == far
+
+
+ENTROPY_BROKEN = {
+    "not json": lambda text, d: "abc",
+    "a string": lambda text, d: '"abc"',
+    "a list": lambda text, d: "[]",
+    "truncated": lambda text, d: text[: len(text) // 2],
+    "limit NaN": lambda text, d: {**d, "limit_nats": "NaN"},
+    "limit text": lambda text, d: {**d, "limit_nats": "x"},
+    "limit negative": lambda text, d: {**d, "limit_nats": -1.0},
+    "limit inf": lambda text, d: text.replace(f'"limit_nats": {d["limit_nats"]!r}',
+                                              '"limit_nats": Infinity'),
+    "quantile 2": lambda text, d: {**d, "quantile": 2},
+    "images 0": lambda text, d: {**d, "images": 0},
+    "images true": lambda text, d: {**d, "images": True},
+    "no record": lambda text, d: {k: v for k, v in d.items() if k != "fitted_for"},
+    "record text": lambda text, d: {**d, "fitted_for": "x"},
+}
+
+
+def _other(value):
+    if isinstance(value, bool) or value is None:
+        return "changed"
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, str):
+        return value + "x"
+    return {**value, "changed": 1} if isinstance(value, dict) else [*value, 1]
+
+
+def test_entropy_reference_is_validated_and_recorded(tmp_path, capsys):
+    """predict_seg's far-from-validation statistic: saved with what it was computed for,
+    reused only for that (recomputed when the validation images can be read, refused in one
+    line when not), and every broken file is one line naming it and the fix."""
+    from PIL import Image
+
+    from cals_seg.runs.run import load_run
+    from cals_seg.utils.fits import file_digest
+
+    from .conftest import load_tool
+
+    run = _tiny_run(tmp_path, "r", 0)
+    load_run(run, with_data=True)  # the embedded data, generated on first use
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.fromarray(_image(32, 32)).save(images / "a.png")
+    predict = load_tool("predict_seg")
+
+    def call(out: str, *extra: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = predict.main([str(run), str(images), "--out", str(tmp_path / out),
+                             "--no-progress", "--temperature", "1", *extra])
+        got = capsys.readouterr()
+        return code, got.out, got.err
+
+    def error_line(err: str) -> str:
+        assert "Traceback" not in err
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert len(lines) == 1, err
+        return lines[0]
+
+    assert call("p0")[0] == 0
+    path = run / "calibrators" / "entropy_p99_T1.0000.json"
+    text = path.read_text()
+    saved = json.loads(text)
+    record = saved["fitted_for"]
+    assert record["network"] == file_digest(run / "checkpoint_best.pt")
+    assert record["calibration"] == "T1.0000" and record["num_classes"] == 11 and "ids" in record
+    for i, (name, make) in enumerate(ENTROPY_BROKEN.items()):
+        broken = make(text, saved)
+        assert broken != text, name
+        path.write_text(broken if isinstance(broken, str) else json.dumps(broken))
+        code, _, err = call(f"b{i}")
+        line = error_line(err)
+        assert code != 0 and str(path) in line and "--no-ood-check" in line, (name, line)
+        assert call(f"n{i}", "--no-ood-check")[0] == 0  # the way out named works
+    # each recorded field changed: recomputed, the record restored
+    for key in sorted(record):
+        path.write_text(json.dumps({**saved, "fitted_for": {**record, key: _other(record[key])}}))
+        code, out, _ = call(f"r{key}")
+        assert code == 0 and key in out and "recomputing" in out, key
+        assert json.loads(path.read_text())["fitted_for"] == record
+    # without the validation images: the matching file is used, a different one refused
+    root = tmp_path / "data"
+    root.rename(tmp_path / "data.away")
+    root.write_text("not a folder")
+    try:
+        assert call("u0")[0] == 0
+        for key in sorted(set(record) - {"ids"}):
+            path.write_text(json.dumps({**saved,
+                                        "fitted_for": {**record, key: _other(record[key])}}))
+            code, _, err = call(f"u{key}")
+            line = error_line(err)
+            assert code != 0 and str(path) in line and key in line, key
+        path.unlink()
+        code, _, err = call("u1")  # no file and no data: no check, said, the images predicted
+        assert code == 0 and "no far-from-validation check" in err
+    finally:
+        root.unlink()
+        (tmp_path / "data.away").rename(root)
 
 
 def _metrics(ece: float) -> dict:

@@ -19,6 +19,7 @@ import argparse
 import copy
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -271,8 +272,6 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
         UserError: a file that is not a valid reference (:func:`read_entropy`), or one fitted
             for something else while the validation images cannot be read to recompute it.
     """
-    import warnings
-
     import torch
 
     from cals_seg.commands._conformal import validation_split
@@ -301,8 +300,8 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
                             f"recompute it ({unreadable}); {fix}.")
         print(f"{path.name}: {reason}; recomputing it on the validation images.", flush=True)
     elif val is None:
-        warnings.warn(f"no far-from-validation check: the validation images of {run.path} "
-                      f"could not be read ({unreadable}).", stacklevel=1)
+        print(f"warning: no far-from-validation check: the validation images of {run.path} "
+              f"could not be read ({unreadable}).", file=sys.stderr, flush=True)
         return None
     try:
         values = []
@@ -312,8 +311,8 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
             values.append(float(pred.entropy[0].double().mean()))
         limit = entropy_limit(values, QUANTILE)
     except (OSError, UserError, ValueError) as err:
-        warnings.warn(f"no far-from-validation check: the validation images of {run.path} "
-                      f"could not be read ({str(err).splitlines()[0]}).", stacklevel=1)
+        print(f"warning: no far-from-validation check: the validation images of {run.path} "
+              f"could not be read ({str(err).splitlines()[0]}).", file=sys.stderr, flush=True)
         return None
     if not math.isfinite(limit):
         raise UserError(f"the validation images of {run.path} give a mean predictive entropy "
