@@ -181,7 +181,7 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     from ``test_metrics.json["calibrators"]`` on its test split in one pass of
     ``checkpoint_best.pt``, and add them (and ``calibrator_fits``) to that file; return the
     names added."""
-    from cals_seg.calibrators import load_or_fit_calibrators
+    from cals_seg.calibrators import calibrator_record, load_or_fit_calibrators
     from cals_seg.training.engine import make_loader
 
     folder = Run(run_dir)
@@ -196,9 +196,12 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     e, workers = cfg.eval, cfg.data.num_workers
     print(f"{run_dir.name}: calibrators {', '.join(missing)} (fit on val, one test pass)",
           flush=True)
-    cals, fits = load_or_fit_calibrators(
+    records = {n: calibrator_record(run, n, {}, task.val_set.ids, precision=infer.amp,
+                                    protocol=infer.protocol) for n in missing}
+    cals, fits = load_or_fit_calibrators(  # a saved fit is reused only when made for this use
         missing, folder.calibrators, task.num_classes, infer,
-        make_loader(task.val_set, e.batch_size, False, workers), task.ignore_index)
+        make_loader(task.val_set, e.batch_size, False, workers), task.ignore_index,
+        fitted_for=records)
     out = run.test(make_loader(task.test_set, e.batch_size, False, workers), calibrators=cals,
                    progress=False)
     metrics.setdefault("calibrators", {}).update({n: out["calibrators"][n] for n in missing})
