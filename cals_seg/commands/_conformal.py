@@ -216,7 +216,7 @@ def conformal_file(folder: Path, mode: str, score: str, alpha: float, seed: int)
     return Path(folder) / f"conformal_{mode.replace(':', '-')}_{score}_a{alpha:g}_s{seed}.json"
 
 
-def conformal_tag(cs) -> str:
+def conformal_tag(cs: Any) -> str:
     """File tag of a fit: ``<mode>_<score>_a<alpha>_s<seed>``."""
     return conformal_file(Path("."), cs.mode, cs.score, cs.alpha, cs.seed).stem[len("conformal_"):]
 
@@ -292,7 +292,7 @@ def _with_every_fix(result: dict[str, Any], spec: dict[str, Any], every: int,
     return result
 
 
-def fit_conformal(run, spec: dict[str, Any], val_set, folder: Path | None = None,
+def fit_conformal(run: Any, spec: dict[str, Any], val_set: Any, folder: Path | None = None,
                   quiet: bool = False) -> tuple[dict, dict, Any, list]:
     """Fit one :class:`~cals_seg.evaluation.conformal.ConformalSets` per mode of ``spec`` on
     the held-out validation images (after ``spec["calibrator"]``, fitted here on the other
@@ -349,7 +349,8 @@ def fit_conformal(run, spec: dict[str, Any], val_set, folder: Path | None = None
     return fits, results, calibrator, ids
 
 
-def conformal_evaluation(run, spec: dict[str, Any], val_set, test_set, progress: bool = False,
+def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
+                         progress: bool = False,
                          maps_dir: Path | None = None, num_maps: int = 0,
                          folder: Path | None = None) -> dict[str, Any]:
     """:func:`fit_conformal` (fits saved in ``folder``, default ``<run>/calibrators``), then
@@ -409,7 +410,7 @@ def conformal_evaluation(run, spec: dict[str, Any], val_set, test_set, progress:
 # --------------------------------------------------------------------------------------------
 
 
-def save_conformal(cs, path: Path, ids: list[Any], record: dict[str, Any] | None = None,
+def save_conformal(cs: Any, path: Path, ids: list[Any], record: dict[str, Any] | None = None,
                    warning: str | None = None) -> None:
     """A fit as JSON: its arguments, the integer threshold indices, the calibration counts
     and ids, the guarantee and what it was fitted for (``fitted_for``)."""
@@ -509,7 +510,7 @@ def read_conformal(path: Path, num_classes: int | None = None, fix: str | None =
     return d
 
 
-def load_conformal(path: Path, num_classes: int | None = None, fix: str | None = None):
+def load_conformal(path: Path, num_classes: int | None = None, fix: str | None = None) -> Any:
     """The fitted :class:`~cals_seg.evaluation.conformal.ConformalSets` saved at ``path``
     (read by :func:`read_conformal`: validated, one line when not), with ``fitted_for`` (its
     record) as an attribute."""
@@ -539,7 +540,7 @@ def validation_split(run: Any) -> tuple[Any, str | None]:
         return None, str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-def load_or_fit_conformal(run, spec: dict[str, Any]):
+def load_or_fit_conformal(run: Any, spec: dict[str, Any]) -> Any:
     """For predict_seg / export: the saved fit of ``spec`` (raw logits, one mode) when its
     record is this use's (:func:`~cals_seg.utils.fits.fit_mismatch`), else fitted now on the
     run's held-out validation images and saved; refused in one line naming the file and the
@@ -660,7 +661,7 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
 
 
-def image_sets(run, cs, image: np.ndarray) -> torch.Tensor:
+def image_sets(run: Any, cs: Any, image: np.ndarray) -> torch.Tensor:
     """Prediction sets ``(1, K, H, W)`` bool of one RGB image ``(H, W, 3)`` uint8 from the
     network's logits at the image's resolution (the evaluation's path)."""
     from cals_seg.evaluation.inference import normalise, segment_logits
@@ -670,8 +671,10 @@ def image_sets(run, cs, image: np.ndarray) -> torch.Tensor:
     return cs.to(logits.device).sets(logits.float())
 
 
-def set_summary(cs, sets: torch.Tensor) -> dict[str, Any]:
-    """The JSON-line numbers of one image's sets."""
+def set_summary(cs: Any, sets: torch.Tensor) -> dict[str, Any]:
+    """The JSON-line numbers of one image's sets ``(1, K, H, W)`` bool: the fit's alpha, mode,
+    score and threshold, the mean set size, the fraction of pixels whose set is not one class,
+    and the fit's guarantee (``guarantee``, ``needs_images``, ``warning`` when empty)."""
     size = sets.sum(dim=1).double()
     return {"alpha": cs.alpha, "mode": cs.mode, "score": cs.score,
             "threshold": cs.thresholds(), "mean_set_size": float(size.mean()),
