@@ -119,8 +119,8 @@ def confidence_advice(temperature: float, interval: Sequence[float], run: str = 
             "confidence and cannot help; fit a post-hoc calibrator on validation instead: ")
     calibrators = CALIBRATORS.get(family)
     if calibrators is None:
-        return head + ("temperature scaling (the post-TS results, fitted on validation, "
-                       "`post_ts` in test_metrics.json)")
+        return head + ("temperature scaling (the run's post-TS results, fitted on "
+                       "validation: `post_ts` of its test metrics)")
     return head + (f"python tools/eval_seg.py {shlex.quote(str(run))} --calibrators "
                    f"{' '.join(calibrators)}")
 

@@ -48,6 +48,7 @@ from cals_seg.data.crops import crop_warning, sample_sizes
 from cals_seg.data.extra_inputs import request_extra_inputs
 from cals_seg.errors import UserError
 from cals_seg.evaluation import confidence_regime
+from cals_seg.evaluation.inference import NonFiniteLogitsError
 from cals_seg.evaluation.stream import Inference, compute, scalars
 from cals_seg.losses import AdaptiveLoss, build_loss
 from cals_seg.runs.run import Run, calibrated_test, load_weights
@@ -165,18 +166,23 @@ def validate(
     consumers: list[Any] = [_check_outputs, *meters.values()]
     if isinstance(criterion, AdaptiveLoss):
         consumers.append(criterion.observe)
-    infer.evaluate(loader, consumers, progress, desc="val")
+    try:
+        infer.evaluate(loader, consumers, progress, desc="val")
+    except NonFiniteLogitsError:  # found by the evaluation's own check: in training, divergence
+        raise NonFiniteLossError(_DIVERGED) from None
     return compute(meters)
+
+
+_DIVERGED = (
+    "validation: the model's outputs are NaN or infinite after this epoch (the training "
+    "diverged); stopping. The last good checkpoint is left intact: lower the learning "
+    "rate (optim.lr), enable train.grad_clip, or check the labels.")
 
 
 def _check_outputs(logits: torch.Tensor, target: torch.Tensor) -> None:
     """A diverged training can leave finite weights whose outputs are not: stop with advice."""
     if not bool(logits.isfinite().all()):
-        raise NonFiniteLossError(
-            "validation: the model's outputs are NaN or infinite after this epoch (the training "
-            "diverged); stopping. The last good checkpoint is left intact: lower the learning "
-            "rate (optim.lr), enable train.grad_clip, or check the labels."
-        )
+        raise NonFiniteLossError(_DIVERGED)
 
 
 def plot_run(run: Run, test: dict[str, Any] | None, class_names: list[str]) -> list[Path]:
