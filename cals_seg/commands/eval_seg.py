@@ -209,6 +209,7 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     calibrators, the default output folder), and an output folder that neither overlaps the
     data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``).
     """
+    from cals_seg.runs.run import Run
     from cals_seg.utils.distributed import is_main_process
     from cals_seg.utils.lock import RunLock
     from cals_seg.utils.paths import OutputFolder
@@ -218,7 +219,7 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     folder = run.checkpoint.resolve().parent
     if not args.out or args.calibrators:
         args.run_lock = RunLock(folder, "eval").acquire()  # held until the process ends
-    out = Path(args.out) if args.out else folder / f"eval_{args.split}"
+    out = Path(args.out) if args.out else Run(folder).eval_dir(args.split)
     outputs = OutputFolder(out, "eval_seg", inputs=[run.config.data.root])
     split_set = getattr(run.task, f"{args.split}_set")
     num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
@@ -256,7 +257,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
 
     from cals_seg.config.checks import bounded_input
     from cals_seg.data.checks import warn_large_images
-    from cals_seg.runs.run import calibrated_test
+    from cals_seg.runs.run import Run, calibrated_test
     from cals_seg.training.engine import make_loader
     from cals_seg.utils.distributed import is_main_process
 
@@ -277,7 +278,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.utils.distributed import is_distributed
 
         cal_folder = getattr(args, "calibrator_folder", None) or \
-            run.checkpoint.resolve().parent / "calibrators"
+            Run(run.checkpoint.resolve().parent).calibrators
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
@@ -335,8 +336,8 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.commands._conformal import conformal_evaluation
 
         try:
-            out = Path(args.out) if args.out else run.checkpoint.resolve().parent / \
-                f"eval_{args.split}"
+            out = Path(args.out) if args.out else \
+                Run(run.checkpoint.resolve().parent).eval_dir(args.split)
             num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
             # an ensemble's fits live in its --out (args.calibrator_folder), never in a member's
             result["conformal"] = conformal_evaluation(
