@@ -148,6 +148,7 @@ def _planted_state(cal: ImageTemperatureScaling, seed: int = 1) -> None:
     with torch.no_grad():
         cal.log_temperatures.copy_(torch.tensor([0.4, -0.3, 0.1]))
         cal.weight.copy_(torch.randn(nf, generator=g) * 0.4)
+        cal.bias.fill_(0.2)
         cal.feature_mean.copy_(torch.randn(nf, generator=g))
         cal.feature_scale.copy_(torch.rand(nf, generator=g) + 0.5)
         cal.feature_low.fill_(-1.5)
@@ -155,8 +156,8 @@ def _planted_state(cal: ImageTemperatureScaling, seed: int = 1) -> None:
 
 
 def test_forward_equals_the_formula():
-    """softmax(l / T) with log T = c[band] + w . clip((f - mean) / scale), computed with the
-    loop references above, in float64."""
+    """softmax(l / T) with log T = c[band] + max(0, w . clip((f - mean) / scale) + b),
+    computed with the loop references above, in float64."""
     cal = ImageTemperatureScaling(4).eval()
     _planted_state(cal)
     logits = _blobs(2, 4, 12, 15, seed=3)
@@ -171,7 +172,8 @@ def test_forward_equals_the_formula():
         f = np.array(_ref_image_stats(image[n].numpy()) + _ref_logit_stats(logits[n].numpy()))
         z = np.clip((f - mean) / scale, -1.5, 1.5)
         band = _ref_bands(logits[n].numpy(), [3.0, 8.0])
-        t = np.exp(np.clip(c[band] + z @ w, -math.log(100), math.log(100)))
+        offset = max(0.0, float(z @ w) + float(cal.bias))
+        t = np.exp(np.clip(c[band] + offset, -math.log(100), math.log(100)))
         x = logits[n].numpy() / t[None]
         p = np.exp(x - x.max(axis=0))
         p /= p.sum(axis=0)
@@ -202,25 +204,45 @@ def test_never_changes_the_argmax_and_starts_at_the_identity():
 
 
 # ----------------------------------------------------------------------------- the fit
-def _contrast_set(n: int, seed: int, k: int = 4, size: int = 24):
-    """Images of random contrast; the labels drawn from softmax(z / T) with T = 0.5 c^-0.8:
-    the right temperature grows as the contrast falls. The logits do not see the contrast."""
-    g = torch.Generator().manual_seed(seed)
+def _image(contrast: float, size: int, g: torch.Generator) -> torch.Tensor:
+    """A normalised RGB image of the given RMS-like contrast around a random colour."""
     mean = torch.tensor(MEAN, dtype=torch.float32).view(3, 1, 1)
     std = torch.tensor(STD, dtype=torch.float32).view(3, 1, 1)
+    base = torch.rand(3, 1, 1, generator=g) * 0.4 + 0.3
+    img = (base + contrast * (torch.rand(3, size, size, generator=g) - 0.5)).clamp(0, 1)
+    return (img - mean) / std
+
+
+def _labels(z: torch.Tensor, t: float, g: torch.Generator) -> torch.Tensor:
+    k, h, w = z.shape
+    p = torch.softmax(z / t, dim=0).permute(1, 2, 0).reshape(-1, k)
+    return torch.multinomial(p, 1, generator=g).view(h, w)
+
+
+def _logits(k: int, size: int, g: torch.Generator) -> torch.Tensor:
+    return torch.nn.functional.avg_pool2d(torch.randn(1, k, size, size, generator=g), 5, 1,
+                                          2)[0] * 9
+
+
+def _contrast_set(n: int, seed: int, copies: int = 0, k: int = 4, size: int = 24):
+    """The planted shift: a clean image has contrast 0.9 and its right temperature is 0.6; a
+    shifted one keeps a fraction ``f`` of the contrast and its right temperature is ``0.6
+    f^-0.8``: it grows as the contrast falls. The logits do not see the contrast.
+
+    ``copies = 0``: ``n`` images with ``f`` drawn in [0.05, 0.8]; else ``n`` clean images each
+    followed by ``copies`` shifted ones with ``f`` drawn in [0.05, 1] (the fit's stream)."""
+    g = torch.Generator().manual_seed(seed)
     xs, ys, ims, contrast = [], [], [], []
     for _ in range(n):
-        c = 0.05 + 0.9 * float(torch.rand(1, generator=g))
-        base = torch.rand(3, 1, 1, generator=g) * 0.4 + 0.3
-        img = (base + c * (torch.rand(3, size, size, generator=g) - 0.5)).clamp(0, 1)
-        z = torch.nn.functional.avg_pool2d(torch.randn(1, k, size, size, generator=g), 5, 1,
-                                           2)[0] * 9
-        p = torch.softmax(z / (0.5 * c ** -0.8), dim=0)
-        y = torch.multinomial(p.permute(1, 2, 0).reshape(-1, k), 1, generator=g)
-        xs.append(z)
-        ys.append(y.view(size, size))
-        ims.append((img - mean) / std)
-        contrast.append(c)
+        z = _logits(k, size, g)
+        fractions = ([0.05 + 0.75 * float(torch.rand(1, generator=g))] if not copies else
+                     [1.0] + [0.05 + 0.95 * float(torch.rand(1, generator=g))
+                              for _ in range(copies)])
+        for f in fractions:
+            xs.append(z)
+            ys.append(_labels(z, 0.6 * f ** -0.8, g))
+            ims.append(_image(0.9 * f, size, g))
+            contrast.append(0.9 * f)
     return torch.stack(xs), torch.stack(ys), torch.stack(ims), torch.tensor(contrast)
 
 
@@ -236,19 +258,20 @@ def _nll(logits: torch.Tensor, y: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def contrast_fit():
     torch.set_num_threads(1)
-    x, y, im, _ = _contrast_set(40, seed=1)
+    x, y, im, _ = _contrast_set(20, seed=1, copies=3)
     cal = ImageTemperatureScaling(4)
-    info = cal.fit(_batches(x, y, im), ignore_index=VOID)
+    info = cal.fit(_batches(x, y, im), ignore_index=VOID, copies=3)
     ts = build_calibrator("ts", 4)
     ts.fit(_batches(x, y), ignore_index=VOID)
     return cal.eval(), ts.eval(), info
 
 
 def test_recovers_a_temperature_that_grows_as_contrast_falls(contrast_fit):
-    """On new images: image_ts's temperature falls with the contrast as the planted one does,
-    and it beats one temperature, which is too cold on low contrast and too warm on high."""
+    """On new shifted images: image_ts's temperature falls with the contrast as the planted
+    one does, and it beats one temperature (fitted on the same images), which is too cold on low
+    contrast and too warm on high."""
     cal, ts, info = contrast_fit
-    assert info["fell_back"] is False and info["copies"] == 0
+    assert info["fell_back"] is False and info["copies"] == 3
     x, y, im, contrast = _contrast_set(60, seed=2)
     with torch.no_grad():
         log_t = cal.log_temperature(x, im).mean(dim=(1, 2))
@@ -272,21 +295,20 @@ def test_recovers_a_temperature_that_grows_as_contrast_falls(contrast_fit):
 
 
 def _fallback_stream(n: int = 30, seed: int = 5):
-    """Each validation image followed by one copy with the same image and logits. Fit images:
-    clean labels at T = 1, copies at T = 4; held-out clean images at T = 0.7. Any move of the
-    temperature towards the copies makes the held-out clean images worse (to first order)."""
+    """Each validation image followed by one copy with the same logits. Fit images: clean ones
+    of contrast 0.9 with labels at T = 1, copies of contrast 0.15 at T = 4: the fit learns "low
+    contrast, warmer". The held-out clean images have the low contrast too but their labels
+    are at T = 0.7: that rule makes them worse, to first order."""
     g = torch.Generator().manual_seed(seed)
     k, size = 4, 16
     xs, ys, ims = [], [], []
     for v in range(n):
-        z = torch.nn.functional.avg_pool2d(torch.randn(1, k, size, size, generator=g), 5, 1,
-                                           2)[0] * 9
-        im = torch.randn(3, size, size, generator=g)
-        for t in ((0.7 if v % 5 == 4 else 1.0), 4.0):
-            p = torch.softmax(z / t, dim=0).permute(1, 2, 0).reshape(-1, k)
-            ys.append(torch.multinomial(p, 1, generator=g).view(size, size))
+        z = _logits(k, size, g)
+        held = v % 5 == 4
+        for contrast, t in (((0.15, 0.7) if held else (0.9, 1.0)), (0.15, 4.0)):
             xs.append(z)
-            ims.append(im)
+            ys.append(_labels(z, t, g))
+            ims.append(_image(contrast, size, g))
     return torch.stack(xs), torch.stack(ys), torch.stack(ims)
 
 
@@ -299,7 +321,7 @@ def test_falls_back_when_the_fit_would_hurt_held_out_clean_images():
     assert info["images"] == {"fit_clean": 24, "fit_corrupted": 24, "heldout_clean": 6,
                               "heldout_corrupted": 6, "validation": 30}
     assert bool((cal.weight == 0).all())
-    ref = torch.tensor(info["reference_temperatures"])
+    ref = torch.tensor(info["band_temperatures"])
     torch.testing.assert_close(cal.log_temperatures.exp(), ref.float(), rtol=1e-6, atol=0)
     bts = build_calibrator("boundary_ts", 4)
     bts.temperatures.copy_(cal.log_temperatures.exp())

@@ -8,7 +8,15 @@ know it (docs/shift.md). Following parameterized / sample-dependent temperature 
 (Tomani et al., WACV 2022; Joy et al., AAAI 2023) and perturbation-fitted scaling (Tomani et
 al., CVPR 2021), the temperature here depends on the input::
 
-    log T(i, p) = c[band(p)] + w . z_i,         forward(l)(p) = l(p) / T(i, p)
+    log T(i, p) = c[band(p)] + max(0, w . z_i + b),       forward(l)(p) = l(p) / T(i, p)
+
+``c`` are the clean-fitted band temperatures (``boundary_ts`` on the clean validation images),
+and the image's offset is never negative: an image that does not look shifted (``w . z + b <=
+0``) gets exactly the clean-fitted temperatures, one that does gets warmer ones. With corrupted
+copies in the fit, ``z`` is centred on the mean clean fit image and ``b <= 0``, so the mean
+clean image gets no offset by construction. (Why only warmer: on the embedded runs the best
+temperature of an image, per image, is far above the clean images' under fog and contrast and
+within about 0.1 of it in log T under the other corruptions; docs/shift.md.)
 
 with ``band(p)`` the pixel's distance band from the *predicted* boundaries (the bands of
 ``boundary_ts``: a pixel is a boundary pixel when one of its 8 neighbours inside the image has
@@ -37,11 +45,14 @@ them the benchmark's; ``eval_seg`` builds it through
 
 1. validation image ``v`` (with its copies) is held out when ``v % holdout_every ==
    holdout_every - 1``; the others fit;
-2. the reference: the clean-fitted band temperatures (``boundary_ts``'s fit on the clean fit
-   images), ``c = log T_ref``, ``w = 0``;
-3. from there, full-batch L-BFGS (float64, streamed) on ``0.5 mean NLL(clean fit pixels) + 0.5
-   mean NLL(corrupted fit pixels) + lam |w|^2`` for each ``lam`` of ``lams`` in turn, each stage
-   started where the last ended; every objective pass also scores the held-out images;
+2. ``c``: the clean-fitted band temperatures (``boundary_ts``'s fit on the clean fit images),
+   kept; the reference is ``c`` with no offset (``w = 0``), scored first;
+3. then, from ``w`` of length 0.05 towards the copies' mean statistics and ``b = -0.049``
+   (``b = -softplus(beta)``; without copies: ``w = 0``, ``b = 0.05``, unconstrained; the hinge
+   needs a start where some images have a gradient), full-batch L-BFGS (float64, streamed) of
+   ``(w, b)`` on ``0.5 mean NLL(clean fit pixels) + 0.5 mean NLL(corrupted fit pixels) + lam
+   |w|^2`` for each ``lam`` of ``lams`` in turn, each stage started where the last ended; every
+   objective pass also scores the held-out images;
 4. the clean rule: an iterate is admissible when, on the held-out *clean* images, its mean
    per-image NLL exceeds the reference's by at most ``tolerance`` standard errors of the paired
    per-image differences (not worse beyond noise). Of the admissible iterates, the reference
@@ -76,7 +87,10 @@ from cals_seg.errors import UserError
 from cals_seg.metrics._distance import int_thresholds
 from cals_seg.utils.validation import check_int, check_positive_float
 
-LAMS = (1.0, 0.1, 0.01, 0.001)
+LAMS = (0.1, 0.01, 0.001)
+B_START = 0.05  # the offset's bias at the start of a fit without copies (at 0: no gradient)
+B_ANCHOR = 3.0  # with copies, b = -softplus(beta) starts at -softplus(-3) = -0.049
+W_START = 0.05  # and w at this length towards the copies' mean features
 
 
 class ImageTemperatureScaling(Calibrator):
@@ -84,9 +98,10 @@ class ImageTemperatureScaling(Calibrator):
     docstring).
 
     Buffers: ``log_temperatures`` ``(B,)`` (``c``, B = ``len(bands) + 1``), ``weight`` ``(F,)``
-    (``w``), ``feature_mean`` / ``feature_scale`` ``(F,)`` (the standardisation), ``feature_low``
-    / ``feature_high`` ``(F,)`` (the clip, in standard units); zeros (scale 1) until fitted, the
-    identity. With ``use_image=False`` only the four logit statistics enter (F = 4).
+    (``w``), ``bias`` ``()`` (``b``), ``feature_mean`` / ``feature_scale`` ``(F,)`` (the
+    standardisation), ``feature_low`` / ``feature_high`` ``(F,)`` (the clip, in standard
+    units); zeros (scale 1) until fitted, the identity. With ``use_image=False`` only the four
+    logit statistics enter (F = 4).
 
     Args:
         num_classes: K >= 2.
@@ -113,6 +128,7 @@ class ImageTemperatureScaling(Calibrator):
 
     log_temperatures: Tensor
     weight: Tensor
+    bias: Tensor
     feature_mean: Tensor
     feature_scale: Tensor
     feature_low: Tensor
@@ -165,6 +181,7 @@ class ImageTemperatureScaling(Calibrator):
         nf = len(FEATURES) - (0 if use_image else IMAGE_FEATURES)
         self.register_buffer("log_temperatures", torch.zeros(len(bands) + 1))
         self.register_buffer("weight", torch.zeros(nf))
+        self.register_buffer("bias", torch.zeros(()))
         self.register_buffer("feature_mean", torch.zeros(nf))
         self.register_buffer("feature_scale", torch.ones(nf))
         self.register_buffer("feature_low", torch.zeros(nf))
@@ -193,7 +210,7 @@ class ImageTemperatureScaling(Calibrator):
         dt = raw.dtype
         z = (raw - self.feature_mean.to(dt)) / self.feature_scale.to(dt)
         z = torch.minimum(torch.maximum(z, self.feature_low.to(dt)), self.feature_high.to(dt))
-        per_image = (z * self.weight.to(dt)).sum(dim=1)
+        per_image = ((z * self.weight.to(dt)).sum(dim=1) + self.bias.to(dt)).clamp(min=0.0)
         band = band_map(logits, self.thresholds)
         log_t = self.log_temperatures.to(dt)[band] + per_image[:, None, None]
         return log_t.clamp(-LOG_T_MAX, LOG_T_MAX)
@@ -316,7 +333,8 @@ class ImageTemperatureScaling(Calibrator):
                              "held out for the clean check), but the held-out ones have no "
                              "valid pixel; lower `holdout_every`.")
         raw = scan["features"]
-        mean = raw[fitting].mean(dim=0)
+        anchored = bool((fitting & ~clean).any())  # corrupted copies: offset 0 at clean
+        mean = raw[fitting & clean].mean(dim=0) if anchored else raw[fitting].mean(dim=0)
         scale = raw[fitting].std(dim=0, correction=0)
         scale = torch.where(scale > 1e-6, scale, torch.ones_like(scale))
         z_all = (raw - mean) / scale
@@ -329,16 +347,22 @@ class ImageTemperatureScaling(Calibrator):
         w_corrupt = 0.5 / n_corrupt if n_corrupt else 0.0
         held_clean = held & clean & (count > 0)
         f64 = dict(dtype=torch.float64)
-        c = torch.tensor([math.log(t) for t in ref_t], **f64).requires_grad_(True)
+        c = torch.tensor([math.log(t) for t in ref_t], **f64)
         w = torch.zeros(z_all.shape[1], **f64).requires_grad_(True)
+        beta = torch.zeros((), **f64).requires_grad_(True)
+
+        def bias() -> Tensor:
+            """``b``: ``-softplus(beta) <= 0`` when anchored (the mean clean image, at ``z =
+            0``, gets no offset), else ``beta`` itself."""
+            return -torch.nn.functional.softplus(beta) if anchored else beta
         state: dict[str, Any] = {"passes": 0, "trace": [], "best": None, "ref": None}
 
         def image_nll(logits: Tensor, target: Tensor, z: Tensor) -> Tensor:
             """Summed NLL of every image of the batch (float64, with the graph)."""
             x = logits.double()
             band = band_map(x, self.thresholds)
-            log_t = (c.to(x.device)[band] + (z.to(x.device) @ w.to(x.device))[:, None, None]
-                     ).clamp(-LOG_T_MAX, LOG_T_MAX)
+            offset = (z.to(x.device) @ w.to(x.device) + bias().to(x.device)).clamp(min=0.0)
+            log_t = (c.to(x.device)[band] + offset[:, None, None]).clamp(-LOG_T_MAX, LOG_T_MAX)
             scaled = x / log_t.exp().unsqueeze(1)
             valid = target != ignore_index
             labels = torch.where(valid, target, torch.zeros_like(target)).long()
@@ -350,7 +374,7 @@ class ImageTemperatureScaling(Calibrator):
             return torch.where(valid, nll, torch.zeros_like(nll)).flatten(1).sum(dim=1)
 
         def closure(lam: float) -> Tensor:
-            c.grad = w.grad = None
+            w.grad = beta.grad = None
             total = torch.zeros((), **f64)
             held_sum = torch.zeros(len(count), **f64)
             seen = 0
@@ -383,7 +407,7 @@ class ImageTemperatureScaling(Calibrator):
             if every:
                 per_image = held_sum / count.clamp(min=1)
                 score = _held_objective(held_sum, count, held, clean)
-                if state["ref"] is None:  # the first pass is at the reference
+                if state["ref"] is None:  # the first pass is at the reference (no offset)
                     state["ref"] = per_image[held_clean].clone()
                 diff = per_image[held_clean] - state["ref"]
                 se = (diff.std(correction=1) / math.sqrt(diff.numel())
@@ -395,15 +419,24 @@ class ImageTemperatureScaling(Calibrator):
                 score, admissible = -state["passes"], True  # none held out: the last iterate
             if admissible and (state["best"] is None or score < state["best"]["score"]):
                 state["best"] = {"score": score, "lam": lam, "evaluation": state["passes"],
-                                 "c": c.detach().clone(), "w": w.detach().clone(),
+                                 "w": w.detach().clone(), "b": bias().detach().clone(),
                                  "fit_objective": float(objective)}
             return objective
 
         with torch.enable_grad():  # the caller may be under no_grad (an evaluation)
+            with torch.no_grad():
+                beta.fill_(-B_ANCHOR if anchored else 0.0)
+            closure(0.0)  # evaluation 1: the reference, the clean-fitted band temperatures
+            with torch.no_grad():  # a start where the hinge has a gradient
+                if anchored:  # towards what tells the copies from the clean images
+                    d = z_all[fitting & ~clean].mean(dim=0) - z_all[fitting & clean].mean(dim=0)
+                    w.copy_(W_START * d / d.norm().clamp(min=1e-12))
+                else:
+                    beta.fill_(B_START)
             stages = 0
             for lam in p["lams"]:
-                before = state["best"]["score"] if state["best"] else math.inf
-                optimizer = torch.optim.LBFGS([c, w], lr=1.0, max_iter=p["max_iter"],
+                before = state["best"]["score"]
+                optimizer = torch.optim.LBFGS([w, beta], lr=1.0, max_iter=p["max_iter"],
                                               tolerance_grad=1e-7, tolerance_change=1e-9,
                                               history_size=20, line_search_fn="strong_wolfe")
                 optimizer.step(lambda lam=lam: closure(lam))
@@ -413,8 +446,9 @@ class ImageTemperatureScaling(Calibrator):
         best = state["best"]
         fell_back = bool(every) and best["evaluation"] == 1
         with torch.no_grad():
-            self.log_temperatures.copy_(best["c"])
+            self.log_temperatures.copy_(c)
             self.weight.copy_(best["w"])
+            self.bias.copy_(best["b"])
             self.feature_mean.copy_(mean)
             self.feature_scale.copy_(scale)
             self.feature_low.copy_(low)
@@ -423,8 +457,9 @@ class ImageTemperatureScaling(Calibrator):
         info = {
             "features": list(self.feature_names),
             "weight": best["w"].tolist(),
-            "band_temperatures": best["c"].exp().tolist(),
-            "reference_temperatures": ref_t,
+            "bias": float(best["b"]),
+            "band_temperatures": ref_t,
+            "offset": _offset_summary(z_all, best["w"], best["b"], fitting, clean),
             "fell_back": fell_back,
             "lam": None if fell_back else best["lam"],
             "evaluation": best["evaluation"],
@@ -450,6 +485,20 @@ class ImageTemperatureScaling(Calibrator):
                         heldout_trace=[t["score"] for t in state["trace"]])
         self.fit_info = info
         return info
+
+
+def _offset_summary(z: Tensor, w: Tensor, b: Tensor, fitting: Tensor, clean: Tensor
+                    ) -> dict[str, float]:
+    """How the fitted offset ``max(0, w . z + b)`` treats the fit images: its mean on the clean
+    ones and on the corrupted ones, and the fraction of clean ones it moves at all."""
+    offset = (z @ w + b).clamp(min=0.0)
+    out = {}
+    for key, group in (("clean", fitting & clean), ("corrupted", fitting & ~clean)):
+        if bool(group.any()):
+            out[f"mean_{key}"] = float(offset[group].mean())
+    if bool((fitting & clean).any()):
+        out["moved_clean_fraction"] = float((offset[fitting & clean] > 0).double().mean())
+    return out
 
 
 def _held_objective(held_sum: Tensor, count: Tensor, held: Tensor, clean: Tensor) -> float:
