@@ -134,7 +134,10 @@ def test_bad_requests_give_one_line_errors(run, tmp_path, capsys, monkeypatch):
             export_run(run_dir, tmp_path / "x.pt2", "pt2")
     finally:
         (tmp_path / "t.json").rename(run_dir / "temperature.json")
-    with pytest.raises(ValueError, match=r"--calibrator: expected one of \['ts', 'none'\]"):
+    with pytest.raises(ValueError, match=r"--calibrator: expected one of \['none', 'ts', "):
+        export_run(run_dir, tmp_path / "x.pt2", "pt2", calibrator="nosuch")
+    # a registered calibrator that eval_seg has not fitted: the command that fits it
+    with pytest.raises(FileNotFoundError, match="--calibrators dirichlet"):
         export_run(run_dir, tmp_path / "x.pt2", "pt2", calibrator="dirichlet")
     monkeypatch.setitem(sys.modules, "onnxscript", None)
     with pytest.raises(ImportError, match=r'pip install "cals_seg\[export\]"'):

@@ -101,6 +101,15 @@ class Calibrator(nn.Module):
                     f"got {tuple(image.shape)}."
                 )
 
+    def export_module(self, fmt: str = "pt2") -> nn.Module:
+        """This fitted calibrator as a module that ``torch.export`` (``fmt="pt2"``) or ONNX
+        (``"onnx"``) holds for every image size, ``(logits, image or None) -> calibrated
+        logits`` in float32, computing what :meth:`forward` computes
+        (:mod:`cals_seg.calibrators._export`): the calibrator itself where its ``forward`` is
+        already such a program, else a module with the fitted state fixed as constants (no
+        branch on data, no loop over a dynamic size)."""
+        return self
+
     def extra_repr(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"num_classes={self.num_classes}" + (f", {args}" if args else "")

@@ -415,3 +415,13 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
         nb = len(bands) + 1
         return self._calibrate(logits, bands, self.edges[:nb, : q - 1],
                            self.temperatures[:nb, :q])
+
+    def export_module(self, fmt: str = "pt2") -> torch.nn.Module:
+        """The chosen cells as a program for export
+        (:class:`~cals_seg.calibrators._export.BandConfidenceTemperatures`)."""
+        from cals_seg.calibrators._export import BandConfidenceTemperatures
+
+        bands, q = self.bands, self.num_bins
+        nb = len(bands) + 1
+        return BandConfidenceTemperatures(bands, self.edges[:nb, : q - 1],
+                                          self.temperatures[:nb, :q])

@@ -196,3 +196,10 @@ class BoundaryTemperatureScaling(Calibrator):
                 f"Expected `logits` of shape (N, K, H, W), but got {tuple(logits.shape)}."
             )
         return logits / self.temperature_map(logits).unsqueeze(1)
+
+    def export_module(self, fmt: str = "pt2") -> torch.nn.Module:
+        """The bands and temperatures as a program for export
+        (:class:`~cals_seg.calibrators._export.BandTemperatures`)."""
+        from cals_seg.calibrators._export import BandTemperatures
+
+        return BandTemperatures(self.params["bands"], self.temperatures)

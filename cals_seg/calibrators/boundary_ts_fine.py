@@ -151,4 +151,12 @@ class FineBoundaryTemperatureScaling(Calibrator):
         temps = self.temperatures[: len(bands) + 1].to(logits.device, logits.dtype)
         return logits / temps[band].unsqueeze(1)
 
+    def export_module(self, fmt: str = "pt2") -> torch.nn.Module:
+        """The chosen bands and their temperatures as a program for export
+        (:class:`~cals_seg.calibrators._export.BandTemperatures`)."""
+        from cals_seg.calibrators._export import BandTemperatures
+
+        bands = self.bands
+        return BandTemperatures(bands, self.temperatures[: len(bands) + 1])
+
 

@@ -316,6 +316,14 @@ class _OrderKeeping(Calibrator):
         shape = (logits.shape[0], *logits.shape[2:], k)
         return out.reshape(shape).movedim(-1, 1).to(logits.dtype)
 
+    def export_module(self, fmt: str = "pt2") -> torch.nn.Module:
+        """The experts as a program for export
+        (:class:`~cals_seg.calibrators._export.ExpertAffine`; the classes ranked by ``topk``
+        in ONNX, which has no stable sort)."""
+        from cals_seg.calibrators._export import ExpertAffine
+
+        return ExpertAffine(self.weight, self.bias, self.mode, topk=fmt == "onnx")
+
 
 class ArgmaxKeepingScaling(_OrderKeeping):
     """``cms_ap``: class-conditional affine map on the gaps to the top class; keeps the argmax

@@ -142,6 +142,15 @@ class SelectiveScaling(Calibrator):
                                                                        device=logits.device))
         return logits * scale.unsqueeze(1)
 
+    def export_module(self, fmt: str = "pt2") -> nn.Module:
+        """The classifier, threshold and ``T_mis`` as a program for export
+        (:class:`~cals_seg.calibrators._export.FlaggedTemperature`)."""
+        from cals_seg.calibrators._export import FlaggedTemperature
+
+        threshold = self.params["threshold"]
+        return FlaggedTemperature(self.classifier, math.log(threshold / (1 - threshold)),
+                                  self.temperature)
+
     def _classifier_loss(self, net: nn.Module, logits: Tensor, target: Tensor,
                          ignore_index: int) -> tuple[Tensor, int] | None:
         """Weighted cross-entropy of "wrong" summed over the valid pixels, and their count."""

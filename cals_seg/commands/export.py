@@ -2,19 +2,26 @@
 
     python tools/export.py runs/<name> --format onnx --out model.onnx
     python tools/export.py runs/<name> --format pt2 --out model.pt2 [--logits]
-        [--conformal 0.1 [mode=risk|image:0.9|class] [score=lac|aps]]
+        [--calibrator NAME] [--conformal 0.1 [mode=risk|image:0.9|class] [score=lac|aps]]
 
 The program maps a float32 RGB batch (N, 3, H, W) with values in [0, 255] to calibrated
 probabilities (N, K, H, W) at the input's resolution: normalisation, padding to the network's
-stride, the network, and softmax(logits / T) with the run's fitted temperature are inside it.
-N, H and W are dynamic. With --conformal ALPHA [mode=risk|image:TAU|class] [score=lac|aps] (aps:
-pt2 only), the program has a second output, sets: the prediction sets (N, K, H, W) bool of
-predict_seg --conformal (docs/conformal.md), from the fit saved in <run>/calibrators/ (or fitted
-now on the run's held-out validation images). Next to FILE, FILE.json says what it expects and
-returns (class names, temperature, normalisation, the conformal threshold). The .onnx file holds its
-weights (up to 2 GB; a larger model's go to FILE.data, named when written). Load a .pt2 with
-torch.export.load(FILE).module(), an .onnx with onnxruntime.InferenceSession(FILE). ONNX needs
-pip install "cals_seg[export]".
+stride, the network, and the calibration are inside it, in float32, and give what predict_seg
+gives by default: softmax(logits / T) with the run's fitted temperature, or with --calibrator
+NAME the post-hoc calibrator saved in <run>/calibrators/NAME.pt (fitted by tools/eval_seg.py RUN
+--calibrators NAME), as predict_seg --calibrator NAME applies it (every registered calibrator;
+its boundary bands come from the program's own predicted map). --calibrator none: T = 1. N, H
+and W are dynamic; the smallest side is the smallest the network holds (found by the export;
+--min-size to ask for another). With --conformal ALPHA [mode=risk|image:TAU|class]
+[score=lac|aps] (aps: pt2 only), the program has a second output, sets: the prediction sets
+(N, K, H, W) bool of predict_seg --conformal (docs/conformal.md), from the fit saved in
+<run>/calibrators/ (or fitted now on the run's held-out validation images). Next to FILE,
+FILE.json says what it expects and returns (class names, smallest side, calibration,
+normalisation, the forward precision, the conformal threshold). The .onnx file holds its
+weights (up to 2 GB; a larger model's go to FILE.data, named when written) and is checked
+against the PyTorch program with onnxruntime when installed. Load a .pt2 with
+torch.export.load(FILE).module(), an .onnx with onnxruntime.InferenceSession(FILE)
+(docs/integrations.md). ONNX needs pip install "cals_seg[export]".
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import sys
 
 from cals_seg.commands._cli import add_trust_argument
 
-# The library's names (cals_seg.runs.export imports torch; --help must not).
+# The library's names (cals_seg.runs.export imports torch; --help must not). --calibrator is
+# checked against the registry there (cals_seg.runs.export.CALIBRATORS), so that a calibrator
+# registered later is exported without an edit here.
 FORMATS = ("onnx", "pt2")
-CALIBRATORS = ("ts", "none")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -35,12 +43,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("run", metavar="RUN", help="run directory (or a checkpoint inside one)")
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--out", required=True, metavar="FILE")
-    parser.add_argument("--calibrator", default="ts", choices=CALIBRATORS,
-                        help="ts: the run's fitted temperature (default); none: T = 1")
+    parser.add_argument("--calibrator", default=None, metavar="NAME",
+                        help="a registered post-hoc calibrator saved in <run>/calibrators/ by "
+                        "tools/eval_seg.py --calibrators NAME (as predict_seg --calibrator NAME "
+                        "applies it), or none: T = 1 (default: the run's fitted temperature)")
     parser.add_argument("--logits", action="store_true", help="output raw logits")
     parser.add_argument("--checkpoint", default="best", choices=["best", "last"])
     parser.add_argument("--min-size", type=int, default=None, metavar="PIXELS",
-                        help="smallest H / W the program accepts (default: 2 x output stride)")
+                        help="smallest H / W the program accepts (default: the smallest the "
+                        "network holds, found by the export)")
     parser.add_argument("--conformal", nargs="+", default=None, metavar="ALPHA",
                         help="also output the prediction sets of predict_seg --conformal: ALPHA "
                         "[mode=risk|image:TAU|class] [score=lac|aps]")
@@ -60,12 +71,16 @@ def _main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cals_seg.commands._cli import USER_ERRORS, report
+    from cals_seg.config.rules import check_folder
     from cals_seg.errors import UserError
     from cals_seg.runs.export import export_run
-    from cals_seg.utils.paths import OutputFolder
+    from cals_seg.utils.paths import OutputFolder, os_error
 
     try:  # FILE and FILE.json: never over a file that export did not write
         out = Path(args.out)
+        if args.min_size is not None and args.min_size < 1:
+            raise UserError(f"--min-size: expected a number of pixels >= 1, got {args.min_size}.")
+        check_folder("--out", str(out.parent), must_exist=False, writable=True)
         outputs = OutputFolder(out.parent, "export", inputs=[])
         outputs.check_free([out.name, f"{out.name}.json"])
         conformal = None
@@ -87,14 +102,25 @@ def _main(args: argparse.Namespace) -> int:
         info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,
                           args.checkpoint, args.min_size, conformal)
         outputs.claim([out.name, f"{out.name}.json"])  # once written: a failed export claims none
+    except OSError as err:  # a read-only folder, a full disk: one line
+        return report(os_error(err, None, "write the export"))
     except (*USER_ERRORS, ImportError) as err:
         return report(err)
     from cals_seg.runs.export import written_files
 
-    what = "logits" if args.logits else f"probabilities (T = {info['temperature']:.4g})"
+    if args.logits:
+        what = "logits"
+    elif info["temperature"] is not None:
+        what = f"probabilities (T = {info['temperature']:.4g})"
+    else:
+        what = f"probabilities (calibrator {info['calibrator']})"
     files = written_files(args.out)
     print(f"{args.out}: {args.format}, (N, 3, H, W) in [0, 255] -> (N, {info['num_classes']}, "
-          f"H, W) {what}; H, W >= {info['input']['min_size']}; metadata in {args.out}.json")
+          f"H, W) {what}, float32; H, W >= {info['input']['min_size']}; metadata in "
+          f"{args.out}.json")
+    if args.calibrator == "ts" and str(info["calibrator_file"]).endswith("temperature.json"):
+        print("--calibrator ts: the run has no calibrators/ts.pt (tools/eval_seg.py RUN "
+              "--calibrators ts fits it): its fitted temperature, temperature.json, is used")
     if info.get("conformal"):
         c = info["conformal"]
         print(f"second output: sets (N, {info['num_classes']}, H, W) bool, {c['mode']} "

@@ -2,19 +2,25 @@
 
 The exported program maps a float32 RGB batch ``(N, 3, H, W)`` with values in ``[0, 255]`` to
 calibrated probabilities ``(N, K, H, W)`` at the input's resolution (raw logits with
-``logits=True``). Everything between is inside the program:
+``logits=True``). Everything between is inside the program, in float32:
 
-1. zero-pad the image at the bottom / right to the next multiple of the network's output stride
-   (what the toolkit's evaluation does: a zero pixel normalises to ``-mean / std``, its padding
-   value), written with index arithmetic so that ``H`` and ``W`` stay dynamic;
-2. normalise, ``(x / 255 - mean) / std`` (ImageNet statistics, as in training);
+1. normalise, ``(x / 255 - mean) / std`` (ImageNet statistics, as in training), with the
+   float32 operations of the toolkit's evaluation (:func:`normalisation_constants`);
+2. pad at the bottom / right to the next multiple of the network's output stride with the
+   normalised value of a black pixel, ``-mean / std`` (what the evaluation does), written with
+   index arithmetic so that ``H`` and ``W`` stay dynamic;
 3. run the network and crop the padding off the logits;
-4. divide by the run's temperature (fitted on the validation split, ``temperature.json``) and
-   take the softmax over the K classes.
+4. calibrate: the run's temperature (``temperature.json``, what ``predict_seg`` uses by
+   default), or the post-hoc calibrator ``NAME`` saved in ``<run>/calibrators/NAME.pt`` (what
+   ``predict_seg --calibrator NAME`` uses; any registered calibrator, as the program of its
+   :meth:`~cals_seg.calibrators.Calibrator.export_module`, its predicted boundary bands computed
+   from the program's own ``argmax`` map), then the softmax over the K classes.
 
 ``N``, ``H`` and ``W`` are dynamic: one file serves every batch size and image size with sides
-``>= min_size`` (default: twice the output stride, e.g. 32 pixels for stride 16; smaller
-inputs make the network's deepest feature map 1 x 1, which the traced program does not cover).
+``>= min_size``. By default ``min_size`` is the smallest side the traced network holds, found
+by the export itself (``torch.export`` with automatic dynamic sides records the range of sizes
+its program is valid for; e.g. 17 for a network of stride 16, whose padded input is then at
+least 32). A ``min_size`` given is kept, or refused naming the smallest one the network holds.
 The program runs the network once on the whole image: a run evaluated with ``eval.resize``,
 ``eval.pad`` or ``eval.mode: slide`` should get its images resized / tiled by the caller.
 
@@ -32,7 +38,8 @@ protobuf's 2 GB limit; then they are written to ``FILE.data``, which must stay n
 
 With a fitted conformal threshold (``export_run(..., conformal=...)``, ``tools/export.py RUN
 --conformal ALPHA``), the program has a second output, ``sets``: the prediction sets
-``(N, K, H, W)`` bool that ``predict_seg --conformal`` writes (:class:`ConformalSegmenter`)::
+``(N, K, H, W)`` bool that ``predict_seg --conformal`` writes (:class:`ConformalSegmenter`), on
+the network's logits whatever the calibrator, as there::
 
     probs, sets = torch.export.load("model.pt2").module()(images)
     probs, sets = session.run(None, {"image": images.numpy()})
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,41 +61,67 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cals_seg.calibrators import CALIBRATORS as REGISTRY
 from cals_seg.errors import UserError
 from cals_seg.evaluation.inference import IMAGENET_MEAN, IMAGENET_STD, input_multiple
 
 FORMATS = ("onnx", "pt2")
-# Post-hoc calibrators an exported program can apply: the run's temperature, or none (T = 1).
-CALIBRATORS = ("ts", "none")
+# What an exported program can calibrate with: ``none`` (T = 1) or any registered post-hoc
+# calibrator (its file in <run>/calibrators/); without a name, the run's temperature.
+CALIBRATORS: tuple[str, ...] = ("none", *REGISTRY)
 INPUT_NAME, OUTPUT_NAMES, SETS_NAME = "image", {False: "probs", True: "logits"}, "sets"
+# (calibrator, format) pairs a format cannot hold, with the reason (none at present: every
+# registered calibrator is exported in both formats; tests/test_export_calibrators.py).
+REFUSED: dict[tuple[str, str], str] = {}
+# How far the search for an image side the network runs at goes (the traced example): a
+# network that fails at every side up to it is refused, naming its error.
+_LARGEST_PROBE = 2048
 
 
-def _zero_pad(x: Tensor, dim: int, size: Any, length: Any) -> Tensor:
-    """``x`` zero-padded along ``dim`` from ``length`` to ``size >= length`` entries.
+def _pad(x: Tensor, dim: int, size: Any, length: Any, fill: Tensor) -> Tensor:
+    """``x`` padded along ``dim`` from ``length`` to ``size >= length`` entries with ``fill``
+    (broadcast against ``x``).
 
-    A gather of the clamped indices times a 0/1 mask instead of ``F.pad``: ``F.pad`` branches
+    A gather of the clamped indices and a ``where`` instead of ``F.pad``: ``F.pad`` branches
     on whether the pad is zero, which ties a dynamic size to one case when exported.
     """
     index = torch.arange(size, device=x.device)
-    keep = (index < length).to(x.dtype)
     shape = [1] * x.dim()
     shape[dim] = size
-    return x.index_select(dim, index.clamp(max=length - 1)) * keep.view(shape)
+    keep = (index < length).view(shape)
+    return torch.where(keep, x.index_select(dim, index.clamp(max=length - 1)), fill)
+
+
+def normalisation_constants(mean: Sequence[float], std: Sequence[float]
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(shift, inverse, fill)`` float32 ``(1, 3, 1, 1)``: the normalisation of the toolkit's
+    evaluation, bit for bit. ``x`` in ``[0, 255]`` normalises to ``(x - shift) * inverse`` with
+    ``shift = float32(mean) * 255`` and ``inverse = 1 / (float32(std) * 255)`` in float32
+    (albumentations' ``Normalize``, what :func:`~cals_seg.evaluation.inference.normalise`
+    applies), and padding holds ``fill = -mean / std`` in float32 (the value
+    :func:`~cals_seg.evaluation.inference.segment_logits` pads with)."""
+    m = torch.tensor(list(mean), dtype=torch.float32).view(1, 3, 1, 1)
+    s = torch.tensor(list(std), dtype=torch.float32).view(1, 3, 1, 1)
+    return m * 255.0, torch.reciprocal(s * 255.0), -m / s
 
 
 class CalibratedSegmenter(nn.Module):
     """A segmentation network with its input normalisation and calibration built in.
 
-    ``forward(x) = softmax(crop(model(normalise(pad(x)))) / T)`` over the classes, or the
-    cropped logits with ``logits=True``.
+    ``forward(x) = softmax(calibrate(crop(model(normalise(pad(x))))))`` over the classes, with
+    ``calibrate`` the division by ``T`` or the post-hoc ``calibrator`` (given the normalised
+    image when it needs one); the cropped logits with ``logits=True``.
 
     Args:
         model: maps normalised ``(N, 3, h, w)`` (sides divisible by ``multiple``) to logits
             ``(N, K, h, w)``; put in eval mode here.
-        temperature: ``T > 0`` (1.0: uncalibrated softmax).
+        temperature: ``T > 0`` (1.0: uncalibrated softmax), used without ``calibrator``.
         mean, std: per-channel statistics of ``[0, 1]`` RGB pixels.
         multiple: the side multiple the network needs (its output stride).
         logits: return the logits instead of the probabilities.
+        calibrator: a fitted :class:`~cals_seg.calibrators.Calibrator`; the program holds its
+            :meth:`~cals_seg.calibrators.Calibrator.export_module` for ``fmt``.
+        fmt: the format the module will be exported to (``pt2`` or ``onnx``).
 
     Shape:
         ``x (N, 3, H, W)`` float32 in ``[0, 255]`` -> ``(N, K, H, W)`` float32.
@@ -95,7 +129,8 @@ class CalibratedSegmenter(nn.Module):
 
     def __init__(self, model: nn.Module, temperature: float = 1.0,
                  mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
-                 multiple: int = 1, logits: bool = False) -> None:
+                 multiple: int = 1, logits: bool = False, calibrator: nn.Module | None = None,
+                 fmt: str = "pt2") -> None:
         super().__init__()
         if not (isinstance(temperature, int | float) and temperature > 0):
             raise ValueError(f"Expected a temperature > 0, but got {temperature!r}.")
@@ -103,10 +138,12 @@ class CalibratedSegmenter(nn.Module):
             raise ValueError(f"Expected `multiple` to be a positive integer, but got {multiple!r}.")
         self.model = model.eval()
         self.multiple, self.logits, self.temperature = multiple, logits, float(temperature)
-        # (x / 255 - mean) / std = (x - 255 mean) / (255 std)
-        f32 = torch.float32
-        self.register_buffer("shift", 255.0 * torch.tensor(mean, dtype=f32).view(1, 3, 1, 1))
-        self.register_buffer("scale", 255.0 * torch.tensor(std, dtype=f32).view(1, 3, 1, 1))
+        self.needs_image = bool(calibrator is not None and calibrator.needs_image)
+        self.calibrator = None if calibrator is None else calibrator.export_module(fmt).eval()
+        shift, inverse, fill = normalisation_constants(mean, std)
+        self.register_buffer("shift", shift)
+        self.register_buffer("inverse", inverse)
+        self.register_buffer("fill", fill)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.outputs(x)[0]
@@ -115,15 +152,20 @@ class CalibratedSegmenter(nn.Module):
         """``(forward(x), the cropped logits)``."""
         h, w = x.shape[-2], x.shape[-1]
         m = self.multiple
+        image = (x - self.shift) * self.inverse
+        padded = image
         if m > 1:
-            x = _zero_pad(x, 2, (h + m - 1) // m * m, h)
-            x = _zero_pad(x, 3, (w + m - 1) // m * m, w)
-        out = self.model((x - self.shift) / self.scale)
+            padded = _pad(padded, 2, (h + m - 1) // m * m, h, self.fill)
+            padded = _pad(padded, 3, (w + m - 1) // m * m, w, self.fill)
+        out = self.model(padded).float()
         if m > 1:  # crop the padding off
             out = out.index_select(2, torch.arange(h, device=x.device))
             out = out.index_select(3, torch.arange(w, device=x.device))
         if self.logits:
             return out, out
+        if self.calibrator is not None:
+            calibrated = self.calibrator(out, image if self.needs_image else None)
+            return torch.softmax(calibrated.float(), dim=1), out
         return torch.softmax(out / self.temperature, dim=1), out
 
 
@@ -167,60 +209,258 @@ class ConformalSegmenter(nn.Module):
         return out, (scores <= self.threshold).reshape(n, k, h, w)
 
 
-def _dynamic_shapes(min_size: int) -> dict[str, dict[int, Any]]:
+def _first_line(err: BaseException) -> str:
+    text = " ".join(str(err).strip().split("\n")[0].split())
+    return (text[:240] or type(err).__name__).rstrip(".")
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost cause of ``err`` (the exporters wrap what stops them, e.g. "No ONNX
+    function found for aten.sort.stable", in errors whose own first line says nothing)."""
+    seen = {id(err)}
+    while err.__cause__ is not None and id(err.__cause__) not in seen:
+        err = err.__cause__
+        seen.add(id(err))
+    return err
+
+
+def _probe_side(module: nn.Module, start: int) -> int:
+    """A side (from ``start``, doubling) at which ``module`` runs on a ``(2, 3, s, s + 2)``
+    batch, the example the export traces.
+
+    Raises:
+        UserError: it fails at every side up to ``_LARGEST_PROBE``, naming the last error.
+    """
+    side, error = start, None
+    while side <= _LARGEST_PROBE:
+        try:
+            with torch.no_grad():
+                module(torch.zeros(2, 3, side, side + 2))
+            return side
+        except Exception as err:  # noqa: BLE001 (a network of the user's may raise anything)
+            error, side = err, 2 * side + 1
+    raise UserError(f"export: the network fails on every image size tried up to {_LARGEST_PROBE}"
+                    f" pixels ({type(error).__name__}: {_first_line(error)}).")
+
+
+def _side_ranges(program: Any) -> list[tuple[int, float]]:
+    """``[(lowest, highest), ...]`` of the height and width the exported ``program`` accepts
+    (``highest`` is ``math.inf`` when unbounded, equal to ``lowest`` when specialised)."""
+    name = program.graph_signature.user_inputs[0]
+    node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == name)
+    out = []
+    for size in node.meta["val"].shape[2:]:
+        if isinstance(size, int):
+            out.append((size, size))
+            continue
+        found = program.range_constraints[size.node.expr]
+        upper = found.upper
+        out.append((int(found.lower), float(upper) if getattr(upper, "is_finite", True)
+                    and str(upper) != "int_oo" else math.inf))
+    return out
+
+
+class _SizeViolation(Exception):
+    """torch.export found that the network's program does not hold every size asked for."""
+
+
+def _export(module: nn.Module, example: tuple[Tensor], sides: list[Any],
+            what: str = "this network") -> Any:
+    """``torch.export.export`` of ``module`` with a dynamic batch (1 to 4096) and ``sides``.
+
+    Raises:
+        _SizeViolation: the sides asked for are not all held; UserError: any other failure.
+    """
     dim = torch.export.Dim
-    return {"x": {0: dim("batch", min=1, max=4096), 2: dim("height", min=min_size),
-                  3: dim("width", min=min_size)}}
+    shapes = {"x": {0: dim("batch", min=1, max=4096), 2: sides[0], 3: sides[1]}}
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.export.export(module, example, dynamic_shapes=shapes)
+    except Exception as err:  # noqa: BLE001 (torch.export raises many types, all one line here)
+        if "onstraint" in str(err):
+            raise _SizeViolation(_first_line(err)) from None
+        cause = _root_cause(err)
+        raise UserError(f"export: torch.export cannot trace {what} "
+                        f"({type(cause).__name__}: {_first_line(cause)}).") from None
+
+
+def _accepts(ranges: list[tuple[int, float]], guards: Any, height: int, width: int) -> bool:
+    """Whether a program holds an image of ``height x width``: inside its ``ranges``
+    (:func:`_side_ranges`), and its ``guards`` (the conditions ``torch.export`` recorded besides
+    the ranges) pass."""
+    (h_low, h_high), (w_low, w_high) = ranges
+    if not (h_low <= height <= h_high and w_low <= width <= w_high):
+        return False
+    if guards is None:
+        return True
+    try:
+        guards(torch.empty(2, 3, height, width, device="meta"))
+    except AssertionError:
+        return False
+    return True
+
+
+def _smallest_side(program: Any) -> tuple[int, bool]:
+    """The smallest side ``s`` at which ``program`` holds ``s x s``, and whether every size
+    from it up to ``s + 64`` (and a few large ones) is held too."""
+    guards = getattr(program.module(), "_guards_fn", None)
+    ranges = _side_ranges(program)
+    side = max(low for low, _ in ranges)
+    while not _accepts(ranges, guards, side, side):
+        side += 1
+        if side > _LARGEST_PROBE:
+            raise UserError(f"export: torch.export's program of this network holds no image "
+                            f"size up to {_LARGEST_PROBE} pixels; resize images and export "
+                            "with --min-size.")
+    sizes = [*range(side, side + 65), 255, 256, 257, 1023, 1024, 1025, 4095, 4096]
+    window = [(h, w) for h in sizes for w in sizes if h >= side and w >= side]
+    return side, all(_accepts(ranges, guards, h, w) for h, w in window)
+
+
+def trace_program(module: CalibratedSegmenter | ConformalSegmenter,
+                  min_size: int | None = None, what: str = "this network") -> tuple[Any, int]:
+    """``module`` traced by ``torch.export`` with a dynamic batch size (1 to 4096), height and
+    width, and the smallest side the program accepts.
+
+    Without ``min_size``, the sides are first automatic (``torch.export`` records the range of
+    sizes its program is valid for, and the guards besides); the smallest side ``s`` those
+    allow is found, and when the guards do not visibly hold for every size above it the
+    network is traced again with sides declared ``>= s``, which ``torch.export`` refuses unless
+    its program holds every such size. With ``min_size``, the sides are declared
+    ``>= min_size`` at once.
+
+    Raises:
+        UserError: a ``min_size`` below what the network holds (naming the size to use), a
+            network whose program holds no such range of sizes, or one ``torch.export``
+            cannot trace (its first line).
+    """
+    dim = torch.export.Dim
+    module = module.eval().to("cpu", torch.float32)
+    base = max(2 * module.multiple, 16)
+    side = _probe_side(module, (min_size or base) + 3)  # no multiple of the stride
+    example = (torch.rand(2, 3, side, side + 2, generator=torch.Generator().manual_seed(0))
+               * 255,)
+    if min_size is not None:
+        try:
+            return _export(module, example, [dim("height", min=min_size),
+                                             dim("width", min=min_size)], what), min_size
+        except _SizeViolation as err:
+            _, smallest = trace_program(module, what=what)
+            if smallest > min_size:
+                raise UserError(f"--min-size {min_size}: the network's exported program holds "
+                                f"image sides >= {smallest} only; use --min-size {smallest} (or "
+                                "leave it out: the smallest side is then found).") from None
+            raise UserError(f"--min-size {min_size}: torch.export cannot hold every image side "
+                            f">= {min_size} ({err}); leave --min-size out.") from None
+    program = _export(module, example, [dim.AUTO(min=2), dim.AUTO(min=2)], what)
+    smallest, holds = _smallest_side(program)
+    if not holds:  # proven by torch.export itself, or refused
+        try:
+            program = _export(module, example, [dim("height", min=smallest),
+                                                dim("width", min=smallest)], what)
+        except _SizeViolation as err:
+            raise UserError(f"export: torch.export's program of this network holds some image "
+                            f"sizes only ({err}); resize images to one size and export with "
+                            "--min-size.") from None
+    return program, smallest
 
 
 def export_program(module: CalibratedSegmenter | ConformalSegmenter, path: str | Path, fmt: str,
-                   min_size: int | None = None) -> Path:
+                   min_size: int | None = None, what: str = "the program") -> Path:
     """Write ``module`` as ONNX (``fmt="onnx"``) or a ``torch.export`` program (``"pt2"``),
-    with dynamic batch size, height and width (sides ``>= min_size``, default ``2 * multiple``).
-    A :class:`ConformalSegmenter` has a second output, ``sets``.
+    with dynamic batch size, height and width (:func:`trace_program`); the smallest side
+    accepted is then ``module.min_size``. A :class:`ConformalSegmenter` has a second output,
+    ``sets``. An ONNX file is run once with onnxruntime (when installed) on the traced example
+    and compared with the PyTorch program: a format that does not hold ``what`` faithfully is
+    refused, the file removed.
 
     Raises:
-        ValueError: an unknown format.
+        UserError: an unknown format, a network or calibrator a format cannot hold (one line
+            naming what stops it), a folder that cannot be written.
         ImportError: ONNX without the ``onnx`` / ``onnxscript`` packages (with the command).
     """
     if fmt not in FORMATS:
         raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{path}.data").unlink(missing_ok=True)  # a sidecar of an earlier export
-    module = module.eval().to("cpu", torch.float32)
-    min_size = min_size or max(2 * module.multiple, 16)
-    # Two images whose sides are no multiple of the stride: nothing gets specialised on them.
-    example = (torch.rand(2, 3, min_size + 3, min_size + 5) * 255,)
-    dynamic = _dynamic_shapes(min_size)
-    if fmt == "pt2":
-        with torch.no_grad():
-            program = torch.export.export(module, example, dynamic_shapes=dynamic)
-        torch.export.save(program, path)
-        return path
-    for package in ("onnx", "onnxscript"):
-        try:
-            importlib.import_module(package)
-        except ImportError:
-            raise ImportError(
-                f"--format onnx needs the {package} package; install it with: "
-                f'pip install "cals_seg[export]" (or: pip install onnx onnxscript onnxruntime).'
-            ) from None
+    if fmt == "onnx":
+        for package in ("onnx", "onnxscript"):
+            try:
+                importlib.import_module(package)
+            except ImportError:
+                raise ImportError(
+                    f"--format onnx needs the {package} package; install it with: "
+                    f'pip install "cals_seg[export]" (or: pip install onnx onnxscript '
+                    "onnxruntime).") from None
+        if isinstance(module, ConformalSegmenter) and module.score == "aps":
+            raise UserError("--format onnx --conformal score=aps: the APS randomisation reads "
+                            "the bits of the probabilities, which ONNX cannot; use --format "
+                            "pt2, or score=lac.")
+    program, module.min_size = trace_program(module, min_size, what)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{path}.data").unlink(missing_ok=True)  # a sidecar of an earlier export
+        if fmt == "pt2":
+            torch.export.save(program, path)
+            return path
+        _write_onnx(module, program, path, what)
+    except OSError as err:
+        from cals_seg.utils.paths import os_error
+
+        raise os_error(err, path, "write the exported program") from None
+    return path
+
+
+def _write_onnx(module: nn.Module, program: Any, path: Path, what: str) -> None:
+    """The ONNX file of ``program``, checked against it with onnxruntime when installed."""
     # One self-contained file (weights inside), unless they pass protobuf's 2 GB limit: then
     # the weights go to FILE.data next to it, and written_files() names both.
-    if isinstance(module, ConformalSegmenter) and module.score == "aps":
-        raise UserError("--format onnx --conformal score=aps: the APS randomisation reads the "
-                        "bits of the probabilities, which ONNX cannot; use --format pt2, or "
-                        "score=lac.")
     external = _weight_bytes(module) > ONNX_SINGLE_FILE_LIMIT
     names = [OUTPUT_NAMES[module.logits]]
     names += [SETS_NAME] if isinstance(module, ConformalSegmenter) else []
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, example, str(path), dynamo=True, dynamic_shapes=dynamic,
-                          input_names=[INPUT_NAME], output_names=names,
-                          verbose=False, external_data=external)
-    return path
+    example = torch.rand(2, 3, module.min_size + 3, module.min_size + 6,
+                         generator=torch.Generator().manual_seed(1)) * 255
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(program, (example,), str(path), dynamo=True,
+                              input_names=[INPUT_NAME], output_names=names, verbose=False,
+                              external_data=external)
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 (the exporter raises many types, one line here)
+        cause = _root_cause(err)
+        raise UserError(f"--format onnx: the ONNX exporter cannot convert {what} "
+                        f"({type(cause).__name__}: {_first_line(cause)}); use --format pt2."
+                        ) from None
+    deviation = _onnx_deviation(program, path, example)
+    if deviation is not None and deviation > ONNX_TOLERANCE:
+        for file in (path, Path(f"{path}.data")):
+            file.unlink(missing_ok=True)
+        raise UserError(f"--format onnx: ONNX does not hold {what} faithfully (its first output "
+                        f"differs from the PyTorch program's by {deviation:.3g} on a test batch, "
+                        f"more than {ONNX_TOLERANCE:g}); use --format pt2.")
+    module.onnx_check = deviation
+
+
+# The largest difference allowed between the ONNX file's first output and the PyTorch
+# program's on the export's test batch (float32 kernels of two runtimes).
+ONNX_TOLERANCE = 1e-4
+
+
+def _onnx_deviation(program: Any, path: Path, example: Tensor) -> float | None:
+    """Largest difference between the ONNX file's first output (onnxruntime, CPU) and the
+    PyTorch ``program``'s on ``example``; None without onnxruntime."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = torch.from_numpy(session.run(None, {INPUT_NAME: example.numpy()})[0])
+    with torch.no_grad():
+        want = program.module()(example)
+    want = want[0] if isinstance(want, tuple | list) else want
+    return float((got.float() - want.float()).abs().max())
 
 
 # Weights above this many bytes make an ONNX file that protobuf cannot hold (2 GiB), so they go
@@ -242,22 +482,66 @@ def written_files(path: str | Path) -> list[Path]:
     return [path, *sidecars, Path(f"{path}.json")]
 
 
-def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: str = "ts",
+def _calibration(loaded: Any, calibrator: str | None, logits: bool) -> dict[str, Any]:
+    """What calibrates the program: ``{"name", "temperature", "module", "file"}``."""
+    run_dir = loaded.path
+    if logits:
+        if calibrator not in (None, "none", "ts"):
+            raise UserError(f"--logits outputs the network's raw logits: leave out --calibrator "
+                            f"{calibrator}, or drop --logits for its probabilities.")
+        return {"name": "none", "temperature": None, "module": None, "file": None}
+    if calibrator == "none":
+        return {"name": "none", "temperature": 1.0, "module": None, "file": None}
+    temperature_file = loaded.run.temperature_file
+    if calibrator == "ts" and not loaded.run.calibrator_file("ts").is_file():
+        calibrator = None  # the run's own temperature scaling (what --calibrator ts meant)
+    if calibrator is None:
+        if loaded.temperature is None:
+            raise UserError(f"{run_dir} has no {temperature_file.name} (the run did not "
+                            "finish, or eval.temperature_scaling is false); export with "
+                            "--calibrator none for uncalibrated probabilities, or with "
+                            "--calibrator NAME for a calibrator fitted by tools/eval_seg.py.")
+        return {"name": "ts", "temperature": float(loaded.temperature), "module": None,
+                "file": str(temperature_file)}
+    from cals_seg.calibrators import load_run_calibrator
+
+    # validated, and refused unless fitted for this network, its classes and precision (the
+    # export's forward pass is float32), as predict_seg --calibrator NAME refuses it
+    try:
+        module = load_run_calibrator(loaded, calibrator).eval()
+    except UserError as err:
+        if "[precision]" not in str(err):
+            raise
+        raise UserError(f"{loaded.run.calibrator_file(calibrator)} was fitted on logits of a "
+                        "lower-precision forward pass; the exported program's is float32: refit "
+                        f"it with tools/eval_seg.py {run_dir} --calibrators {calibrator} "
+                        "--refit-calibrators --set train.amp=none.") from None
+    return {"name": calibrator, "temperature": None, "module": module,
+            "file": str(loaded.run.calibrator_file(calibrator))}
+
+
+# Not split (over 80 lines): most of it is the docstring and the metadata written.
+def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: str | None = None,
                logits: bool = False, checkpoint: str = "best",
                min_size: int | None = None, conformal: Any = None) -> dict[str, Any]:
     """Export a trained segmentation run; writes ``out`` and ``<out>.json`` (what the program
-    expects and returns: input name and range, normalisation, class names, temperature, and
-    the conformal threshold).
+    expects and returns: input name and range, smallest side, normalisation, class names, the
+    forward precision, the calibration, and the conformal threshold).
 
     Args:
         run: a run directory (or a checkpoint file inside one).
         out: the file to write (``.onnx`` / ``.pt2``).
         fmt: ``onnx`` or ``pt2``.
-        calibrator: ``ts`` (the run's fitted temperature) or ``none``.
+        calibrator: None (the run's fitted temperature, ``temperature.json``: ``predict_seg``'s
+            default), ``none`` (T = 1), or a registered calibrator's name: the one saved in
+            ``<run>/calibrators/NAME.pt`` by ``tools/eval_seg.py RUN --calibrators NAME``, as
+            ``predict_seg --calibrator NAME`` uses it (``ts`` without ``ts.pt``: the run's
+            temperature).
         logits: output raw logits instead of calibrated probabilities.
         checkpoint: ``best`` or ``last`` (for a run directory; read by
             :func:`cals_seg.runs.run.load_run`).
-        min_size: smallest height / width the program accepts (default ``2 * stride``).
+        min_size: smallest height / width the program accepts (default: the smallest the
+            network holds, found by the export).
         conformal: a fitted :class:`~cals_seg.evaluation.conformal.ConformalSets` (on the
             run's logits, mode ``risk``, ``image:TAU`` or ``class``): the program also returns
             its prediction sets, ``(N, K, H, W)`` bool (:class:`ConformalSegmenter`).
@@ -266,47 +550,59 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         The metadata written to ``<out>.json``.
 
     Raises:
-        ValueError / FileNotFoundError: a bad argument or run, naming the fix.
+        UserError / FileNotFoundError: a bad argument, run or calibrator file, a calibrator a
+            format cannot hold, a folder that cannot be written; one line naming the fix.
     """
     from cals_seg.runs.run import load_run
 
-    if calibrator not in CALIBRATORS:
+    if calibrator is not None and calibrator not in CALIBRATORS:
         raise UserError(f"--calibrator: expected one of {list(CALIBRATORS)}, got {calibrator!r}.")
     if fmt not in FORMATS:
         raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
+    if (calibrator, fmt) in REFUSED:
+        raise UserError(f"--format {fmt} --calibrator {calibrator}: {REFUSED[calibrator, fmt]}")
     loaded = load_run(run, checkpoint, device="cpu", amp="none", family="segmentation")
-    run_dir, cfg, model, fitted = loaded.path, loaded.config, loaded.model, loaded.temperature
-    temperature = 1.0
-    if calibrator == "ts" and not logits:
-        if fitted is None:
-            raise UserError(f"{run_dir} has no {loaded.run.temperature_file.name} (the run did "
-                             "not finish, or eval.temperature_scaling is false); export with "
-                             "--calibrator none for uncalibrated probabilities.")
-        temperature = fitted
+    run_dir, cfg, model = loaded.path, loaded.config, loaded.model
+    calibration = _calibration(loaded, calibrator, logits)
     e = cfg.eval
     if e.mode != "whole" or e.resize is not None or e.pad is not None:
         warnings.warn(f"{run_dir} is evaluated with eval.mode={e.mode}, resize={e.resize}, "
                       f"pad={e.pad}; the exported program runs the network once on the whole "
                       "image as given: resize or tile images before calling it.", stacklevel=2)
-    module = CalibratedSegmenter(model, temperature, multiple=input_multiple(model),
-                                 logits=logits)
+    module = CalibratedSegmenter(model, calibration["temperature"] or 1.0,
+                                 multiple=input_multiple(model), logits=logits,
+                                 calibrator=calibration["module"], fmt=fmt)
     if conformal is not None:
         module = ConformalSegmenter(module, conformal)
-    path = export_program(module, out, fmt, min_size)
+    what = (f"this network with the calibrator {calibration['name']}"
+            if calibration["module"] is not None else "this network")
+    path = export_program(module, out, fmt, min_size, what)
+    cal = calibration["module"]
     info = {
         "format": fmt,
         "run": str(run_dir),
         "input": {"name": INPUT_NAME, "shape": ["N", 3, "H", "W"], "dtype": "float32",
-                  "range": [0, 255], "channels": "RGB",
-                  "min_size": min_size or max(2 * module.multiple, 16)},
+                  "range": [0, 255], "channels": "RGB", "min_size": module.min_size},
         "output": {"name": OUTPUT_NAMES[logits], "shape": ["N", "K", "H", "W"],
-                   "what": "logits" if logits else "softmax(logits / T)"},
-        "calibrator": "none" if logits else calibrator,
-        "temperature": None if logits else temperature,
+                   "what": "logits" if logits else "softmax(logits / T)" if cal is None
+                   else f"softmax({calibration['name']}(logits))"},
+        # The network's forward precision (the vocabulary of metrics.json: none is float32);
+        # the calibration and the softmax are float32 too.
+        "precision": "none",
+        "calibrator": calibration["name"],
+        "calibrator_file": calibration["file"],
+        "temperature": calibration["temperature"],
         "normalisation": {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)},
         "num_classes": cfg.data.num_classes,
         "class_names": list(loaded.class_names),
     }
+    if cal is not None:
+        info["calibrator_params"] = _plain(dict(cal.params))
+        if hasattr(cal.export_module(fmt), "thresholds"):
+            info["bands"] = BANDS_RULE
+    if getattr(module, "onnx_check", None) is not None:
+        info["onnx_check"] = {"max_difference_to_pt2": module.onnx_check,
+                              "tolerance": ONNX_TOLERANCE}
     if conformal is not None:
         info["outputs"] = [OUTPUT_NAMES[logits], SETS_NAME]
         info["conformal"] = {
@@ -315,9 +611,30 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
             "alpha": conformal.alpha, "mode": conformal.mode, "score": conformal.score,
             "seed": conformal.seed, "threshold": conformal.thresholds(),
             "calibration_images": conformal.calibration_images}
-    Path(f"{path}.json").write_text(json.dumps(info, indent=2) + "\n")
+    try:
+        Path(f"{path}.json").write_text(json.dumps(info, indent=2) + "\n")
+    except OSError as err:
+        from cals_seg.utils.paths import os_error
+
+        raise os_error(err, f"{path}.json", "write") from None
     return info
 
 
-__all__ = ["CALIBRATORS", "FORMATS", "CalibratedSegmenter", "ConformalSegmenter", "export_program",
-           "export_run", "written_files"]
+# How the program's boundary bands are made (the JSON of a boundary calibrator's export).
+BANDS_RULE = ("from the program's own argmax map (first maximal class): a boundary pixel has one "
+              "of its 8 neighbours inside the image predicted as another class; d is the exact "
+              "Euclidean distance to the nearest boundary pixel of the image; band i holds "
+              "bands[i-1] <= d < bands[i] (the fitted calibrator's definition)")
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+__all__ = ["CALIBRATORS", "FORMATS", "REFUSED", "CalibratedSegmenter", "ConformalSegmenter",
+           "export_program", "export_run", "normalisation_constants", "trace_program",
+           "written_files"]

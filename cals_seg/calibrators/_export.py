@@ -1,0 +1,271 @@
+"""Calibrators as programs that ``torch.export`` and ONNX hold for every image size.
+
+A fitted calibrator's ``forward`` is written for speed in eager PyTorch: loops over blocks of
+positions, in-place writes into slices, reads of its own buffers to decide a branch, rows
+selected per class with ``nonzero``. None of these survives an export with dynamic ``N``, ``H``
+and ``W``. :meth:`cals_seg.calibrators.Calibrator.export_module` returns instead one of the
+modules below: the same numbers (the tests compare each with ``forward`` to float32 rounding,
+labels exactly), with the fitted state fixed as buffers and Python constants, no branch on data
+and no loop whose length depends on the image.
+
+The predicted boundary bands (:func:`graph_bands`) follow the definition of the fitted
+``boundary_ts`` calibrators exactly: the label map is ``argmax(logits)`` (the first maximal
+class), a pixel is a boundary pixel when one of its 8 neighbours inside the image has another
+label, ``D`` is the exact squared Euclidean distance to the nearest boundary pixel of the same
+image, and band ``i`` holds ``ceil(b_i^2) <= D < ceil(b_{i+1}^2)``
+(:func:`cals_seg.metrics._distance.label_map_bands`), decided on the same integers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from cals_seg.metrics._distance import int_thresholds
+
+
+def _cat_zeros(x: Tensor, dim: int, before: int, after: int) -> Tensor:
+    """``x`` with ``before`` / ``after`` slices of zeros (False) added along ``dim``; a
+    concatenation, so that the other sizes stay symbolic."""
+    parts = []
+    for count in (before, after):
+        if count:
+            shape = list(x.shape)
+            shape[dim] = count
+            parts.append(x.new_zeros(shape))
+        else:
+            parts.append(None)
+    return torch.cat([p for p in (parts[0], x, parts[1]) if p is not None], dim=dim)
+
+
+def graph_boundary(label: Tensor) -> Tensor:
+    """Pixels with at least one of their 8 neighbours inside the image of another label: the
+    rule of :func:`cals_seg.metrics._distance.boundary_mask` (no void), written without
+    in-place writes into slices.
+
+    Shape:
+        - label: ``(N, H, W)`` integer; returns ``(N, H, W)`` bool.
+    """
+    out = None
+    # (differences of the pairs, padding of the first pixel, padding of the second): each pair
+    # marks both of its pixels, as boundary_mask does.
+    vertical = label[:, 1:, :] != label[:, :-1, :]
+    horizontal = label[:, :, 1:] != label[:, :, :-1]
+    diagonal = label[:, 1:, 1:] != label[:, :-1, :-1]
+    anti = label[:, 1:, :-1] != label[:, :-1, 1:]
+    placed = [
+        _cat_zeros(vertical, 1, 1, 0), _cat_zeros(vertical, 1, 0, 1),
+        _cat_zeros(horizontal, 2, 1, 0), _cat_zeros(horizontal, 2, 0, 1),
+        _cat_zeros(_cat_zeros(diagonal, 1, 1, 0), 2, 1, 0),
+        _cat_zeros(_cat_zeros(diagonal, 1, 0, 1), 2, 0, 1),
+        _cat_zeros(_cat_zeros(anti, 1, 1, 0), 2, 0, 1),
+        _cat_zeros(_cat_zeros(anti, 1, 0, 1), 2, 1, 0),
+    ]
+    for mark in placed:
+        out = mark if out is None else out | mark
+    return out
+
+
+def graph_squared_distance(boundary: Tensor, limit: int) -> Tensor:
+    """``min(D, limit)`` for the exact squared Euclidean distance ``D`` of every pixel to the
+    nearest boundary pixel of its image: the two passes of
+    :func:`cals_seg.metrics._distance.capped_squared_distance` (a vertical distance capped at
+    ``R + 1``, ``R = isqrt(limit - 1)``, then the minimum over ``|dx| <= R`` of ``g^2 + dx^2``)
+    in int32, with ``R`` dilation steps whatever the height (steps past the height change
+    nothing: a column without a boundary pixel counts to ``R + 1``, the cap, as there).
+
+    Shape:
+        - boundary: ``(N, H, W)`` bool; returns ``(N, H, W)`` int32.
+    """
+    r = math.isqrt(limit - 1)
+    cap = r + 1
+    near = boundary
+    far = (~near).to(torch.int32)
+    for _ in range(r):
+        down = _cat_zeros(near[:, :-1], 1, 1, 0)
+        up = _cat_zeros(near[:, 1:], 1, 0, 1)
+        near = near | down | up
+        far = far + (~near).to(torch.int32)
+    g2 = far * far
+    if r == 0:
+        return g2.clamp(max=limit)
+    edge = torch.full_like(g2[:, :, :1], cap * cap).expand(-1, -1, r)
+    padded = torch.cat([edge, g2, edge], dim=2)
+    w = g2.shape[2]
+    out = g2
+    for dx in range(1, r + 1):
+        out = torch.minimum(out, padded[:, :, r - dx:r - dx + w] + dx * dx)
+        out = torch.minimum(out, padded[:, :, r + dx:r + dx + w] + dx * dx)
+    return out.clamp(max=limit)
+
+
+def graph_bands(logits: Tensor, thresholds: Sequence[int]) -> Tensor:
+    """Band of every pixel from the boundaries of ``argmax(logits)``: the bands of
+    :func:`cals_seg.calibrators.boundary_ts.predicted_bands` (``thresholds``:
+    :func:`~cals_seg.metrics._distance.int_thresholds` of the band distances).
+
+    Shape:
+        - logits: ``(N, K, H, W)``; returns ``(N, H, W)`` int64.
+    """
+    label = logits.argmax(dim=1)
+    if not thresholds:
+        return torch.zeros_like(label)
+    dist2 = graph_squared_distance(graph_boundary(label), max(thresholds))
+    band = (dist2 >= thresholds[0]).to(torch.int64)
+    for t in thresholds[1:]:
+        band = band + (dist2 >= t).to(torch.int64)
+    return band
+
+
+class BandTemperatures(nn.Module):
+    """``l(p) / T[band(p)]`` with the bands of :func:`graph_bands` (``boundary_ts``,
+    ``boundary_ts_fine``).
+
+    Args:
+        bands: the band distances in pixels.
+        temperatures: ``len(bands) + 1`` temperatures.
+
+    Shape:
+        - logits: ``(N, K, H, W)`` -> same shape.
+    """
+
+    def __init__(self, bands: Sequence[float], temperatures: Tensor) -> None:
+        super().__init__()
+        self.thresholds = int_thresholds(bands)
+        self.register_buffer("temperatures", temperatures.detach().to("cpu", torch.float32)
+                             .clone())
+
+    def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
+        band = graph_bands(logits, self.thresholds)
+        return logits / self.temperatures.to(logits.dtype)[band].unsqueeze(1)
+
+
+class BandConfidenceTemperatures(nn.Module):
+    """``l(p) / T[band(p), bin(p)]`` (``boundary_ts_conf``): the bands of :func:`graph_bands`,
+    the bin of the confidence's log-odds among its band's edges.
+
+    Args:
+        bands: the band distances in pixels.
+        edges: ``(B, Q - 1)`` log-odds edges of each band.
+        temperatures: ``(B, Q)``.
+
+    Shape:
+        - logits: ``(N, K, H, W)`` -> same shape.
+    """
+
+    def __init__(self, bands: Sequence[float], edges: Tensor, temperatures: Tensor) -> None:
+        super().__init__()
+        self.thresholds = int_thresholds(bands)
+        self.num_bins = int(temperatures.shape[1])
+        self.register_buffer("edges", edges.detach().to("cpu", torch.float32).clone())
+        self.register_buffer("temperatures",
+                             temperatures.detach().to("cpu", torch.float32).reshape(-1).clone())
+
+    def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
+        from cals_seg.calibrators.boundary_conf_ts import confidence_logodds
+
+        band = graph_bands(logits, self.thresholds)
+        cell = band * self.num_bins
+        if self.num_bins > 1:
+            u = confidence_logodds(logits)
+            cell = cell + (u.unsqueeze(-1) >= self.edges.to(u.dtype)[band]).sum(dim=-1)
+        return logits / self.temperatures.to(logits.dtype)[cell].unsqueeze(1)
+
+
+class FlaggedTemperature(nn.Module):
+    """``l(p) / T_mis`` where a misprediction classifier flags ``p``, else ``l(p)``
+    (``selective``): the classifier on every pixel at once.
+
+    Args:
+        classifier: ``(P, K)`` log-probabilities -> ``(P,)`` logits of "wrong" (eval mode).
+        logit_threshold: flagged where the classifier's logit is above it.
+        temperature: ``T_mis`` (a float32 scalar tensor); 1: the identity.
+
+    Shape:
+        - logits: ``(N, K, *S)`` -> same shape.
+    """
+
+    def __init__(self, classifier: nn.Module, logit_threshold: float,
+                 temperature: Tensor) -> None:
+        super().__init__()
+        import copy
+
+        self.classifier = copy.deepcopy(classifier).to("cpu", torch.float32).eval()
+        self.logit_threshold = float(logit_threshold)
+        t = temperature.detach().to("cpu", torch.float32).reshape(())
+        self.identity = float(t) == 1.0
+        self.register_buffer("inverse", 1.0 / t)  # as the calibrator computes it, in float32
+
+    def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
+        if self.identity:
+            return logits
+        from cals_seg.calibrators.selective import _log_probs
+
+        k = logits.shape[1]
+        rows = logits.movedim(1, -1).reshape(-1, k)
+        flag = self.classifier(_log_probs(rows)) > self.logit_threshold
+        flag = flag.reshape(logits.shape[0], *logits.shape[2:])
+        scale = torch.where(flag, self.inverse.to(logits.dtype),
+                            torch.ones((), dtype=logits.dtype, device=logits.device))
+        return logits * scale.unsqueeze(1)
+
+
+class ExpertAffine(nn.Module):
+    """``cms_ap`` / ``cms_op`` (:func:`cals_seg.calibrators.order_keeping.order_keeping_logits`)
+    on every pixel at once: each expert's map is computed for all pixels and kept where the
+    pixel's predicted class is the expert's (``K`` matrix products of ``(P, K - 1)`` by
+    ``(K - 1, K - 1)``: ``K`` times the eager cost, which selects the rows first).
+
+    Args:
+        weight: ``(K, K - 1, K - 1)``; bias: ``(K, K - 1)``; mode: ``argmax`` or ``order``.
+        topk: rank the classes with ``topk`` (ONNX's ``TopK``, which puts equal values in
+            class order, as the stable sort of the eager map does) instead of a stable sort
+            (which ONNX has not).
+
+    Shape:
+        - logits: ``(N, K, *S)`` -> same shape.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor, mode: str, topk: bool = False) -> None:
+        super().__init__()
+        self.mode, self.topk = mode, topk
+        self.register_buffer("weight", weight.detach().to("cpu", torch.float32).clone())
+        self.register_buffer("bias", bias.detach().to("cpu", torch.float32).clone())
+        k = weight.shape[0]
+        idx = torch.arange(k)
+        self.register_buffer("competitors", torch.stack([idx[idx != c] for c in range(k)]))
+
+    def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
+        k = logits.shape[1]
+        work = logits.float()
+        rows = work.movedim(1, -1).reshape(-1, k)
+        top = rows.argmax(dim=1, keepdim=True)
+        out = torch.zeros_like(rows)
+        weight, bias = self.weight.to(rows.dtype), self.bias.to(rows.dtype)
+        if self.mode == "argmax":
+            for c in range(k):
+                gaps = rows[:, c:c + 1] - rows.index_select(1, self.competitors[c])
+                values = -(gaps @ weight[c].T + bias[c])
+                part = torch.cat([values[:, :c], torch.zeros_like(values[:, :1]),
+                                  values[:, c:]], dim=1)
+                out = torch.where(top == c, part, out)
+        else:
+            if self.topk:
+                values, perm = torch.topk(rows, k, dim=1, largest=True, sorted=True)
+            else:
+                values, perm = torch.sort(rows, dim=1, descending=True, stable=True)
+            gaps = values[:, :-1] - values[:, 1:]
+            for c in range(k):
+                steps = gaps @ weight[c].T + bias[c]
+                ranked = torch.cat([torch.zeros_like(steps[:, :1]), -steps.cumsum(dim=1)], dim=1)
+                part = torch.zeros_like(ranked).scatter(1, perm, ranked)
+                out = torch.where(top == c, part, out)
+        shape = (logits.shape[0], *logits.shape[2:], k)
+        return out.reshape(shape).movedim(-1, 1).to(logits.dtype)
+
+
+__all__ = ["BandConfidenceTemperatures", "BandTemperatures", "ExpertAffine",
+           "FlaggedTemperature", "graph_bands", "graph_boundary", "graph_squared_distance"]
