@@ -3,6 +3,8 @@ whatever autocast context surrounds them (CPU and CUDA, bf16 and fp16, TF32 allo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -198,3 +200,150 @@ def test_observe_rejects_non_finite_logits(name, bad):
         loss.observe(x, y)
     with pytest.raises(RuntimeError, match="no observed validation positions"):
         loss.update_multipliers(0)  # nothing of the rejected batch was accumulated
+
+
+# ----------------------------------------------------------------------------- inference
+# One precision rule for the commands' forward pass (cals_seg.utils.precision): `auto` is float32
+# on every CPU for evaluation, prediction and export; bf16 only when asked, said once; the
+# calibration (softmax, temperatures, calibrators, sets) in float32 whatever the forward pass.
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # the AVX2 kind of CPU
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16-cpu", "avx2-cpu"])
+def test_auto_is_float32_for_inference_on_every_cpu(native, monkeypatch):
+    from cals_seg.utils import precision
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    assert precision.resolve_amp("auto", cpu, inference=True) == "none"
+    assert precision.resolve_amp("auto", cpu) == ("bf16" if native else "none")  # training
+    assert precision.resolve_amp("bf16", cpu, warn=False, inference=True) == "bf16"  # asked
+
+
+@pytest.fixture(scope="module")
+def precision_run(tmp_path_factory):
+    """A run whose config says train.amp: auto (as the setup files), its exported .pt2 (the
+    default export) and an image whose sides are no multiple of the stride (16)."""
+    from PIL import Image
+
+    from cals_seg.config.schema import load_config, save_config
+    from cals_seg.runs.export import export_run
+
+    from .test_export_calibrators import ROOT, _image, _network
+
+    tmp = tmp_path_factory.mktemp("precision")
+    cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", [
+        f"data.root={tmp / 'data'}", "train.amp=auto", "train.device=cpu", "train.threads=1",
+        "model.encoder_name=tu-mobilenetv3_small_050",
+        "model.params={encoder_output_stride: 16, decoder_channels: 16}"], "ce")
+    run = tmp / "run"
+    run.mkdir()
+    save_config(cfg, run / "config.yaml")
+    torch.save({"model": _network(cfg).state_dict(), "num_classes": 11, "epoch": 0},
+               run / "checkpoint_best.pt")
+    (run / "temperature.json").write_text('{"temperature": 1.3}')
+    (tmp / "images").mkdir()
+    Image.fromarray(_image(37, 45, 7)).save(tmp / "images" / "a.png")
+    export_run(run, tmp / "model.pt2", "pt2")
+    return run, tmp / "images" / "a.png", tmp / "model.pt2"
+
+
+# Run in a fresh process (so that a CPU kind can be set before torch loads): predict_seg's
+# default probabilities of the image (its own loading and path) and the default .pt2's.
+_BOTH = r"""
+import sys, numpy as np, torch
+from PIL import Image
+from cals_seg.commands import predict_seg
+from cals_seg.evaluation.inference import predict_image
+run, image_file, program_file, out = sys.argv[1:]
+args = predict_seg.parse_args([run, image_file, "--out", out])
+loaded, temperature = predict_seg.open_run(args)
+image = np.asarray(Image.open(image_file).convert("RGB"))
+pred = predict_image(loaded.model, image, temperature, loaded.protocol, loaded.precision,
+                     return_probs=True)
+pixels = torch.from_numpy(image.astype(np.float32)).permute(2, 0, 1)[None].contiguous()
+with torch.no_grad():
+    exported = torch.export.load(program_file).module()(pixels)
+np.savez(out + ".npz", predict=pred.probs.numpy(), export=exported.numpy(),
+         precision=loaded.precision, kind=torch.backends.cpu.get_cpu_capability())
+"""
+
+
+def _both(precision_run, tmp_path, env):
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    run, image, program = precision_run
+    out = str(tmp_path / f"both_{len(env)}")
+    done = subprocess.run([sys.executable, "-c", _BOTH, str(run), str(image), str(program),
+                           out], env={**os.environ, **env}, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    return np.load(out + ".npz")
+
+
+def test_predict_seg_default_equals_the_default_export_on_every_cpu_kind(precision_run,
+                                                                            tmp_path):
+    """predict_seg RUN img and the default export of RUN: every probability within 1e-4, on
+    this CPU and on the AVX2 kind (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2); and the
+    two kinds give predict_seg the same probabilities."""
+    import numpy as np
+
+    here, avx2 = _both(precision_run, tmp_path, {}), _both(precision_run, tmp_path, AVX2)
+    assert str(avx2["kind"]) == "AVX2"
+    for result in (here, avx2):
+        assert str(result["precision"]) == "none"
+        assert np.abs(result["predict"] - result["export"]).max() <= 1e-4
+    assert np.abs(here["predict"] - avx2["predict"]).max() <= 1e-4
+
+
+def test_predict_seg_is_float32_by_default_and_bf16_only_when_asked(precision_run, tmp_path,
+                                                                    monkeypatch, capsys):
+    """On a CPU with native bf16 (as this machine may or may not be: patched), predict_seg's
+    default forward pass is float32, recorded in predictions.jsonl; --amp bf16 runs bf16,
+    records it and prints its measured deviation once."""
+    import json
+
+    from cals_seg.commands import predict_seg
+    from cals_seg.utils import precision
+
+    run, image, _ = precision_run
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    for amp, want in ((None, "none"), ("bf16", "bf16")):
+        out = tmp_path / f"pred_{amp}"
+        argv = [str(run), str(image), "--out", str(out), "--no-progress", "--no-ood-check"]
+        assert predict_seg.main([*argv, *(["--amp", amp] if amp else [])]) == 0
+        record = json.loads((out / "predictions.jsonl").read_text().splitlines()[0])
+        assert record["precision"] == want
+        err = capsys.readouterr().err
+        assert ("docs/performance.md#precision" in err) == (want != "none"), err
+        if want != "none":
+            assert err.count("bf16 forward pass moves confidences") == 1
+
+
+def test_calibration_is_float32_after_a_bf16_forward_pass(precision_run):
+    """A bf16 forward pass gives float32 logits to the calibration: probabilities, confidence
+    and a calibrator's output are float32."""
+    from cals_seg.calibrators import build_calibrator
+    from cals_seg.evaluation.inference import predict_image
+    from cals_seg.runs.run import load_run
+
+    from .test_export_calibrators import _image
+
+    loaded = load_run(precision_run[0], device="cpu", amp="bf16", family="segmentation")
+    seen = []
+
+    class Spy(torch.nn.Module):
+        needs_image = False
+
+        def forward(self, logits, image=None):
+            seen.append(logits.dtype)
+            return build_calibrator("ts", 11)(logits)
+
+    out = predict_image(loaded.model, _image(37, 45, 3), 1.3, loaded.protocol, "bf16",
+                        return_probs=True, calibrator=Spy())
+    assert seen == [torch.float32]
+    assert out.probs.dtype == out.confidence.dtype == torch.float32

@@ -20,7 +20,8 @@ Per image, named after the input file, in DIR:
     <name>_entropy.png      predictive entropy / ln K (0: certain, 1: uniform), 16-bit PNG
     <name>_overlay.png      image, prediction colours, pixels under --threshold in magenta
 
-and one JSON line per input in DIR/predictions.jsonl: size, temperature, mean confidence, the
+and one JSON line per input in DIR/predictions.jsonl: size, temperature (or calibrator), the
+forward pass's precision (none: float32, the default on a CPU), mean confidence, the
 fraction of pixels under the threshold, mean entropy (nats), predicted class areas, seconds, and
 the output files (or the error of an unreadable input).
 
@@ -67,9 +68,17 @@ def open_run(args: argparse.Namespace):
     """The run to predict with (eval mode, on its device) and the temperature to use; with
     ``--calibrator NAME``, ``args.calibrator_module`` is the run's saved calibrator."""
     from cals_seg.runs.run import load_run
+    from cals_seg.utils.precision import BF16_DEVIATION, resolve_amp
 
     run = load_run(args.run, overrides=[*args.set, *protocol_overrides(args)],
                    device=args.device, amp=args.amp, family="segmentation")
+    # The forward pass of a prediction: `auto` is float32 on every CPU (the confidences of the
+    # float32 export, whatever the CPU); bf16 / fp16 only when asked, said once.
+    run.precision = resolve_amp(run.config.train.amp, run.device, warn=args.amp is not None,
+                                inference=True)
+    if run.precision != "none":
+        warnings.warn(f"precision {run.precision}: {BF16_DEVIATION}; --amp none for float32.",
+                      stacklevel=1)
     args.calibrator_module = None
     if args.calibrator is not None:  # validated, and refused unless fitted for this use
         from cals_seg.calibrators import load_run_calibrator
@@ -102,7 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:1 (default: the "
                         "run's train.device)")
     parser.add_argument("--amp", default=None, choices=["auto", "none", "bf16", "fp16"],
-                        help="precision of the forward pass (default: the run's train.amp)")
+                        help="precision of the forward pass (default: the run's train.amp, "
+                        "where auto is float32 on a CPU; bf16 / fp16 change confidences, "
+                        "docs/performance.md#precision)")
     parser.add_argument("--calibrator", default=None, metavar="NAME",
                         choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts",
                                  "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf",
@@ -216,7 +227,7 @@ def _main(args: argparse.Namespace) -> int:
                                  calibrator=args.calibrator_module)
             record = {
                 "input": str(path), "height": image.shape[0], "width": image.shape[1],
-                "temperature": temperature, "calibrator": args.calibrator,
+                "temperature": temperature, "calibrator": args.calibrator, "precision": amp,
                 "threshold": args.threshold,
                 **summary(pred, args.threshold, names),
                 "outputs": write_outputs(out, name, image, pred, k, args.threshold, palette),
