@@ -142,3 +142,127 @@ def test_bad_requests_give_one_line_errors(run, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxscript", None)
     with pytest.raises(ImportError, match=r'pip install "cals_seg\[export\]"'):
         export_run(run_dir, tmp_path / "x.onnx", "onnx")
+
+
+# ----------------------------------------------------------------------------- outside cals_seg
+def _doc_block(contains: str) -> str:
+    """The python block of docs/integrations.md that holds ``contains``."""
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    blocks = [b.split("\n", 1)[1] for b in text.split("```python")[1:]]
+    found = [b.split("```")[0] for b in blocks if contains in b.split("```")[0]]
+    assert len(found) == 1, f"docs/integrations.md: {len(found)} python blocks hold {contains!r}"
+    return found[0]
+
+
+def test_documented_loading_runs_without_cals_seg(run, tmp_path):
+    """docs/integrations.md's loading block, run as written in a folder holding a .pt2 and an
+    .onnx export and an image, in a process where cals_seg cannot be imported."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+
+    run_dir, _, temperature = run
+    export_run(run_dir, tmp_path / "model.pt2", "pt2")
+    export_run(run_dir, tmp_path / "model.onnx", "onnx")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (37, 45, 3), dtype=np.uint8)).save(tmp_path / "photo.png")
+    code = "import sys\nsys.modules['cals_seg'] = None  # torch and onnxruntime alone\n" + \
+        _doc_block("torch.export.load(")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = done.stdout.splitlines()[-2:]
+    assert first.startswith("ts none ")  # calibrator, precision (float32), a class name
+    assert float(second) <= 1e-4  # ONNX and .pt2 agree
+
+
+def test_docs_table_lists_every_calibrator_in_both_formats():
+    """The calibrator x format table of docs/integrations.md has a row per registered
+    calibrator, each exported in both formats (none is refused at present)."""
+    from cals_seg.calibrators import CALIBRATORS
+    from cals_seg.runs.export import REFUSED
+
+    rows = {}
+    for line in (ROOT / "docs" / "integrations.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[1:3]
+    assert set(rows) == {"none", *CALIBRATORS}
+    for name, (pt2, onnx) in rows.items():
+        for fmt, cell in (("pt2", pt2), ("onnx", onnx)):
+            want = f"refused: {REFUSED[name, fmt]}" if (name, fmt) in REFUSED else "exported"
+            assert cell == want, (name, fmt, cell)
+
+
+# ------------------------------------------------------------------ one line, not a traceback
+def test_unwritable_output_is_one_line(run, tmp_path, capsys, monkeypatch):
+    """An output folder that cannot be written (read-only, a path under a file, a full disk)
+    ends in one line naming the path, exit status 2, no traceback."""
+    import os
+
+    run_dir, _, _ = run
+    tool = load_tool("export")
+    (tmp_path / "file").write_text("x")
+    assert tool.main([str(run_dir), "--format", "pt2", "--out",
+                      str(tmp_path / "file" / "m.pt2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a file" in err, err
+    if os.geteuid() != 0:  # root writes into a read-only folder: the case below stands for it
+        readonly = tmp_path / "readonly"
+        readonly.mkdir()
+        readonly.chmod(0o555)
+        assert tool.main([str(run_dir), "--format", "pt2", "--out",
+                          str(readonly / "m.pt2")]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "ro" / "m.pt2"))
+
+    monkeypatch.setattr(torch.export, "save", refuse)
+    assert tool.main([str(run_dir), "--format", "pt2", "--out", str(tmp_path / "ro" / "m.pt2"),
+                      "--calibrator", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Permission denied" in err, err
+    assert not (tmp_path / "ro" / "m.pt2.json").exists()
+
+
+def test_torchvision_lraspp_exports_at_the_defaults(tmp_path, capsys):
+    """torchvision's LRASPP imported with import_model exports at the default smallest side
+    (found: 17, where its pooled branch's 1 x 1 case would tie the program; the fixed default of
+    16 ended in 77 lines of torch.export), and --min-size 16 is refused naming 17."""
+    import yaml
+    from torchvision.models.segmentation import lraspp_mobilenet_v3_large
+
+    torch.manual_seed(0)
+    net = lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=11).eval()
+    torch.save(net.state_dict(), tmp_path / "lraspp.pt")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "data": {"name": "synthetic", "root": str(tmp_path / "data"), "num_classes": 11,
+                 "crop_size": 32, "val_fraction": 0.5,
+                 "synthetic": {"num_train": 2, "num_test": 1, "image_size": 32}},
+        "model": {"arch": "external", "factory": "torchvision:lraspp_mobilenet_v3_large",
+                  "weights": str(tmp_path / "lraspp.pt")},
+        "train": {"device": "cpu", "amp": "none", "progress": False},
+        "eval": {"batch_size": 2, "num_maps": 0}}))
+    run_dir = tmp_path / "run"
+    with pytest.warns(UserWarning):  # a random network's temperature at the search boundary
+        assert load_tool("import_model").main([str(config), "--out", str(run_dir)]) == 0
+    out = tmp_path / "lraspp.pt2"
+    assert load_tool("export").main([str(run_dir), "--format", "pt2", "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    info = json.loads(Path(f"{out}.json").read_text())
+    assert info["input"]["min_size"] == 17
+    program = torch.export.load(out).module()
+    for h, w in ((17, 17), (17, 40), (33, 18)):
+        x = torch.rand(1, 3, h, w) * 255
+        with torch.no_grad():
+            assert program(x).shape == (1, 11, h, w)
+    capsys.readouterr()
+    assert load_tool("export").main([str(run_dir), "--format", "pt2", "--out",
+                                     str(tmp_path / "small.pt2"), "--min-size", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "use --min-size 17" in err, err
