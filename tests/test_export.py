@@ -122,6 +122,19 @@ def test_tool_exports_logits(run, tmp_path, capsys):
     assert (got - _reference(model, x, None)).abs().max() <= 1e-4
 
 
+def test_calibrator_ts_without_a_fit_is_the_run_s_temperature(run, tmp_path, capsys):
+    """--calibrator ts where eval_seg has not fitted calibrators/ts.pt: the run's own fitted
+    temperature (what the flag meant before every calibrator was exportable), said."""
+    run_dir, _, temperature = run
+    out = tmp_path / "ts.pt2"
+    assert load_tool("export").main([str(run_dir), "--format", "pt2", "--out", str(out),
+                                     "--calibrator", "ts"]) == 0
+    assert "temperature.json, is used" in capsys.readouterr().out
+    info = json.loads(Path(f"{out}.json").read_text())
+    assert info["temperature"] == temperature and info["calibrator_file"].endswith(
+        "temperature.json")
+
+
 def test_bad_requests_give_one_line_errors(run, tmp_path, capsys, monkeypatch):
     run_dir, _, _ = run
     tool = load_tool("export")
@@ -139,6 +152,8 @@ def test_bad_requests_give_one_line_errors(run, tmp_path, capsys, monkeypatch):
     # a registered calibrator that eval_seg has not fitted: the command that fits it
     with pytest.raises(FileNotFoundError, match="--calibrators dirichlet"):
         export_run(run_dir, tmp_path / "x.pt2", "pt2", calibrator="dirichlet")
+    with pytest.raises(ValueError, match="--logits outputs the network's raw logits"):
+        export_run(run_dir, tmp_path / "x.pt2", "pt2", calibrator="boundary_ts", logits=True)
     monkeypatch.setitem(sys.modules, "onnxscript", None)
     with pytest.raises(ImportError, match=r'pip install "cals_seg\[export\]"'):
         export_run(run_dir, tmp_path / "x.onnx", "onnx")
