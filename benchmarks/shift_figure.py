@@ -6,7 +6,8 @@ Reads ``OUT/shift.csv`` of each comparison (the under-confident and the over-con
 the embedded setups) and draws the band-weighted ECE against the corruption severity (0: clean;
 1-5: the mean over the corruptions, each seed's mean first, then the mean over seeds) for CE
 uncalibrated, CE + `boundary_ts` fitted on clean validation images, CE + `boundary_ts` fitted on
-drifted ones, and the CE ensemble: one line each, solid for the under-confident regime and dashed
+drifted ones, CE + `image_ts`, and the CE ensemble: one line each (a curve a study does not
+hold is left out), solid for the under-confident regime and dashed
 for the over-confident one. Commands that make the two studies: docs/shift.md.
 """
 
@@ -20,6 +21,7 @@ CURVES = (  # (method, calibration, label)
     ("ce", "uncalibrated", "CE"),
     ("ce", "boundary_ts", "CE + boundary_ts (clean fit)"),
     ("ce", "boundary_ts+drift", "CE + boundary_ts (drift fit)"),
+    ("ce", "image_ts", "CE + image_ts"),
     ("ce ensemble", "uncalibrated", "3 x CE ensemble"),
     ("cals_alm_bands", "uncalibrated", "CALS-ALM bands"),
 )
