@@ -494,7 +494,9 @@ def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: b
     state = load_checkpoint(file)
     load_weights(model, state, file, config_file, cfg.data.num_classes)
     dev = resolve_device(cfg.train.device)
-    precision = resolve_amp(cfg.train.amp, dev, warn=False)
+    # auto: float32 on every CPU for an evaluation, a prediction or an export (bf16 only when
+    # asked): the same confidences whatever CPU computes them
+    precision = resolve_amp(cfg.train.amp, dev, warn=False, inference=True)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     return LoadedRun(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -451,9 +451,14 @@ def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
                test_loader: DataLoader, e: EvalConfig, t: TrainConfig) -> dict[str, Any]:
     """Test the best checkpoint before and after temperature scaling (the one test pass,
     :func:`cals_seg.runs.run.calibrated_test`); rank 0 writes ``test_metrics.json``,
-    ``temperature.json`` and the plots."""
+    ``temperature.json`` and the plots.
+
+    The test pass runs at the inference precision (``train.amp: auto`` is float32 on every CPU,
+    :func:`~cals_seg.utils.precision.resolve_amp`), as eval_seg, predict_seg and the export do:
+    the run's test metrics and temperature are those a later evaluation reproduces on any CPU."""
     best = load_checkpoint(run.best, map_location=infer.device)
     infer.model.load_state_dict(best["model"])
+    infer = replace(infer, amp=resolve_amp(t.amp, infer.device, warn=False, inference=True))
     test = calibrated_test(infer, task, val_loader, test_loader, e.n_bins, e.temperature_scaling,
                            t.progress)
     regime = _under_confidence(run, infer, task, val_loader, t.progress)
