@@ -238,9 +238,10 @@ class ImageTemperatureScaling(Calibrator):
         copies of each image interleaved (:class:`cals_seg.data.drift_mixtures.
         CorruptedCopies`; what :func:`cals_seg.calibrators.fit_calibrators` calls). A split
         that cannot be corrupted (no image files) is fitted as it is, with a warning."""
+        from torch.utils.data import DataLoader
+
         from cals_seg.data.drift_mixtures import CorruptedCopies
         from cals_seg.evaluation.stream import predict
-        from cals_seg.training.engine import make_loader
 
         copies, fit_loader = self.params["copies"], loader
         if copies:
@@ -252,7 +253,13 @@ class ImageTemperatureScaling(Calibrator):
                               stacklevel=2)
                 copies = 0
             else:
-                fit_loader = make_loader(data, loader.batch_size, False, loader.num_workers)
+                # the validation loader's batching, collation and worker seeding, over the copies
+                size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)
+                fit_loader = DataLoader(data, batch_size=size, shuffle=False,
+                                        num_workers=loader.num_workers,
+                                        collate_fn=loader.collate_fn,
+                                        worker_init_fn=loader.worker_init_fn,
+                                        generator=torch.Generator())
 
         def batches():
             return predict(model, fit_loader, device, amp, protocol=protocol, with_inputs=True)
