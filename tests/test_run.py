@@ -76,7 +76,8 @@ def test_run_paths_and_files(tmp_path):
     run.trim_history(1)
     assert [h["epoch"] for h in run.history()] == [0]
     run.write_test_metrics({"precision": "none", "pre_ts": {"ece": float("nan")}})
-    assert run.finished() and run.precision() == "none"
+    # the training's precision (history), not the test pass's inference precision
+    assert run.finished() and run.precision() == "bf16"
     assert json.loads(run.test_metrics.read_text())["pre_ts"]["ece"] is None  # standard JSON
     run.write_temperature(1.5)
     assert run.read_temperature() == 1.5

@@ -74,6 +74,7 @@ def _main(args: argparse.Namespace) -> int:
     from cals_seg.config.rules import check_folder
     from cals_seg.errors import UserError
     from cals_seg.runs.export import export_run
+    from cals_seg.runs.run import TEMPERATURE_FILE
     from cals_seg.utils.paths import OutputFolder, os_error
 
     try:  # FILE and FILE.json: never over a file that export did not write
@@ -118,9 +119,10 @@ def _main(args: argparse.Namespace) -> int:
     print(f"{args.out}: {args.format}, (N, 3, H, W) in [0, 255] -> (N, {info['num_classes']}, "
           f"H, W) {what}, float32; H, W >= {info['input']['min_size']}; metadata in "
           f"{args.out}.json")
-    if args.calibrator == "ts" and str(info["calibrator_file"]).endswith("temperature.json"):
-        print("--calibrator ts: the run has no calibrators/ts.pt (tools/eval_seg.py RUN "
-              "--calibrators ts fits it): its fitted temperature, temperature.json, is used")
+    if args.calibrator == "ts" and str(info["calibrator_file"]).endswith(TEMPERATURE_FILE):
+        print("--calibrator ts: the run has no fitted ts calibrator (tools/eval_seg.py RUN "
+              f"--calibrators ts fits it): its fitted temperature, {info['calibrator_file']}, "
+              "is used")
     if info.get("conformal"):
         c = info["conformal"]
         print(f"second output: sets (N, {info['num_classes']}, H, W) bool, {c['mode']} "

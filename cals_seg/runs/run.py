@@ -215,12 +215,15 @@ class Run:
         return float(json.loads(self.temperature_file.read_text())["temperature"])
 
     def precision(self) -> str | None:
-        """The precision the run used (``none``/``bf16``/``fp16``), from its files; None if
-        unknown."""
+        """The precision the run was trained at (``none``/``bf16``/``fp16``), from its history
+        (else its test metrics: an imported run); None if unknown. Its test pass may have run at
+        another, the inference precision (``test_metrics.json["precision"]``)."""
+        history = self.history() if self.history_file.is_file() else []
+        if history and history[-1].get("precision"):
+            return history[-1]["precision"]
         if self.test_metrics.is_file():
             return self.read_test_metrics().get("precision")
-        history = self.history() if self.history_file.is_file() else []
-        return history[-1].get("precision") if history else None
+        return None
 
     def drop_checkpoints(self, keep: str) -> None:
         """Delete the checkpoints a finished run no longer needs: ``keep="all"`` none,
