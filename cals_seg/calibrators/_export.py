@@ -165,7 +165,7 @@ class BandConfidenceTemperatures(nn.Module):
                              temperatures.detach().to("cpu", torch.float32).reshape(-1).clone())
 
     def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
-        from cals_seg.calibrators.boundary_conf_ts import confidence_logodds
+        from cals_seg.calibrators._ops import confidence_logodds
 
         band = graph_bands(logits, self.thresholds)
         cell = band * self.num_bins
@@ -202,7 +202,7 @@ class FlaggedTemperature(nn.Module):
     def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
         if self.identity:
             return logits
-        from cals_seg.calibrators.selective import _log_probs
+        from cals_seg.calibrators._ops import floored_log_probs as _log_probs
 
         k = logits.shape[1]
         rows = logits.movedim(1, -1).reshape(-1, k)

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.calibrators._base import Batches, Calibrator, holdout_mask, iterate, valid_rows
+from cals_seg.calibrators._ops import confidence_logodds
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling, predicted_bands
 from cals_seg.calibrators.temperature import _parabola_vertex
 from cals_seg.utils.distributed import all_reduce_sum_
@@ -67,20 +68,6 @@ HIST_BINS = round((U_MAX - U_MIN) / HIST_STEP)
 UNUSED = 1e300
 
 
-def confidence_logodds(logits: Tensor) -> Tensor:
-    """``u = log s - log(1 - s)`` of the top-label confidence ``s = max softmax(l)``, computed
-    from the log-sum-exp of the other classes (exact for ``s`` near 1: ``u = l_top -
-    logsumexp_{j != top} l_j``; ``+inf`` when the other classes have probability 0).
-
-    Shape:
-        - logits: ``(N, K, *S)``; returns ``(N, *S)`` in float32 (float64 for float64 logits).
-    """
-    x = logits.detach()
-    x = x.double() if x.dtype == torch.float64 else x.float()
-    top = x.amax(dim=1, keepdim=True)
-    first = x.argmax(dim=1, keepdim=True)
-    others = x.scatter(1, first, -math.inf)
-    return (top - torch.logsumexp(others, dim=1, keepdim=True)).squeeze(1)
 
 
 def conf_bins(u: Tensor, band: Tensor, edges: Tensor) -> Tensor:

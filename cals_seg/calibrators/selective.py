@@ -36,6 +36,7 @@ from cals_seg.calibrators._base import (
     iterate,
     valid_rows,
 )
+from cals_seg.calibrators._ops import floored_log_probs
 from cals_seg.calibrators.temperature import _grid_nll
 from cals_seg.errors import UserError
 from cals_seg.utils.validation import check_int, check_positive_float
@@ -69,9 +70,7 @@ class MispredictionClassifier(nn.Module):
         return self.body(self.linear(rows)).squeeze(1)
 
 
-def _log_probs(rows: Tensor) -> Tensor:
-    # log softmax floored at log(1e-16), as the authors' log(p + 1e-16): no -inf enters the net.
-    return torch.log_softmax(rows.float(), dim=1).clamp(min=math.log(1e-16))
+_log_probs = floored_log_probs
 
 
 class SelectiveScaling(Calibrator):
