@@ -80,6 +80,20 @@ def consent_of(args: argparse.Namespace) -> Any:
     return code_consent(True if getattr(args, "trust_code", False) else None)
 
 
+def run_folder_command(args: argparse.Namespace, body: Callable[[argparse.Namespace], int]
+                       ) -> int:
+    """``body(args)`` of a command that evaluates run folders: within their consent block
+    (:func:`consent_of`), and NaN / inf logits of their network as one line naming the runs."""
+    from cals_seg.evaluation.inference import NonFiniteLogitsError
+
+    with consent_of(args):  # --trust-code: the run folders' factories may be imported
+        try:
+            return body(args)
+        except NonFiniteLogitsError as err:  # NaN / inf logits: one line naming the run
+            runs = args.run if isinstance(args.run, str) else ", ".join(map(str, args.run))
+            return report(UserError(f"{runs}: {err}"))
+
+
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
     """``--set KEY=VALUE ...``: repeated groups add up, in order (a later value wins); only
     ``KEY=VALUE`` words belong to it, so ``--set train.epochs=1 CONFIG`` keeps CONFIG."""

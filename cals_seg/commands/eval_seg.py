@@ -164,15 +164,9 @@ def open_run(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import consent_of, report
-    from cals_seg.evaluation.inference import NonFiniteLogitsError
+    from cals_seg.commands._cli import run_folder_command
 
-    with consent_of(args):  # --trust-code: the run folders' factories may be imported
-        try:
-            return _main(args)
-        except NonFiniteLogitsError as err:  # NaN / inf logits: one line naming the run
-            runs = args.run if isinstance(args.run, str) else ", ".join(args.run)
-            return report(UserError(f"{runs}: {err}"))
+    return run_folder_command(args, _main)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -367,14 +361,9 @@ def under_confidence(run, infer, val_loader) -> dict | None:
     from cals_seg.evaluation import confidence_regime
     from cals_seg.utils.distributed import is_main_process
 
-    task = run.task
-    evidence = confidence_regime.ValidationTemperature(task.num_classes, task.ignore_index,
-                                                       device=infer.device)
-    infer.evaluate(val_loader, [evidence], False, desc="val T")
-    found = evidence.compute()
-    if found is None:
-        return None
-    record = confidence_regime.under_confidence(*found, run=str(run.path), family=run.family)
+    record = confidence_regime.measured_under_confidence(
+        infer, val_loader, run.task.num_classes, run.task.ignore_index, str(run.path),
+        run.family)
     if record is not None and is_main_process():
         print(record["advice"], flush=True)
     return record

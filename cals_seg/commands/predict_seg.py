@@ -138,15 +138,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import consent_of, report
-    from cals_seg.evaluation.inference import NonFiniteLogitsError
+    from cals_seg.commands._cli import run_folder_command
 
-    with consent_of(args):  # --trust-code: the run folders' factories may be imported
-        try:
-            return _main(args)
-        except NonFiniteLogitsError as err:  # NaN / inf logits: one line naming the run
-            runs = args.run if isinstance(args.run, str) else ", ".join(args.run)
-            return report(UserError(f"{runs}: {err}"))
+    return run_folder_command(args, _main)
 
 
 def _main(args: argparse.Namespace) -> int:

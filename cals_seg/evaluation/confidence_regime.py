@@ -136,5 +136,17 @@ def under_confidence(temperature: float, interval: Sequence[float], run: str = "
             "advice": advice}
 
 
+def measured_under_confidence(infer: Any, loader: Any, num_classes: int, ignore_index: int,
+                              run: str = "RUN", family: str = "segmentation",
+                              progress: bool = False) -> dict[str, Any] | None:
+    """One pass of ``infer`` (a :class:`cals_seg.evaluation.stream.Inference`) over the
+    validation ``loader`` into :class:`ValidationTemperature`; the :func:`under_confidence`
+    record when the interval lies below 1, else None."""
+    evidence = ValidationTemperature(num_classes, ignore_index, device=infer.device)
+    infer.evaluate(loader, [evidence], progress, desc="val T")
+    found = evidence.compute()
+    return None if found is None else under_confidence(*found, run=run, family=family)
+
+
 __all__ = ["CALIBRATORS", "KEY", "ValidationTemperature", "confidence_advice",
-           "under_confidence"]
+           "measured_under_confidence", "under_confidence"]

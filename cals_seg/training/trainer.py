@@ -487,13 +487,9 @@ def _under_confidence(run: Run, infer: Inference, task: Task, val_loader: DataLo
     validation split, :class:`~cals_seg.evaluation.confidence_regime.ValidationTemperature`);
     the record of :func:`~cals_seg.evaluation.confidence_regime.under_confidence` when the
     interval lies below 1, else None."""
-    evidence = confidence_regime.ValidationTemperature(task.num_classes, task.ignore_index,
-                                                       device=infer.device)
-    infer.evaluate(val_loader, [evidence], progress, desc="val T")
-    found = evidence.compute()
-    if found is None:
-        return None
-    return confidence_regime.under_confidence(*found, run=str(run.path), family=task.family)
+    return confidence_regime.measured_under_confidence(
+        infer, val_loader, task.num_classes, task.ignore_index, str(run.path), task.family,
+        progress)
 
 
 def _fingerprint(model: nn.Module) -> torch.Tensor:
