@@ -17,6 +17,8 @@ which lists the registered ones::
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar, overload
 
@@ -97,3 +99,18 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.what!r}, {list(self._entries)})"
+
+
+def import_submodules(package: str) -> list[str]:
+    """Import every module of ``package`` (one level, in name order) and return their names.
+
+    A package whose classes register themselves where they are defined (``@LOSSES.register``)
+    calls this at the end of its ``__init__.py``, so that a new file in the folder is all it takes
+    to add an entry: nothing else lists the modules. Only the package's own files are imported
+    (the folder of ``package``), never anything named by data.
+    """
+    pkg = importlib.import_module(package)
+    names = sorted(info.name for info in pkgutil.iter_modules(pkg.__path__))
+    for name in names:
+        importlib.import_module(f"{package}.{name}")
+    return names
