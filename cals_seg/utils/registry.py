@@ -44,12 +44,31 @@ class Registry(Mapping[str, T], Generic[T]):
             are [...]").
         error: the type of the unknown-name error of :meth:`lookup` (a
             :class:`~cals_seg.errors.UserError` subclass, e.g. ``ConfigError``).
+        discover: a package whose modules register entries where they are defined; they are
+            all imported (:func:`import_submodules`) the first time the names are read, so a
+            new file in that folder is an entry without any list naming it, and importing the
+            registry alone stays cheap.
     """
 
-    def __init__(self, what: str, error: type[UserError] = UserError) -> None:
+    def __init__(self, what: str, error: type[UserError] = UserError,
+                 discover: str | None = None) -> None:
         self.what = what
         self.error = error
+        self.discover = discover
+        self._discovered = discover is None
         self._entries: dict[str, T] = {}
+
+    @property
+    def _all(self) -> dict[str, T]:
+        """The entries, after importing the :attr:`discover` package's modules once."""
+        if not self._discovered:
+            self._discovered = True  # set first: the modules register while being imported
+            try:
+                import_submodules(self.discover)  # type: ignore[arg-type]
+            except BaseException:
+                self._discovered = False
+                raise
+        return self._entries
 
     @overload
     def register(self, name: str) -> Callable[[T], T]: ...
@@ -76,29 +95,29 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def lookup(self, name: str) -> T:
         """The entry of ``name``; for an unknown one, :attr:`error` naming the valid names."""
-        if name not in self._entries:
+        if name not in self._all:
             raise self.error(self._unknown(name))
         return self._entries[name]
 
     def _unknown(self, name: object) -> str:
-        return f"Unknown {self.what} {name!r}; valid names are {sorted(self._entries)}."
+        return f"Unknown {self.what} {name!r}; valid names are {sorted(self._all)}."
 
     def __getitem__(self, name: str) -> T:
-        if name not in self._entries:
+        if name not in self._all:
             raise UnknownNameError(self._unknown(name))
         return self._entries[name]
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._all
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(list(self._all))
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._all)
 
     def __repr__(self) -> str:
-        return f"Registry({self.what!r}, {list(self._entries)})"
+        return f"Registry({self.what!r}, {list(self._all)})"
 
 
 def import_submodules(package: str) -> list[str]:
