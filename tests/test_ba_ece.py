@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cals_seg.calibrators import TABLE_COLUMNS, calibration_table
+from cals_seg.evaluation.engine import TABLE_COLUMNS, calibration_table
 from cals_seg.metrics import BoundaryAwareECEMeter
 
 from ._dist import run_distributed

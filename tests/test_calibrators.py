@@ -15,13 +15,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from cals_seg.calibrators import (
     CALIBRATORS,
     build_calibrator,
-    evaluate_calibrators,
-    fit_calibrators,
     load_calibrator,
     save_calibrator,
 )
 from cals_seg.calibrators.boundary_ts import predicted_bands
 from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.evaluation.engine import evaluate_calibrators, fit_calibrators
 from cals_seg.metrics import BoundaryCalibrationMeter, CalibrationMeter, SegmentationMeter
 
 VOID = 255

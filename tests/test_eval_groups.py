@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from cals_seg.calibrators._evaluate import run_test_pass
 from cals_seg.config.schema import load_config
 from cals_seg.data.transforms import eval_transform
+from cals_seg.evaluation.engine import run_test_pass
 from cals_seg.evaluation.inference import EvalProtocol
 from cals_seg.evaluation.stream import GROUPS_PREFIX, Inference, group_fns, group_key
 from cals_seg.metrics import (

@@ -35,11 +35,11 @@ from cals_seg.calibrators import (
     calibrator_record,
     fit_problem,
     load_calibrator,
-    load_or_fit_calibrators,
     load_run_calibrator,
     save_calibrator,
 )
 from cals_seg.errors import MissingPathError, UserError
+from cals_seg.evaluation.engine import load_or_fit_calibrators
 from cals_seg.evaluation.inference import (
     EvalProtocol,
     FiniteLogits,

@@ -368,8 +368,8 @@ def test_eval_seg_and_predict_seg_give_the_same_calibrated_confidence(tmp_path):
 
     import cv2
 
-    from cals_seg.calibrators._evaluate import run_test_pass
     from cals_seg.config.schema import load_config
+    from cals_seg.evaluation.engine import run_test_pass
     from cals_seg.runs.run import load_run
     from cals_seg.training.engine import make_loader
 

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cals_seg"
 LAYERS = [
     {"errors", "utils"},
     {"data", "models", "metrics", "visualization"},
-    {"losses", "evaluation"},
-    {"calibrators", "config"},
+    {"losses", "calibrators"},
+    {"evaluation", "config"},
     {"tasks"},
     {"runs"},
     {"training"},

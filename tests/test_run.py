@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from cals_seg.calibrators import build_calibrator, evaluate_calibrators, fit_calibrators
-from cals_seg.calibrators._evaluate import run_test_pass
+from cals_seg.calibrators import build_calibrator
 from cals_seg.errors import RunExistsError
+from cals_seg.evaluation.engine import evaluate_calibrators, fit_calibrators, run_test_pass
 from cals_seg.evaluation.stream import Inference
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 from cals_seg.runs import run as run_mod

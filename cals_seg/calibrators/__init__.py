@@ -32,7 +32,8 @@ A saved calibrator records what it was fitted for (:func:`calibrator_record`: th
 content digest, the classes, the split and the digest of its image ids, the calibrator and its
 parameters, the precision and protocol of the forward pass, the data variant, ignore_index),
 and every file read back is validated (:func:`load_calibrator`); a fit is reused only when its
-record equals the record of the use at hand (:func:`load_or_fit_calibrators`).
+record equals the record of the use at hand
+(:func:`cals_seg.evaluation.engine.load_or_fit_calibrators`).
 """
 
 from __future__ import annotations
@@ -47,15 +48,6 @@ from typing import Any
 import torch
 
 from cals_seg.calibrators._base import Batches, Calibrator
-from cals_seg.calibrators._evaluate import (
-    TABLE_COLUMNS,
-    Calibrated,
-    calibration_table,
-    evaluate_calibrators,
-    fit_calibrators,
-    load_or_fit_calibrators,
-    table_values,
-)
 from cals_seg.calibrators.boundary_conf_ts import BoundaryConfidenceTemperatureScaling
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
 from cals_seg.calibrators.boundary_ts_fine import FineBoundaryTemperatureScaling
@@ -64,7 +56,7 @@ from cals_seg.calibrators.image_ts import ImageTemperatureScaling
 from cals_seg.calibrators.lts import LocalTemperatureScaling
 from cals_seg.calibrators.order_keeping import ArgmaxKeepingScaling, OrderKeepingScaling
 from cals_seg.calibrators.selective import SelectiveScaling
-from cals_seg.calibrators.ts import TemperatureScaling
+from cals_seg.calibrators.ts import TemperatureScaler, TemperatureScaling
 from cals_seg.calibrators.vector import VectorScaling
 from cals_seg.errors import MissingPathError, UserError
 from cals_seg.utils.fits import file_digest, ids_digest, members_digest, plain_record
@@ -167,7 +159,8 @@ def calibrator_record(
     protocol: Any = None,
 ) -> dict[str, Any]:
     """What a fit of calibrator ``name`` on ``run`` is for: the ``fitted_for`` record that
-    :func:`save_calibrator` writes and :func:`load_or_fit_calibrators` compares.
+    :func:`save_calibrator` writes and
+    :func:`cals_seg.evaluation.engine.load_or_fit_calibrators` compares.
 
     ``{"network": content digest of the checkpoint (ensemble: of the members),
     "classes": {"num_classes": K, "names": [...]}, "split": split, "ids": digest of the fit
@@ -260,7 +253,7 @@ def save_calibrator(calibrator: Calibrator, path: str | Path,
 
     Args:
         fitted_for: what the fit is for (:func:`calibrator_record`); None writes a file that
-            is never reused by :func:`load_or_fit_calibrators`.
+            is never reused by :func:`cals_seg.evaluation.engine.load_or_fit_calibrators`.
     """
     from cals_seg.utils.io import atomic_write
 
@@ -422,12 +415,10 @@ def _plain(obj: Any) -> Any:
 __all__ = [
     "CALIBRATORS",
     "RECORD_KEYS",
-    "TABLE_COLUMNS",
     "Batches",
     "ArgmaxKeepingScaling",
     "BoundaryConfidenceTemperatureScaling",
     "BoundaryTemperatureScaling",
-    "Calibrated",
     "Calibrator",
     "CalibratorFileError",
     "DirichletCalibration",
@@ -436,19 +427,15 @@ __all__ = [
     "LocalTemperatureScaling",
     "OrderKeepingScaling",
     "SelectiveScaling",
+    "TemperatureScaler",
     "TemperatureScaling",
     "VectorScaling",
     "build_calibrator",
-    "calibration_table",
     "calibrator_record",
-    "evaluate_calibrators",
-    "fit_calibrators",
     "fit_problem",
     "load_calibrator",
-    "load_or_fit_calibrators",
     "load_run_calibrator",
     "network_digest",
     "refit_command",
     "save_calibrator",
-    "table_values",
 ]

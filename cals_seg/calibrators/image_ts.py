@@ -41,7 +41,7 @@ Fit (:meth:`ImageTemperatureScaling.fit`) on a stream that holds each validation
 followed by ``copies`` corrupted copies (:class:`cals_seg.data.drift_mixtures.CorruptedCopies`:
 haze, low light, desaturation, speckle noise, Gaussian blur, spatter, severities 1-5, none of
 them the benchmark's; ``eval_seg`` builds it through
-:meth:`~ImageTemperatureScaling.fit_on_loader`):
+:meth:`~ImageTemperatureScaling.fit_data`):
 
 1. validation image ``v`` (with its copies) is held out when ``v % holdout_every ==
    holdout_every - 1``; the others fit;
@@ -83,6 +83,11 @@ from cals_seg.calibrators._image_features import (
     logit_statistics,
     work_dtype,
 )
+from cals_seg.data.drift_mixtures import (
+    IMAGE_TS_CORRUPTIONS,
+    CorruptedCopies,
+    held_out_function,
+)
 from cals_seg.errors import UserError
 from cals_seg.metrics._distance import int_thresholds
 from cals_seg.utils.validation import check_int, check_positive_float
@@ -108,7 +113,7 @@ class ImageTemperatureScaling(Calibrator):
         bands: the band distances in pixels (``boundary_ts``'s); ``[]``: one temperature per
             image.
         use_image: use the image statistics (then ``forward`` needs the image).
-        copies: corrupted copies of each validation image that :meth:`fit_on_loader` adds.
+        copies: corrupted copies of each validation image that :meth:`fit_data` adds.
         corruptions, seed: the held-out mixture of those copies
             (:class:`cals_seg.data.drift_mixtures.HeldOutMixture`).
         lams: the L2 strengths on ``w``, tried in turn (each >= 0).
@@ -140,8 +145,6 @@ class ImageTemperatureScaling(Calibrator):
                  lams: Sequence[float] = LAMS, max_iter: int = 20, holdout_every: int = 5,
                  tolerance: float = 1.0, image_mean: Sequence[float] = IMAGENET_MEAN,
                  image_std: Sequence[float] = IMAGENET_STD) -> None:
-        from cals_seg.data.drift_mixtures import IMAGE_TS_CORRUPTIONS, held_out_function
-
         bands = [float(b) for b in bands] if isinstance(bands, list | tuple) else bands
         if not isinstance(bands, list) or not all(0 < b < math.inf for b in bands) or any(
                 b >= c for b, c in zip(bands, bands[1:], strict=False)):
@@ -231,40 +234,23 @@ class ImageTemperatureScaling(Calibrator):
         return (logits.to(dt) / t).to(logits.dtype)
 
     # ------------------------------------------------------------------------- the fit
-    def fit_on_loader(self, model: torch.nn.Module, loader: Any, device: torch.device,
-                      ignore_index: int, amp: str = "none", protocol: Any = None
-                      ) -> dict[str, Any]:
-        """Fit on ``model``'s logits over the validation ``loader`` with ``copies`` corrupted
-        copies of each image interleaved (:class:`cals_seg.data.drift_mixtures.
-        CorruptedCopies`; what :func:`cals_seg.calibrators.fit_calibrators` calls). A split
-        that cannot be corrupted (no image files) is fitted as it is, with a warning."""
-        from torch.utils.data import DataLoader
-
-        from cals_seg.data.drift_mixtures import CorruptedCopies
-        from cals_seg.evaluation.stream import predict
-
-        copies, fit_loader = self.params["copies"], loader
-        if copies:
-            try:
-                data = CorruptedCopies(loader.dataset, copies, self.params["corruptions"],
-                                       seed=self.params["seed"])
-            except UserError as err:
-                warnings.warn(f"image_ts: fitted on the clean validation images only ({err})",
-                              stacklevel=2)
-                copies = 0
-            else:
-                # the validation loader's batching, collation and worker seeding, over the copies
-                size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)
-                fit_loader = DataLoader(data, batch_size=size, shuffle=False,
-                                        num_workers=loader.num_workers,
-                                        collate_fn=loader.collate_fn,
-                                        worker_init_fn=loader.worker_init_fn,
-                                        generator=torch.Generator())
-
-        def batches():
-            return predict(model, fit_loader, device, amp, protocol=protocol, with_inputs=True)
-
-        return self.fit(batches, ignore_index=ignore_index, copies=copies)
+    def fit_data(self, dataset: Any) -> tuple[Any, dict[str, Any]]:
+        """The images the fit streams and the keyword arguments of :meth:`fit`: the validation
+        ``dataset`` with ``copies`` corrupted copies of each image interleaved
+        (:class:`cals_seg.data.drift_mixtures.CorruptedCopies`; what
+        :func:`cals_seg.evaluation.engine.fit_calibrators` streams through the network). A
+        split that cannot be corrupted (no image files) is fitted as it is, with a warning."""
+        copies = self.params["copies"]
+        if not copies:
+            return dataset, {"copies": 0}
+        try:
+            data = CorruptedCopies(dataset, copies, self.params["corruptions"],
+                                   seed=self.params["seed"])
+        except UserError as err:
+            warnings.warn(f"image_ts: fitted on the clean validation images only ({err})",
+                          stacklevel=2)
+            return dataset, {"copies": 0}
+        return data, {"copies": copies}
 
     def _layout(self, j: Tensor, copies: int) -> tuple[Tensor, Tensor]:
         """``(clean, held)`` flags of stream images ``j``."""

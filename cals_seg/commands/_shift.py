@@ -125,8 +125,9 @@ def drift_calibrators(run: Any, args: argparse.Namespace, names: Sequence[str], 
     (:func:`cals_seg.calibrators.calibrator_record`: the network by content, classes, ids,
     parameters, precision, protocol, and the mixture with its seed as ``data``) is this use's;
     refit otherwise (the reason printed)."""
-    from cals_seg.calibrators import calibrator_record, load_or_fit_calibrators
+    from cals_seg.calibrators import calibrator_record
     from cals_seg.data.corruptions import DriftMixture, corrupted_dataset
+    from cals_seg.evaluation.engine import load_or_fit_calibrators
     from cals_seg.training.engine import make_loader
 
     task, infer = run.task, run.inference
@@ -151,7 +152,7 @@ def fixed_test(run: Any, loader: Any, temperature: float | None,
     """The metrics of ``calibrated_test`` with the temperature and calibrators already fitted:
     ``{"temperature", "pre_ts", "post_ts" (None without T), "calibrators"}``; ``extra``
     image consumers see the same pass."""
-    from cals_seg.calibrators._evaluate import run_test_pass
+    from cals_seg.evaluation.engine import run_test_pass
 
     n_bins = run.config.eval.n_bins
     out = run_test_pass(run.inference, loader, lambda: run.task.meters(n_bins, test=True),

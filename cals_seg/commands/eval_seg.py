@@ -266,8 +266,9 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     calibrators, fits, skipped = {}, {}, {}
     names = getattr(args, "calibrators", [])
     if names:
-        from cals_seg.calibrators import calibrator_record, load_or_fit_calibrators
+        from cals_seg.calibrators import calibrator_record
         from cals_seg.commands._cli import USER_ERRORS, report
+        from cals_seg.evaluation.engine import load_or_fit_calibrators
         from cals_seg.evaluation.inference import NonFiniteLogitsError
         from cals_seg.utils.distributed import is_distributed
 
@@ -440,7 +441,7 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
 
 def write_calibrator_outputs(result: dict, out: Path, title: str) -> None:
     """Each post-hoc calibrator's reliability diagram and the table ``out/calibrators.md``."""
-    from cals_seg.calibrators import calibration_table
+    from cals_seg.evaluation.engine import calibration_table
     from cals_seg.visualization import plotting
 
     if not result.get("calibrators"):

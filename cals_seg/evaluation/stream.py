@@ -258,7 +258,7 @@ def evaluate(
     """One pass of ``model`` over ``loader``; every batch goes to every consumer (``protocol``:
     see :func:`predict`; a region meter whose group maps the batch carries gets them, see the
     module docstring), and to each of ``image_consumers`` as ``update(logits, target,
-    inputs)`` (e.g. :class:`cals_seg.calibrators.Calibrated`)."""
+    inputs)`` (e.g. :class:`cals_seg.evaluation.engine.Calibrated`)."""
     for logits, target, inputs, groups in _predict(model, loader, device, amp, progress, desc,
                                                    protocol):
         _feed(consumers, logits, target, groups)

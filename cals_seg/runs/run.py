@@ -364,9 +364,9 @@ class LoadedRun:
     def test(self, loader: Any, *, temperature: float | None = None,
              calibrators: Mapping[str, Any] | None = None,
              progress: bool | None = None) -> dict[str, Any]:
-        """The one test pass (:func:`cals_seg.calibrators._evaluate.run_test_pass`) of this run's
+        """The one test pass (:func:`cals_seg.evaluation.engine.run_test_pass`) of this run's
         model over ``loader`` with the task's test meters."""
-        from cals_seg.calibrators._evaluate import run_test_pass
+        from cals_seg.evaluation.engine import run_test_pass
 
         if progress is None:
             progress = self.config.train.progress
@@ -380,7 +380,7 @@ def calibrated_test(
     calibrators: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Test metrics before and after temperature scaling fitted on ``val_loader``, from ONE
-    pass over ``test_loader`` (:func:`~cals_seg.calibrators._evaluate.run_test_pass`; each of the
+    pass over ``test_loader`` (:func:`~cals_seg.evaluation.engine.run_test_pass`; each of the
     fitted ``calibrators`` feeds its own set of meters in the same pass).
 
     Args:
@@ -394,8 +394,8 @@ def calibrated_test(
         ``"calibrators": {name: {...}}`` when calibrators are given), the metrics being the
         merged outputs of ``task.meters(n_bins, test=True)``.
     """
-    from cals_seg.calibrators._evaluate import run_test_pass
     from cals_seg.calibrators.temperature import fit_temperature
+    from cals_seg.evaluation.engine import run_test_pass
 
     temperature = 1.0
     if temperature_scaling:

@@ -181,7 +181,8 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     from ``test_metrics.json["calibrators"]`` on its test split in one pass of
     ``checkpoint_best.pt``, and add them (and ``calibrator_fits``) to that file; return the
     names added."""
-    from cals_seg.calibrators import calibrator_record, load_or_fit_calibrators
+    from cals_seg.calibrators import calibrator_record
+    from cals_seg.evaluation.engine import load_or_fit_calibrators
     from cals_seg.training.engine import make_loader
 
     folder = Run(run_dir)
@@ -212,8 +213,8 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
 
 def calibrator_rows(metrics: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
     """``{calibration: table values}`` of one run: uncalibrated, post-TS (the run's T), then
-    each of ``names`` (:func:`cals_seg.calibrators.table_values`)."""
-    from cals_seg.calibrators import table_values
+    each of ``names`` (:func:`cals_seg.evaluation.engine.table_values`)."""
+    from cals_seg.evaluation.engine import table_values
 
     rows = {"uncalibrated": table_values(metrics["pre_ts"])}
     if metrics.get("post_ts"):
@@ -226,9 +227,9 @@ def calibrator_rows(metrics: dict[str, Any], names: list[str]) -> dict[str, dict
 
 def write_calibrator_results(out: Path, rows: dict[str, dict[str, Any]]) -> None:
     """OUT/calibrators.md and .csv: one row per (method, calibration), mean ± std over seeds of
-    the columns of :data:`cals_seg.calibrators.TABLE_COLUMNS`; ``rows[method]["calibrators"]``
+    the columns of :data:`cals_seg.evaluation.engine.TABLE_COLUMNS`; ``rows[method]["calibrators"]``
     holds one :func:`calibrator_rows` per seed."""
-    from cals_seg.calibrators import TABLE_COLUMNS
+    from cals_seg.evaluation.engine import TABLE_COLUMNS
 
     lines = ["| method | calibration | seeds | " + " | ".join(t for _, t, _ in TABLE_COLUMNS)
              + " |", "|---|---|---:|" + "---:|" * len(TABLE_COLUMNS)]

@@ -1,20 +1,43 @@
-"""Fit calibrators on validation and evaluate them on test in one pass of the network."""
+"""The evaluation engine: calibrator fits on validation and THE test pass over a split, each
+split streamed through the network once.
+
+- :func:`run_test_pass`: the metrics of the raw logits, of ``logits / T`` and of every fitted
+  calibrator (and of any other consumer of ``(logits, target, image)``, e.g. the conformal
+  sets), all from ONE pass over the split.
+- :func:`load_or_fit_calibrators` / :func:`fit_calibrators`: calibrators fitted on the
+  validation logits; a calibrator that fits on more images than the split (``image_ts``: its
+  corrupted copies) says which through ``fit_data(dataset)``, and the engine streams them.
+
+Every forward pass goes through :class:`~cals_seg.evaluation.stream.Inference` /
+:func:`~cals_seg.evaluation.stream.predict`, which serve an image already seen in this
+evaluation from the logit cache (:mod:`cals_seg.evaluation.logit_cache`) instead of running the
+network again: a fit's repeated passes over validation and the test pass's views cost one
+network call per distinct image.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from cals_seg.calibrators._base import Calibrator
-
-if TYPE_CHECKING:
-    from cals_seg.evaluation.stream import Inference
+from cals_seg.calibrators import (
+    Calibrator,
+    CalibratorFileError,
+    TemperatureScaler,
+    build_calibrator,
+    fit_problem,
+    load_calibrator,
+    save_calibrator,
+)
+from cals_seg.evaluation.stream import Inference, Scaled, compute, meter_group_key, predict
+from cals_seg.utils.distributed import is_main_process
 
 # Meters that only read the argmax: fed the raw logits when the calibrator cannot change it, so
 # that their numbers (mIoU, accuracies) are bit-identical to the uncalibrated ones.
@@ -45,8 +68,6 @@ class Calibrated:
                groups: Mapping[str, Tensor] | None = None) -> None:
         """Feed every meter; a region meter whose maps are in ``groups`` (``{key: (N, H, W)}``,
         :func:`cals_seg.evaluation.stream.meter_group_key`) gets them."""
-        from cals_seg.evaluation.stream import meter_group_key
-
         calibrated = self.calibrator(logits, image if self.calibrator.needs_image else None)
         for name, meter in self.meters.items():
             x = logits if name in self.raw else calibrated
@@ -66,22 +87,39 @@ def fit_calibrators(
     amp: str = "none",
     protocol: Any = None,
 ) -> dict[str, dict[str, Any]]:
-    """Fit each calibrator on ``model``'s logits over ``val_loader`` (re-running the model for
-    every pass; nothing is cached); returns ``{name: fit_info}``. The test split is never
-    involved."""
-    from cals_seg.evaluation.stream import predict
+    """Fit each calibrator on ``model``'s logits over ``val_loader``; returns ``{name:
+    fit_info}``. The test split is never involved.
 
-    def batches():
-        return predict(model, val_loader, device, amp, protocol=protocol, with_inputs=True)
-
+    Each of a fit's passes over validation calls :func:`~cals_seg.evaluation.stream.predict`,
+    which serves the images already seen in this evaluation from the logit cache. A calibrator
+    with ``fit_data(dataset) -> (dataset, fit keyword arguments)`` (``image_ts``: the split
+    with corrupted copies interleaved) is fitted on that dataset, batched, collated and seeded
+    as ``val_loader``."""
     out = {}
     for name, calibrator in calibrators.items():
         calibrator.to(device)
-        own = getattr(calibrator, "fit_on_loader", None)  # image_ts adds corrupted copies
-        out[name] = (own(model, val_loader, device, ignore_index, amp, protocol) if own
-                     else calibrator.fit(batches, ignore_index=ignore_index))
+        loader, kwargs = val_loader, {}
+        own = getattr(calibrator, "fit_data", None)
+        if own is not None:
+            data, kwargs = own(val_loader.dataset)
+            if data is not val_loader.dataset:
+                loader = _loader_like(val_loader, data)
+
+        def batches(loader: DataLoader = loader) -> Any:
+            return predict(model, loader, device, amp, protocol=protocol, with_inputs=True)
+
+        out[name] = calibrator.fit(batches, ignore_index=ignore_index, **kwargs)
         calibrator.eval()
     return out
+
+
+def _loader_like(loader: DataLoader, dataset: Any) -> DataLoader:
+    """A loader over ``dataset`` with ``loader``'s batching, collation and worker seeding, in
+    order."""
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)
+    return DataLoader(dataset, batch_size=size, shuffle=False, num_workers=loader.num_workers,
+                      collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
+                      generator=torch.Generator())
 
 
 def run_test_pass(
@@ -116,9 +154,6 @@ def run_test_pass(
         ``{"pre_ts": metrics, "post_ts": metrics or None, "calibrators": {name: metrics}}``,
         each the merged ``compute()`` dicts of one meter set.
     """
-    from cals_seg.calibrators.ts import TemperatureScaler
-    from cals_seg.evaluation.stream import Scaled, compute
-
     pre = infer.meters(meters)
     consumers: list[Any] = list(pre.values())
     post: dict[str, Any] = {}
@@ -163,8 +198,6 @@ def evaluate_calibrators(
         ``{"uncalibrated": metrics, name: metrics, ...}``, each the merged ``compute()`` dicts
         of one meter set.
     """
-    from cals_seg.evaluation.stream import Inference
-
     out = run_test_pass(Inference(model, device, amp, protocol), loader, meters,
                     calibrators=calibrators, progress=progress)
     return {"uncalibrated": out["pre_ts"], **out["calibrators"]}
@@ -200,17 +233,6 @@ def load_or_fit_calibrators(
         ``fit_seconds`` and, on CUDA, ``fit_peak_memory_mib`` (peak allocated during the fit,
         the network's forward passes included); ``file`` and ``fitted_for`` (the record).
     """
-    import sys
-
-    from cals_seg.calibrators import (
-        CalibratorFileError,
-        build_calibrator,
-        fit_problem,
-        load_calibrator,
-        save_calibrator,
-    )
-    from cals_seg.utils.distributed import is_main_process
-
     folder, device = Path(folder), infer.device
     out, info = {}, {}
     for name in names:
