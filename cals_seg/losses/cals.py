@@ -39,6 +39,7 @@ from cals_seg.losses._auto_margin import (
     temperature_interval,
 )
 from cals_seg.losses._functional import ce_sum, class_penalty, class_sums
+from cals_seg.losses.registry import LOSSES
 from cals_seg.utils.validation import check_finite
 
 
@@ -197,146 +198,10 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
         return f"{super().extra_repr()}, margin={self.margin:g}{auto}"
 
 
-class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
-    """CALS-ALM: cross-entropy plus a class-wise augmented-Lagrangian penalty (paper Alg. 2).
-
-    Training loss on a batch (means over valid positions ``V`` only)::
-
-        loss = CE(l, y) + (1 / (|V| K)) * sum_{i in V} sum_k P(z_ik; rho_k, lambda_k)
-
-    After epoch ``j`` (0-based), from the statistics streamed by :meth:`observe` over the
-    ``n`` valid validation positions::
-
-        lambda_k <- clip(mean_i P'(z_ik; rho_k, lambda_k), lambda_min, lambda_max)
-        zbar_k   =  mean_i z_ik
-        if (j + 1) % rho_period == 0 and a previous zbar exists:
-            rho_k <- gamma * rho_k  if zbar_k > tau * max(0, zbar_prev_k)
-            rho_k <- clip(rho_k, rho_min, rho_max)
-        zbar_prev <- zbar
-
-    Args:
-        num_classes: K.
-        margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text), or ``"auto"``:
-            start at ``margin_init`` and after each validation pass move ``m`` only on evidence
-            (:mod:`cals_seg.losses._auto_margin`): not during the first ``margin_warmup``
-            epochs, not while the balanced validation skill is not clearly above chance, not
-            while the interval ``[T_lo, T_hi]`` of the temperature that would match the
-            validation confidence to the accuracy (image-level standard error, ``margin_z``
-            wide) contains 1, and not down while the validation accuracy still rises beyond its
-            noise over ``margin_patience`` epochs; otherwise towards ``m / T_lo`` (down) or ``m
-            / T_hi`` (up), capped by the largest validation gap ``G``, by at most a factor
-            ``margin_rate``. When the margin moves from ``m`` to ``m'``,
-            what is measured in units of ``m`` is converted: ``lambda_k <- clip(lambda_k m' /
-            m, lambda_min, lambda_max)`` (the same force ``lambda_k / m`` on the gaps) and
-            ``zbar_prev_k <- (m / m') (zbar_prev_k + 1) - 1`` (exact); ``rho`` is kept.
-        penalty: ``"phr"`` (default), ``"p2"``, ``"p3"``, a :class:`Penalty`, or an elementwise
-            callable ``P(z, rho, lam)`` (derivative by autograd).
-        lambda_init, rho_init: initial multipliers and penalty parameters (1e-6 and 1).
-        gamma: rho growth factor (1.2). tau: improvement ratio (0.9).
-        rho_period: epochs between rho updates (10).
-        lambda_min, lambda_max, rho_min, rho_max: safeguarding intervals.
-        ignore_index: void label.
-        margin_init, margin_min, margin_max, margin_warmup: the ``"auto"`` margin's start,
-            range and number of epochs without update (10, 1, 20 and 0).
-        margin_rate: the largest factor by which one epoch moves the ``"auto"`` margin (1.25;
-            ``inf`` for none).
-        margin_skill: the validation skill above chance, ``(BA - 1/K') / (1 - 1/K')`` with
-            ``BA`` the mean per-class recall over the ``K'`` classes present, below which the
-            ``"auto"`` margin is kept (0.1).
-        margin_z: the half-width of the ``"auto"`` rule's intervals in standard errors (2).
-        margin_patience: the epochs ``W`` over which the validation accuracy must have
-            stopped rising beyond its noise before the ``"auto"`` margin may shrink (2; 0:
-            no such rule).
-
-    Shape:
-        logits: ``(N, K, *S)`` (half precision is computed in float32); target: ``(N, *S)``.
-
-    Buffers (in ``state_dict``): ``lambdas (K,)``, ``rhos (K,)``, ``zbar_prev (K,)`` float64,
-    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64)
-    and the accuracy track ``margin_track (W, 2)`` / ``margin_seen``.
-    The validation sums are O(K) float64 (O(bins) with ``"auto"``) and not persistent.
-    """
-
-    log_keys = ("lambda", "rho", "constraint", *_ClassAdaptiveLoss.MARGIN_LOGS)
-
-    settings_types = (ALMSettings, EvidenceSettings)
-
-    def __init__(
-        self,
-        num_classes: int,
-        margin: float | Literal["auto"] = 10.0,
-        ignore_index: int = -100,
-        **settings: Any,
-    ) -> None:
-        alm, auto = self.settings(settings)
-        super().__init__(num_classes, margin, alm.lambda_init, ignore_index, auto)
-        self._set_alm_rules(alm)
-        k = num_classes
-        self.add_state("rhos", torch.full((k,), float(alm.rho_init), dtype=torch.float64))
-        self.add_state("zbar_prev", torch.zeros(k, dtype=torch.float64))
-        self.add_state("has_prev", torch.zeros((), dtype=torch.bool))
-        self.add_statistic("_sum_grad", k)
-        self.add_statistic("_sum_z", k)
-
-    def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
-        ce = ce_sum(logits, target, self.ignore_index) / valid.sum().clamp(min=1)
-        lam, rho = self._per_class(self.lambdas, logits), self._per_class(self.rhos, logits)
-        value, derivative = self.penalty.value, self.penalty.derivative
-        pen = class_penalty(
-            logits,
-            valid,
-            self._margin_for(logits),
-            lambda z: value(z, rho, lam),
-            lambda z: derivative(z, rho, lam),
-        )
-        self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
-        return ce + pen
-
-    def _class_statistics(self) -> list[str]:
-        return ["_sum_grad", "_sum_z"]
-
-    def _observed_functions(self, like: Tensor) -> list:
-        lam, rho = self._per_class(self.lambdas, like), self._per_class(self.rhos, like)
-        return [lambda z: self.penalty.derivative(z, rho, lam), lambda z: z]
-
-    def _update(self, epoch: int, stats: dict[str, Tensor], n: int) -> dict[str, Any]:
-        """The lambda and rho rules after epoch ``epoch`` (0-based); :meth:`update_multipliers`
-        calls it with the statistics summed over processes.
-
-        Returns:
-            ``{"lambda": [K], "rho": [K], "constraint": [K]}`` after the update (constraint is
-            this epoch's mean normalised constraint zbar); with ``margin="auto"`` also the
-            ``margin_*`` entries of :meth:`_update_margin` (the margin for the next epoch,
-            its statistic, interval and reason).
-        """
-        self.lambdas.copy_((stats["_sum_grad"] / n).clamp_(self.lambda_min, self.lambda_max))
-        zbar = stats["_sum_z"] / n
-        self._step_rhos(epoch, self.rhos, zbar, self.zbar_prev, bool(self.has_prev))
-        self.zbar_prev.copy_(zbar)
-        self.has_prev.fill_(True)
-        margin = self._update_margin(epoch, stats)
-        return {**self.multipliers(), "constraint": zbar.tolist(), **margin}
-
-    def _margin_changed(self, old: float, new: float) -> None:
-        """``z = d / m - 1`` is measured in units of the margin. Keep the penalty's linear force
-        on the gaps, ``lambda_k z = (lambda_k / m) (d - m)``: ``lambda_k <- lambda_k new / old``
-        (clipped to ``[lambda_min, lambda_max]``); restate the previous mean constraint at the
-        new margin, exactly since ``z`` is affine in ``1 / m``: ``zbar_prev <- (old / new)
-        (zbar_prev + 1) - 1``. ``rho`` stays in ``[rho_min, rho_max]``."""
-        self.lambdas.mul_(new / old).clamp_(self.lambda_min, self.lambda_max)
-        self.zbar_prev.add_(1.0).mul_(old / new).sub_(1.0)
-
-    def multipliers(self) -> dict[str, list[float]]:
-        """Current per-class ``lambda`` and ``rho`` as lists (for logging)."""
-        return {"lambda": self.lambdas.tolist(), "rho": self.rhos.tolist()}
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, penalty={self.penalty.name}"
-
-
 SCORE_RULES = ("weighted", "unweighted")
 
 
+@LOSSES.register("cals_hr")
 class CALSHRLoss(_ClassAdaptiveLoss):
     """CALS-HR: class-wise hinge penalties with heuristically scheduled weights (paper eq. 11).
 
@@ -485,3 +350,141 @@ class CALSHRLoss(_ClassAdaptiveLoss):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, score={self.score!r}"
+
+
+@LOSSES.register("cals_alm")
+class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
+    """CALS-ALM: cross-entropy plus a class-wise augmented-Lagrangian penalty (paper Alg. 2).
+
+    Training loss on a batch (means over valid positions ``V`` only)::
+
+        loss = CE(l, y) + (1 / (|V| K)) * sum_{i in V} sum_k P(z_ik; rho_k, lambda_k)
+
+    After epoch ``j`` (0-based), from the statistics streamed by :meth:`observe` over the
+    ``n`` valid validation positions::
+
+        lambda_k <- clip(mean_i P'(z_ik; rho_k, lambda_k), lambda_min, lambda_max)
+        zbar_k   =  mean_i z_ik
+        if (j + 1) % rho_period == 0 and a previous zbar exists:
+            rho_k <- gamma * rho_k  if zbar_k > tau * max(0, zbar_prev_k)
+            rho_k <- clip(rho_k, rho_min, rho_max)
+        zbar_prev <- zbar
+
+    Args:
+        num_classes: K.
+        margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text), or ``"auto"``:
+            start at ``margin_init`` and after each validation pass move ``m`` only on evidence
+            (:mod:`cals_seg.losses._auto_margin`): not during the first ``margin_warmup``
+            epochs, not while the balanced validation skill is not clearly above chance, not
+            while the interval ``[T_lo, T_hi]`` of the temperature that would match the
+            validation confidence to the accuracy (image-level standard error, ``margin_z``
+            wide) contains 1, and not down while the validation accuracy still rises beyond its
+            noise over ``margin_patience`` epochs; otherwise towards ``m / T_lo`` (down) or ``m
+            / T_hi`` (up), capped by the largest validation gap ``G``, by at most a factor
+            ``margin_rate``. When the margin moves from ``m`` to ``m'``,
+            what is measured in units of ``m`` is converted: ``lambda_k <- clip(lambda_k m' /
+            m, lambda_min, lambda_max)`` (the same force ``lambda_k / m`` on the gaps) and
+            ``zbar_prev_k <- (m / m') (zbar_prev_k + 1) - 1`` (exact); ``rho`` is kept.
+        penalty: ``"phr"`` (default), ``"p2"``, ``"p3"``, a :class:`Penalty`, or an elementwise
+            callable ``P(z, rho, lam)`` (derivative by autograd).
+        lambda_init, rho_init: initial multipliers and penalty parameters (1e-6 and 1).
+        gamma: rho growth factor (1.2). tau: improvement ratio (0.9).
+        rho_period: epochs between rho updates (10).
+        lambda_min, lambda_max, rho_min, rho_max: safeguarding intervals.
+        ignore_index: void label.
+        margin_init, margin_min, margin_max, margin_warmup: the ``"auto"`` margin's start,
+            range and number of epochs without update (10, 1, 20 and 0).
+        margin_rate: the largest factor by which one epoch moves the ``"auto"`` margin (1.25;
+            ``inf`` for none).
+        margin_skill: the validation skill above chance, ``(BA - 1/K') / (1 - 1/K')`` with
+            ``BA`` the mean per-class recall over the ``K'`` classes present, below which the
+            ``"auto"`` margin is kept (0.1).
+        margin_z: the half-width of the ``"auto"`` rule's intervals in standard errors (2).
+        margin_patience: the epochs ``W`` over which the validation accuracy must have
+            stopped rising beyond its noise before the ``"auto"`` margin may shrink (2; 0:
+            no such rule).
+
+    Shape:
+        logits: ``(N, K, *S)`` (half precision is computed in float32); target: ``(N, *S)``.
+
+    Buffers (in ``state_dict``): ``lambdas (K,)``, ``rhos (K,)``, ``zbar_prev (K,)`` float64,
+    ``has_prev`` (bool), and with ``margin="auto"`` the margin in force ``margin_value`` (float64)
+    and the accuracy track ``margin_track (W, 2)`` / ``margin_seen``.
+    The validation sums are O(K) float64 (O(bins) with ``"auto"``) and not persistent.
+    """
+
+    log_keys = ("lambda", "rho", "constraint", *_ClassAdaptiveLoss.MARGIN_LOGS)
+
+    settings_types = (ALMSettings, EvidenceSettings)
+
+    def __init__(
+        self,
+        num_classes: int,
+        margin: float | Literal["auto"] = 10.0,
+        ignore_index: int = -100,
+        **settings: Any,
+    ) -> None:
+        alm, auto = self.settings(settings)
+        super().__init__(num_classes, margin, alm.lambda_init, ignore_index, auto)
+        self._set_alm_rules(alm)
+        k = num_classes
+        self.add_state("rhos", torch.full((k,), float(alm.rho_init), dtype=torch.float64))
+        self.add_state("zbar_prev", torch.zeros(k, dtype=torch.float64))
+        self.add_state("has_prev", torch.zeros((), dtype=torch.bool))
+        self.add_statistic("_sum_grad", k)
+        self.add_statistic("_sum_z", k)
+
+    def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
+        ce = ce_sum(logits, target, self.ignore_index) / valid.sum().clamp(min=1)
+        lam, rho = self._per_class(self.lambdas, logits), self._per_class(self.rhos, logits)
+        value, derivative = self.penalty.value, self.penalty.derivative
+        pen = class_penalty(
+            logits,
+            valid,
+            self._margin_for(logits),
+            lambda z: value(z, rho, lam),
+            lambda z: derivative(z, rho, lam),
+        )
+        self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
+        return ce + pen
+
+    def _class_statistics(self) -> list[str]:
+        return ["_sum_grad", "_sum_z"]
+
+    def _observed_functions(self, like: Tensor) -> list:
+        lam, rho = self._per_class(self.lambdas, like), self._per_class(self.rhos, like)
+        return [lambda z: self.penalty.derivative(z, rho, lam), lambda z: z]
+
+    def _update(self, epoch: int, stats: dict[str, Tensor], n: int) -> dict[str, Any]:
+        """The lambda and rho rules after epoch ``epoch`` (0-based); :meth:`update_multipliers`
+        calls it with the statistics summed over processes.
+
+        Returns:
+            ``{"lambda": [K], "rho": [K], "constraint": [K]}`` after the update (constraint is
+            this epoch's mean normalised constraint zbar); with ``margin="auto"`` also the
+            ``margin_*`` entries of :meth:`_update_margin` (the margin for the next epoch,
+            its statistic, interval and reason).
+        """
+        self.lambdas.copy_((stats["_sum_grad"] / n).clamp_(self.lambda_min, self.lambda_max))
+        zbar = stats["_sum_z"] / n
+        self._step_rhos(epoch, self.rhos, zbar, self.zbar_prev, bool(self.has_prev))
+        self.zbar_prev.copy_(zbar)
+        self.has_prev.fill_(True)
+        margin = self._update_margin(epoch, stats)
+        return {**self.multipliers(), "constraint": zbar.tolist(), **margin}
+
+    def _margin_changed(self, old: float, new: float) -> None:
+        """``z = d / m - 1`` is measured in units of the margin. Keep the penalty's linear force
+        on the gaps, ``lambda_k z = (lambda_k / m) (d - m)``: ``lambda_k <- lambda_k new / old``
+        (clipped to ``[lambda_min, lambda_max]``); restate the previous mean constraint at the
+        new margin, exactly since ``z`` is affine in ``1 / m``: ``zbar_prev <- (old / new)
+        (zbar_prev + 1) - 1``. ``rho`` stays in ``[rho_min, rho_max]``."""
+        self.lambdas.mul_(new / old).clamp_(self.lambda_min, self.lambda_max)
+        self.zbar_prev.add_(1.0).mul_(old / new).sub_(1.0)
+
+    def multipliers(self) -> dict[str, list[float]]:
+        """Current per-class ``lambda`` and ``rho`` as lists (for logging)."""
+        return {"lambda": self.lambdas.tolist(), "rho": self.rhos.tolist()}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, penalty={self.penalty.name}"

@@ -33,12 +33,14 @@ from cals_seg.losses._bands import BandMap
 from cals_seg.losses._base import as_float32, autocast_off
 from cals_seg.losses._functional import ce_sum, class_sums
 from cals_seg.losses._spatial import SpatialLoss
+from cals_seg.losses.registry import LOSSES
 from cals_seg.metrics._distance import int_thresholds, label_map_bands
 from cals_seg.utils.validation import check_finite
 
 MARGIN_STEERS = ("band", "adjacent", "pooled_gate")
 
 
+@LOSSES.register("cals_alm_bands")
 class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     """CALS-ALM with multipliers, penalty parameters and margins per class and distance band.
 

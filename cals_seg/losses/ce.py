@@ -6,8 +6,10 @@ from torch import Tensor
 
 from cals_seg.losses._base import SegLoss
 from cals_seg.losses._functional import ce_sum
+from cals_seg.losses.registry import LOSSES
 
 
+@LOSSES.register("ce")
 class CrossEntropyLoss(SegLoss):
     """Mean cross-entropy over valid positions: ``-(1/|V|) sum_{i in V} log softmax(l_i)_{y_i}``.
 

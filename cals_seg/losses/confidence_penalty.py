@@ -7,10 +7,12 @@ from torch import Tensor
 
 from cals_seg.losses._base import SegLoss, masked_mean
 from cals_seg.losses._functional import ce_sum
+from cals_seg.losses.registry import LOSSES
 
 ENTROPY_FORMS = ("class_mean", "sum")
 
 
+@LOSSES.register("ecp")
 class ConfidencePenaltyLoss(SegLoss):
     """Cross-entropy minus ``beta`` times an entropy bonus.
 

@@ -24,6 +24,7 @@ from cals_seg.losses._spatial import (
     neighbourhood_distribution,
 )
 from cals_seg.losses.penalties import Penalty
+from cals_seg.losses.registry import LOSSES
 from cals_seg.utils.validation import check_finite
 
 REGIONS = ("boundary", "interior")
@@ -73,6 +74,7 @@ class _RegionPenalty(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
+@LOSSES.register("crac")
 class CRaCLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     """Cross-entropy plus a class- and region-wise augmented-Lagrangian penalty.
 

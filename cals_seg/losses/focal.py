@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cals_seg.losses._base import SegLoss, masked_mean
+from cals_seg.losses.registry import LOSSES
 
 
 def _focal_terms(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -15,6 +16,7 @@ def _focal_terms(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Ten
     return logp, logp.exp()
 
 
+@LOSSES.register("fl")
 class FocalLoss(SegLoss):
     """Focal loss on the softmax: ``-(1/|V|) sum_{i in V} (1 - p_{i,y_i})^gamma log p_{i,y_i}``.
 
@@ -40,6 +42,7 @@ class FocalLoss(SegLoss):
         return loss
 
 
+@LOSSES.register("flsd")
 class FocalLossSD(SegLoss):
     """FLSD-53: focal loss with a per-position gamma, 5 if ``p_y < 0.2`` else 3.
 

@@ -6,8 +6,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cals_seg.losses._base import SegLoss
+from cals_seg.losses.registry import LOSSES
 
 
+@LOSSES.register("ls")
 class LabelSmoothingLoss(SegLoss):
     """Cross-entropy against the smoothed target ``q_k = (1 - a) [k == y] + a / K``.
 

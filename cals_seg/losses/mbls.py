@@ -6,8 +6,10 @@ from torch import Tensor
 
 from cals_seg.losses._base import SegLoss
 from cals_seg.losses._functional import ce_sum, class_penalty
+from cals_seg.losses.registry import LOSSES
 
 
+@LOSSES.register("mbls")
 class MbLSLoss(SegLoss):
     """Cross-entropy plus a uniform hinge on logit distances:
 

@@ -12,8 +12,10 @@ from cals_seg.losses._spatial import (
     mean_weights,
     neighbourhood_distribution,
 )
+from cals_seg.losses.registry import LOSSES
 
 
+@LOSSES.register("nacl")
 class NACLLoss(SpatialLoss):
     """Cross-entropy plus an L1 pull of the logits towards the label proportions of each pixel's
     neighbourhood::

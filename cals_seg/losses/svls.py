@@ -11,8 +11,10 @@ from cals_seg.losses._spatial import (
     gaussian_svls_kernel,
     neighbourhood_distribution,
 )
+from cals_seg.losses.registry import LOSSES
 
 
+@LOSSES.register("svls")
 class SVLSLoss(SpatialLoss):
     """Cross-entropy against soft labels from a Gaussian-weighted neighbourhood of the labels.
 
