@@ -90,8 +90,7 @@ def family_of(dataset: str) -> str:
     """``segmentation``, ``classification`` (images) or ``text``, from the dataset registry."""
     from cals_seg.tasks import DATASETS
 
-    found, builder = DATASETS[dataset]
-    return "text" if getattr(builder, "__module__", "").endswith(".text") else found
+    return DATASETS[dataset].kind
 
 
 def setup_keys() -> dict[tuple[str, str], tuple[Any, str]]:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cals_seg.config.schema import load_config
-from cals_seg.data import DATASET_KINDS
+from cals_seg.data import DATASETS
 from cals_seg.losses import build_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def _table(path: Path) -> tuple[dict, dict]:
 
 
 def _kind(raw: dict) -> str:
-    return DATASET_KINDS[raw["data"]["name"]]
+    return DATASETS[raw["data"]["name"]].kind
 
 
 def test_every_setup_is_found():

@@ -1,5 +1,6 @@
-"""The one registry type (losses, calibrators, meters, datasets), the meter base class with its
-declared states, and the one integer check."""
+"""The one registry type (losses, calibrators, meters, datasets, corruptions), the built-ins'
+order, a task's meters read from the registry, the meter base class with its declared states,
+and the one integer check."""
 
 from __future__ import annotations
 
@@ -43,11 +44,52 @@ def test_the_package_registries_are_registries():
     assert sorted(CALIBRATORS) == sorted(["ts", "vector", "dirichlet", "lts", "selective",
                                           "boundary_ts", "boundary_ts_fine", "boundary_ts_conf",
                                           "cms_ap", "cms_op", "image_ts"])
-    assert METERS["calibration"] is CalibrationMeter
+    assert METERS["calibration"].cls is CalibrationMeter
     with pytest.raises(ValueError, match=r"Unknown loss 'cals'; valid names are \['cals_alm'"):
         build_loss("cals", 3)
     with pytest.raises(UserError, match=r"Unknown calibrator 'tss'; valid names are \['boundary"):
         build_calibrator("tss", 3)
+
+
+def test_the_built_ins_register_in_their_listed_order():
+    """The docs' tables, the tools' choices and a misspelt name's list keep this order; each
+    entry registers itself where it is defined, the package imports the built-ins in order."""
+    from cals_seg.data.corruptions import CORRUPTIONS, FAMILIES, FIT_CORRUPTIONS
+
+    assert list(LOSSES) == ["ce", "ls", "fl", "flsd", "ecp", "mbls", "cals_hr", "cals_alm",
+                            "svls", "nacl", "crac", "cals_alm_bands"]
+    assert list(METERS) == ["calibration", "segmentation", "boundary", "size", "rings", "groups"]
+    assert list(DATASETS) == ["imagefolder", "split_files", "tiny_imagenet", "imagenet",
+                              "imagenet_lt", "synthetic_cls", "voc", "synthetic", "cityscapes",
+                              "ade20k", "folder", "20news", "synthetic_text"]
+    assert {n: e.kind for n, e in DATASETS.items() if e.kind != e.family} == {
+        "20news": "text", "synthetic_text": "text"}
+    assert FAMILIES == {
+        "noise": ("gaussian_noise", "shot_noise", "impulse_noise"),
+        "blur": ("defocus_blur", "glass_blur", "motion_blur", "zoom_blur"),
+        "weather": ("fog", "brightness"),
+        "digital": ("contrast", "jpeg_compression", "pixelate"),
+    }
+    assert CORRUPTIONS == tuple(n for names in FAMILIES.values() for n in names)
+    assert FIT_CORRUPTIONS == ("speckle_noise", "gaussian_blur", "saturate")
+
+
+def test_a_tasks_meters_are_the_registered_ones_of_its_family():
+    from cals_seg.tasks import ClassificationTask, SegmentationTask
+
+    class Counts:
+        def class_counts(self):
+            return [5, 3, 1]
+
+    seg = SegmentationTask(Counts(), None, None, None, 3, 255, ["background", "a", "b"])
+    assert list(seg.meters()) == ["calibration", "segmentation", "boundary", "rings"]
+    test = seg.meters(n_bins=10, test=True)
+    assert list(test) == ["calibration", "segmentation", "boundary", "size", "rings"]
+    assert test["size"].background_index == 0 and test["calibration"].n_bins == 10
+    assert test["calibration"].classwise and not seg.meters()["calibration"].classwise
+    cls = ClassificationTask(Counts(), None, None, None, 3, -100)
+    assert list(cls.meters()) == ["calibration"]
+    assert list(cls.meters(test=True)) == ["calibration", "groups"]
 
 
 @pytest.mark.parametrize(("value", "minimum", "message"), [

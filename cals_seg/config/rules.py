@@ -312,17 +312,19 @@ def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 # ----------------------------------------------------------------------------- cross rules
 def family(cfg: Config) -> str | None:
-    """``segmentation``, ``classification`` or ``text`` (None: unknown dataset)."""
-    from cals_seg.data import DATASET_KINDS
+    """``segmentation``, ``classification`` or ``text``: the kind the dataset ``data.name``
+    registered with (:data:`cals_seg.data.registry.DATASETS`); None: unknown dataset."""
+    from cals_seg.data.registry import dataset_kind
 
-    return DATASET_KINDS.get(cfg.data.name)
+    return dataset_kind(cfg.data.name)
 
 
 def check_dataset_name(cfg: Config) -> None:
-    from cals_seg.data import DATASET_KINDS
+    """``data.name``: a registered dataset; a misspelt one is refused listing them all."""
+    from cals_seg.data.registry import DATASETS
 
     if family(cfg) is None:
-        raise refuse("data.name", f"one of {list(DATASET_KINDS)}", cfg.data.name,
+        raise refuse("data.name", f"one of {list(DATASETS)}", cfg.data.name,
                      "e.g. --set data.name=synthetic")
 
 

@@ -1,5 +1,7 @@
 """Datasets and transforms: VOC-layout segmentation data and the embedded synthetic dataset,
-Cityscapes, ADE20K, any image/mask folder, and the data check."""
+Cityscapes, ADE20K, any image/mask folder, and the data check. ``DATASETS``
+(:mod:`cals_seg.data.registry`) is every dataset a config can name, with its kind; each registers
+itself in its module of :mod:`cals_seg.tasks`."""
 
 from cals_seg.data.ade20k import ADE20K_CLASSES, ADE20KSegmentation, ade20k_split
 from cals_seg.data.cityscapes import (
@@ -10,6 +12,7 @@ from cals_seg.data.cityscapes import (
 )
 from cals_seg.data.folder import ColourTable, FolderSegmentation, folder_split
 from cals_seg.data.paired import PairedSegmentation, SplitFiles, hold_out
+from cals_seg.data.registry import DATASETS
 from cals_seg.data.synthetic import SYNTHETIC_CLASSES, generate_synthetic_voc
 from cals_seg.data.transforms import SegmentationTransform, eval_transform, train_transform
 from cals_seg.data.voc import (
@@ -21,27 +24,8 @@ from cals_seg.data.voc import (
     voc_palette,
 )
 
-# data.name -> kind: every dataset the toolkit can build. ``segmentation`` datasets give
-# (image, mask) samples, ``classification`` (image, label), ``text`` (token ids, label);
-# cals_seg.tasks registers one builder for each name (a test keeps the two in step).
-DATASET_KINDS: dict[str, str] = {
-    "imagefolder": "classification",
-    "split_files": "classification",
-    "tiny_imagenet": "classification",
-    "imagenet": "classification",
-    "imagenet_lt": "classification",
-    "synthetic_cls": "classification",
-    "voc": "segmentation",
-    "synthetic": "segmentation",
-    "cityscapes": "segmentation",
-    "ade20k": "segmentation",
-    "folder": "segmentation",
-    "20news": "text",
-    "synthetic_text": "text",
-}
-
 __all__ = [
-    "DATASET_KINDS",
+    "DATASETS",
     "ADE20K_CLASSES",
     "CITYSCAPES_CLASSES",
     "SYNTHETIC_CLASSES",

@@ -41,6 +41,12 @@ masks would have to move too). The held-out corruptions ImageNet-C kept for vali
 :data:`FIT_CORRUPTIONS`, the set the drift-fitted calibrators are fitted on, disjoint from the
 benchmark's.
 
+Every corruption registers itself where it is defined (``@register_corruption(name, family,
+fit=False)``, in :data:`CORRUPTION_REGISTRY`); :data:`CORRUPTIONS`, :data:`FAMILIES` and
+:data:`FIT_CORRUPTIONS` are views of the registry, and ``--shift NAME:S`` accepts its benchmark
+names. A new corruption is one new file in ``cals_seg/data/`` (the registry imports the folder's
+modules the first time its names are read).
+
 Seeding: the corruption of image ``index`` draws from a generator seeded with
 ``(seed, crc32(name), severity, index)``, so every method evaluated with the same seed sees the
 same corrupted images, whatever the loader's order or workers::
@@ -55,13 +61,14 @@ from __future__ import annotations
 import copy
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
 
 from cals_seg.errors import UserError
+from cals_seg.utils.registry import Registry
 
 SEVERITIES = (1, 2, 3, 4, 5)
 Image = np.ndarray
@@ -76,19 +83,21 @@ def _uint8(x: np.ndarray) -> Image:
     return (np.clip(x, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
-def _album(make: Callable[[Any], Any], params: Sequence[Any]) -> CorruptFn:
-    """A corruption done by the albumentations transform ``make(params[severity - 1])``,
-    seeded from the generator."""
+def _album(make: Callable[[Any, Any], Any], params: Sequence[Any]) -> CorruptFn:
+    """A corruption done by the albumentations transform ``make(A, params[severity - 1])``
+    (``A``: the albumentations module, imported at the first call, so importing this module
+    stays light), seeded from the generator."""
 
     def apply(image: Image, severity: int, rng: np.random.Generator) -> Image:
-        transform = make(params[severity - 1])
+        import albumentations as A
+
+        transform = make(A, params[severity - 1])
         transform.set_random_seed(int(rng.integers(2**31 - 1)))
         return transform(image=image)["image"]
 
     return apply
 
 
-# ----------------------------------------------------------------------------- written here
 SHOT_PHOTONS = (60, 25, 12, 5, 3)
 IMPULSE_AMOUNT = (0.03, 0.06, 0.09, 0.17, 0.27)
 MOTION = ((10, 3), (15, 5), (15, 8), (15, 12), (20, 15))
@@ -99,12 +108,95 @@ SPECKLE = (0.15, 0.2, 0.35, 0.45, 0.6)
 SATURATE = ((0.3, 0.0), (0.1, 0.0), (2.0, 0.0), (5.0, 0.1), (20.0, 0.2))
 
 
+# ----------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class CorruptionEntry:
+    """A registered corruption: ``fn(image uint8 (H, W, 3), severity, rng) -> uint8 (H, W, 3)``,
+    its ImageNet-C family (``noise``, ``blur``, ``weather``, ``digital``) and whether it is held
+    out for fitting (``fit``: a :data:`FIT_CORRUPTIONS` one, never a benchmark one)."""
+
+    fn: CorruptFn
+    family: str
+    fit: bool = False
+
+
+# Every corruption, registered where it is defined (below, in the order of the module docstring's
+# table); a new file in cals_seg/data/ registering one is found the first time names are read.
+CORRUPTION_REGISTRY: Registry[CorruptionEntry] = Registry("corruption", discover="cals_seg.data")
+
+
+def register_corruption(name: str, family: str, fit: bool = False) -> Callable[[CorruptFn],
+                                                                                CorruptFn]:
+    """Decorator: register ``fn(image, severity, rng) -> image`` as the corruption ``name``.
+
+    Args:
+        name: the name of ``--shift NAME:SEVERITY`` (unique).
+        family: its family (the ``all`` tables group by it).
+        fit: held out for fitting the drift calibrators (:data:`FIT_CORRUPTIONS`) instead of a
+            benchmark corruption (:data:`CORRUPTIONS`, what ``--shift`` accepts).
+
+    Returns:
+        The decorator, which returns ``fn`` unchanged.
+    """
+
+    def add(fn: CorruptFn) -> CorruptFn:
+        CORRUPTION_REGISTRY.register(name, CorruptionEntry(fn, family, bool(fit)))
+        return fn
+
+    return add
+
+
+def corruption_families() -> dict[str, tuple[str, ...]]:
+    """``{family: benchmark corruption names}`` in registration order (:data:`FAMILIES`)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, entry in CORRUPTION_REGISTRY.items():
+        if not entry.fit:
+            out[entry.family] = (*out.get(entry.family, ()), name)
+    return out
+
+
+def benchmark_corruptions() -> tuple[str, ...]:
+    """The benchmark corruptions' names, in registration order (:data:`CORRUPTIONS`)."""
+    return tuple(n for n, entry in CORRUPTION_REGISTRY.items() if not entry.fit)
+
+
+def fit_corruptions() -> tuple[str, ...]:
+    """The corruptions held out for fitting, in registration order (:data:`FIT_CORRUPTIONS`)."""
+    return tuple(n for n, entry in CORRUPTION_REGISTRY.items() if entry.fit)
+
+
+# The derived views of the registry, read from it at each access (a module ``__getattr__``), so
+# that a corruption registered later is in them.
+if TYPE_CHECKING:  # what static readers see; at run time __getattr__ computes them
+    CORRUPTIONS: tuple[str, ...]
+    FAMILIES: dict[str, tuple[str, ...]]
+    FIT_CORRUPTIONS: tuple[str, ...]
+_VIEWS: dict[str, Callable[[], Any]] = {"CORRUPTIONS": benchmark_corruptions,
+                                        "FAMILIES": corruption_families,
+                                        "FIT_CORRUPTIONS": fit_corruptions}
+
+
+def __getattr__(name: str) -> Any:
+    """``CORRUPTIONS`` / ``FAMILIES`` / ``FIT_CORRUPTIONS``: the registry's current views."""
+    if name in _VIEWS:
+        return _VIEWS[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ----------------------------------------------------------------------------- the corruptions
+gaussian_noise = register_corruption("gaussian_noise", "noise")(_album(
+    lambda A, s: A.GaussNoise(std_range=(s, s), mean_range=(0, 0), per_channel=True, p=1.0),
+    (0.08, 0.12, 0.18, 0.26, 0.38)))
+
+
+@register_corruption("shot_noise", "noise")
 def shot_noise(image: Image, severity: int, rng: np.random.Generator) -> Image:
     """``Poisson(x c) / c`` with ``x`` in [0, 1] and ``c`` photons (sRGB values, as ImageNet-C)."""
     c = SHOT_PHOTONS[severity - 1]
     return _uint8(rng.poisson(_float(image) * c) / c)
 
 
+@register_corruption("impulse_noise", "noise")
 def impulse_noise(image: Image, severity: int, rng: np.random.Generator) -> Image:
     """Salt and pepper on a fraction ``amount`` of the values (each channel of each pixel drawn
     on its own), half white, half black."""
@@ -117,10 +209,19 @@ def impulse_noise(image: Image, severity: int, rng: np.random.Generator) -> Imag
     return out
 
 
+@register_corruption("speckle_noise", "noise", fit=True)
 def speckle_noise(image: Image, severity: int, rng: np.random.Generator) -> Image:
     """``x + x N(0, s^2)``."""
     x = _float(image)
     return _uint8(x + x * rng.normal(0.0, SPECKLE[severity - 1], x.shape))
+
+
+defocus_blur = register_corruption("defocus_blur", "blur")(_album(
+    lambda A, c: A.Defocus(radius=(c[0], c[0]), alias_blur=(c[1], c[1]), p=1.0),
+    ((3, 0.1), (4, 0.5), (6, 0.5), (8, 0.5), (10, 0.5))))
+glass_blur = register_corruption("glass_blur", "blur")(_album(
+    lambda A, c: A.GlassBlur(sigma=c[0], max_delta=c[1], iterations=c[2], mode="exact", p=1.0),
+    ((0.7, 1, 2), (0.9, 2, 1), (1, 2, 3), (1.1, 3, 2), (1.5, 4, 2))))
 
 
 def motion_kernel(radius: int, sigma: float, angle_deg: float) -> np.ndarray:
@@ -141,6 +242,7 @@ def motion_kernel(radius: int, sigma: float, angle_deg: float) -> np.ndarray:
     return kernel / kernel.sum()
 
 
+@register_corruption("motion_blur", "blur")
 def motion_blur(image: Image, severity: int, rng: np.random.Generator) -> Image:
     """The image convolved with :func:`motion_kernel` at an angle drawn in [-45, 45] degrees."""
     radius, sigma = MOTION[severity - 1]
@@ -148,6 +250,13 @@ def motion_blur(image: Image, severity: int, rng: np.random.Generator) -> Image:
     blurred = cv2.filter2D(image.astype(np.float32), -1, kernel.astype(np.float32),
                            borderType=cv2.BORDER_REFLECT)
     return np.clip(blurred + 0.5, 0, 255).astype(np.uint8)
+
+
+zoom_blur = register_corruption("zoom_blur", "blur")(_album(
+    lambda A, c: A.ZoomBlur(max_factor=(c[0], c[0]), step_factor=(c[1], c[1]), p=1.0),
+    ((1.11, 0.01), (1.16, 0.01), (1.21, 0.02), (1.26, 0.02), (1.31, 0.03))))
+gaussian_blur = register_corruption("gaussian_blur", "blur", fit=True)(_album(
+    lambda A, s: A.GaussianBlur(blur_limit=0, sigma_limit=(s, s), p=1.0), (1, 2, 3, 4, 6)))
 
 
 def plasma_fractal(size: int, decay: float, rng: np.random.Generator) -> np.ndarray:
@@ -175,6 +284,7 @@ def plasma_fractal(size: int, decay: float, rng: np.random.Generator) -> np.ndar
     return grid / grid.max()
 
 
+@register_corruption("fog", "weather")
 def fog(image: Image, severity: int, rng: np.random.Generator) -> Image:
     """``(x + s F) max(x) / (max(x) + s)`` with ``F`` the plasma fractal (side: the next power
     of two >= the image's longest side, at least 256) cropped to the image."""
@@ -195,6 +305,7 @@ def _rgb(hsv: np.ndarray) -> Image:
     return _uint8(cv2.cvtColor(hsv.astype(np.float32), cv2.COLOR_HSV2RGB))
 
 
+@register_corruption("brightness", "weather")
 def brightness(image: Image, severity: int, rng: np.random.Generator) -> Image:
     """HSV value ``V + b`` clipped to [0, 1]."""
     hsv = _hsv(image)
@@ -202,6 +313,7 @@ def brightness(image: Image, severity: int, rng: np.random.Generator) -> Image:
     return _rgb(hsv)
 
 
+@register_corruption("saturate", "weather", fit=True)
 def saturate(image: Image, severity: int, rng: np.random.Generator) -> Image:
     """HSV saturation ``S a + b`` clipped to [0, 1]."""
     a, b = SATURATE[severity - 1]
@@ -210,6 +322,7 @@ def saturate(image: Image, severity: int, rng: np.random.Generator) -> Image:
     return _rgb(hsv)
 
 
+@register_corruption("contrast", "digital")
 def contrast(image: Image, severity: int, rng: np.random.Generator) -> Image:
     """``(x - m) c + m`` with ``m`` each channel's mean over the image."""
     x = _float(image)
@@ -217,47 +330,13 @@ def contrast(image: Image, severity: int, rng: np.random.Generator) -> Image:
     return _uint8((x - mean) * CONTRAST[severity - 1] + mean)
 
 
-def _albumentations() -> dict[str, CorruptFn]:
-    import albumentations as A
-
-    return {
-        "gaussian_noise": _album(lambda s: A.GaussNoise(std_range=(s, s), mean_range=(0, 0),
-                                                        per_channel=True, p=1.0),
-                                 (0.08, 0.12, 0.18, 0.26, 0.38)),
-        "defocus_blur": _album(lambda c: A.Defocus(radius=(c[0], c[0]), alias_blur=(c[1], c[1]),
-                                                   p=1.0),
-                               ((3, 0.1), (4, 0.5), (6, 0.5), (8, 0.5), (10, 0.5))),
-        "glass_blur": _album(lambda c: A.GlassBlur(sigma=c[0], max_delta=c[1], iterations=c[2],
-                                                   mode="exact", p=1.0),
-                             ((0.7, 1, 2), (0.9, 2, 1), (1, 2, 3), (1.1, 3, 2), (1.5, 4, 2))),
-        "zoom_blur": _album(lambda c: A.ZoomBlur(max_factor=(c[0], c[0]),
-                                                 step_factor=(c[1], c[1]), p=1.0),
-                            ((1.11, 0.01), (1.16, 0.01), (1.21, 0.02), (1.26, 0.02),
-                             (1.31, 0.03))),
-        "jpeg_compression": _album(lambda q: A.ImageCompression(compression_type="jpeg",
-                                                                quality_range=(q, q), p=1.0),
-                                   (25, 18, 15, 10, 7)),
-        "pixelate": _album(lambda s: A.Downscale(scale_range=(s, s), interpolation_pair={
-            "downscale": cv2.INTER_AREA, "upscale": cv2.INTER_NEAREST}, p=1.0),
-            (0.6, 0.5, 0.4, 0.3, 0.25)),
-        "gaussian_blur": _album(lambda s: A.GaussianBlur(blur_limit=0, sigma_limit=(s, s),
-                                                         p=1.0), (1, 2, 3, 4, 6)),
-    }
-
-
-FAMILIES: dict[str, tuple[str, ...]] = {
-    "noise": ("gaussian_noise", "shot_noise", "impulse_noise"),
-    "blur": ("defocus_blur", "glass_blur", "motion_blur", "zoom_blur"),
-    "weather": ("fog", "brightness"),
-    "digital": ("contrast", "jpeg_compression", "pixelate"),
-}
-CORRUPTIONS: tuple[str, ...] = tuple(n for names in FAMILIES.values() for n in names)
-FIT_CORRUPTIONS: tuple[str, ...] = ("speckle_noise", "gaussian_blur", "saturate")
-_HERE: dict[str, CorruptFn] = {
-    "shot_noise": shot_noise, "impulse_noise": impulse_noise, "motion_blur": motion_blur,
-    "fog": fog, "brightness": brightness, "contrast": contrast, "speckle_noise": speckle_noise,
-    "saturate": saturate,
-}
+jpeg_compression = register_corruption("jpeg_compression", "digital")(_album(
+    lambda A, q: A.ImageCompression(compression_type="jpeg", quality_range=(q, q), p=1.0),
+    (25, 18, 15, 10, 7)))
+pixelate = register_corruption("pixelate", "digital")(_album(
+    lambda A, s: A.Downscale(scale_range=(s, s), interpolation_pair={
+        "downscale": cv2.INTER_AREA, "upscale": cv2.INTER_NEAREST}, p=1.0),
+    (0.6, 0.5, 0.4, 0.3, 0.25)))
 
 
 def corruption_function(name: str) -> CorruptFn:
@@ -266,13 +345,12 @@ def corruption_function(name: str) -> CorruptFn:
     Raises:
         UserError: an unknown name (the valid ones listed).
     """
-    if name in _HERE:
-        return _HERE[name]
-    table = _albumentations()
-    if name in table:
-        return table[name]
-    raise UserError(f"unknown corruption {name!r}; valid names are {list(CORRUPTIONS)} "
-                    f"(held out for fitting: {list(FIT_CORRUPTIONS)}).")
+    entry = CORRUPTION_REGISTRY.get(name)
+    if entry is None:
+        raise UserError(f"unknown corruption {name!r}; valid names are "
+                        f"{list(benchmark_corruptions())} (held out for fitting: "
+                        f"{list(fit_corruptions())}).")
+    return entry.fn
 
 
 def check_severity(severity: int) -> int:
@@ -328,7 +406,7 @@ class DriftMixture:
     ``severities`` (0: the clean image), per image and seeded: the validation data of
     calibrators fitted for drift (Tomani et al., CVPR 2021: a range of strengths)."""
 
-    names: tuple[str, ...] = FIT_CORRUPTIONS
+    names: tuple[str, ...] = field(default_factory=fit_corruptions)
     severities: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
     seed: int = 0
 
@@ -391,11 +469,12 @@ def parse_shifts(items: Sequence[str], seed: int = 0) -> list[Corruption]:
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise UserError(f"--shift-seed {seed!r}: expected an integer >= 0, e.g. --shift-seed 0.")
+    benchmark = benchmark_corruptions()  # the registered ones (--shift's choices)
     out: dict[str, Corruption] = {}
     for item in items:
         name, sep, sev = item.partition(":")
         if name == "all" and not sep:
-            pairs = [(n, s) for n in CORRUPTIONS for s in SEVERITIES]
+            pairs = [(n, s) for n in benchmark for s in SEVERITIES]
         else:
             if not sep:
                 raise UserError(f"--shift {item!r}: expected NAME:SEVERITY (severity 1-5), "
@@ -406,10 +485,10 @@ def parse_shifts(items: Sequence[str], seed: int = 0) -> list[Corruption]:
                 raise UserError(f"--shift {item!r}: severity must be one of the digits 1-5, "
                                 f"e.g. {name or 'fog'}:3.")
             severity = int(sev)
-            if name != "all" and name not in CORRUPTIONS:
+            if name != "all" and name not in benchmark:
                 raise UserError(f"--shift {item!r}: unknown corruption {name!r}; valid names "
-                                f"are {list(CORRUPTIONS)} and all.")
-            pairs = [(n, severity) for n in (CORRUPTIONS if name == "all" else (name,))]
+                                f"are {list(benchmark)} and all.")
+            pairs = [(n, severity) for n in (benchmark if name == "all" else (name,))]
         for n, s in pairs:
             c = Corruption(n, s, seed)
             out.setdefault(c.key, c)
@@ -418,14 +497,20 @@ def parse_shifts(items: Sequence[str], seed: int = 0) -> list[Corruption]:
 
 __all__ = [
     "CORRUPTIONS",
+    "CORRUPTION_REGISTRY",
     "FAMILIES",
     "FIT_CORRUPTIONS",
     "SEVERITIES",
     "Corruption",
+    "CorruptionEntry",
     "DriftMixture",
     "corrupted_dataset",
+    "benchmark_corruptions",
+    "corruption_families",
     "corruption_function",
+    "fit_corruptions",
     "motion_kernel",
     "parse_shifts",
     "plasma_fractal",
+    "register_corruption",
 ]

@@ -24,6 +24,7 @@ from cals_seg.metrics._functional import (
     position_block,
     prepare_logits,
 )
+from cals_seg.metrics.registry import register_meter
 from cals_seg.utils.validation import check_finite
 
 # Per-image values whose sums over images are kept (``<name>_image_mean`` in ``compute``).
@@ -421,6 +422,8 @@ def _calibration_compute(states: dict[str, Tensor], n_bins: int) -> dict[str, An
     return out
 
 
+@register_meter("calibration", build=lambda task, n_bins, test: CalibrationMeter(
+    task.num_classes, n_bins, task.ignore_index, classwise=test))
 class CalibrationMeter(Meter):
     """Pixel-level calibration metrics with O(K * n_bins + fine_bins) state, exact over DDP.
 

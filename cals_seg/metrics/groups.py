@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from cals_seg.metrics._base import Meter
 from cals_seg.metrics.calibration import CalibrationMeter
+from cals_seg.metrics.registry import register_meter
 
 # Groups by number of TRAINING samples of a class (the ImageNet-LT convention).
 SHOT_GROUPS: dict[str, tuple[int, int | None]] = {
@@ -27,6 +28,9 @@ def shot_groups(class_counts: Sequence[int]) -> dict[str, list[int]]:
     }
 
 
+@register_meter("groups", families=("classification",), test_only=True,
+                build=lambda task, n_bins, test: ShotGroupMeter(
+                    task.train_set.class_counts(), n_bins, task.ignore_index))
 class ShotGroupMeter(Meter):
     """Per-class accuracy and a :class:`CalibrationMeter` per shot group, streamed.
 

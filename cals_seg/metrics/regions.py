@@ -12,7 +12,9 @@ The masks are analysed on the CPU with OpenCV (an exact Euclidean distance trans
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -31,6 +33,7 @@ from cals_seg.metrics._functional import (
     prepare_logits,
 )
 from cals_seg.metrics.calibration import ece_split, reliability_data
+from cals_seg.metrics.registry import register_meter
 from cals_seg.utils.validation import check_finite, check_int
 
 # --------------------------------------------------------------------------------------------
@@ -345,6 +348,7 @@ class _RegionCalibrationMeter(Meter):
         return out
 
 
+@register_meter("boundary", families=("segmentation",))
 class BoundaryCalibrationMeter(_RegionCalibrationMeter):
     """Calibration in distance bands around the class boundaries of the ground truth.
 
@@ -443,6 +447,16 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
         return out
 
 
+def _size_meter(task: Any, n_bins: int, test: bool) -> ObjectSizeCalibrationMeter:
+    """The object-size meter of a segmentation task's test pass: class 0 is not an object when
+    it is named background."""
+    names = task.class_names[:1]
+    background = 0 if names and names[0].lower() in ("background", "_background_") else None
+    return ObjectSizeCalibrationMeter(task.num_classes, n_bins=n_bins,
+                                      ignore_index=task.ignore_index, background_index=background)
+
+
+@register_meter("size", families=("segmentation",), test_only=True, build=_size_meter)
 class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
     """Calibration by the area of the ground-truth object each pixel belongs to.
 
@@ -504,6 +518,14 @@ class ObjectSizeCalibrationMeter(_RegionCalibrationMeter):
         return SizeGroups(self.num_classes, self.areas, self.ignore_index, self.background_index)
 
 
+# Rings of the last masks seen (BoundaryAwareECEMeter._rings): a batch's mask goes to every meter
+# set of the pass in turn, so a few entries give one distance transform per mask; each entry is
+# the (N, H, W) ring map and two per-ring vectors, so memory stays a few batches of masks.
+_RING_MEMO: OrderedDict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+_RING_MEMO_SIZE = 4
+
+
+@register_meter("rings", families=("segmentation",))  # ba_ece, the field's ring metric
 class BoundaryAwareECEMeter(BoundaryCalibrationMeter):
     """Boundary-Aware ECE (``ba_ece``): ECE in distance rings around the ground-truth
     boundaries, each ring weighted by ``1 / (mean distance + 1)``.
@@ -564,13 +586,30 @@ class BoundaryAwareECEMeter(BoundaryCalibrationMeter):
 
     def _rings(self, target: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Ring of every pixel ``(N, H, W)``, and per ring the sum and count of the finite
-        distances of its valid pixels."""
-        dist2 = squared_boundary_distance(boundary_pixels(target, self.ignore_index))
-        ring = np.searchsorted(self.thresholds, dist2, side="right").astype(np.int64)
-        take = (target != self.ignore_index) & np.isfinite(dist2)
-        r = ring[take]
-        return (ring, np.bincount(r, weights=np.sqrt(dist2[take]), minlength=self.num_groups),
-                np.bincount(r, minlength=self.num_groups))
+        distances of its valid pixels.
+
+        One evaluation feeds the same masks to several meter sets (raw, post-TS, each
+        calibrator); the result of the last :data:`_RING_MEMO_SIZE` masks is kept, keyed by the
+        mask's bytes and the rings, so each mask has one distance transform (copies are
+        returned: the numbers are those of a fresh computation)."""
+        key = (tuple(np.asarray(self.thresholds).tolist()), self.ignore_index, target.shape,
+               target.dtype.str, hashlib.blake2b(np.ascontiguousarray(target).tobytes(),
+                                                 digest_size=16).digest())
+        held = _RING_MEMO.get(key)
+        if held is None:
+            dist2 = squared_boundary_distance(boundary_pixels(target, self.ignore_index))
+            ring = np.searchsorted(self.thresholds, dist2, side="right").astype(np.int64)
+            take = (target != self.ignore_index) & np.isfinite(dist2)
+            r = ring[take]
+            held = (ring, np.bincount(r, weights=np.sqrt(dist2[take]),
+                                      minlength=self.num_groups),
+                    np.bincount(r, minlength=self.num_groups))
+            _RING_MEMO[key] = held
+            while len(_RING_MEMO) > _RING_MEMO_SIZE:
+                _RING_MEMO.popitem(last=False)
+        else:
+            _RING_MEMO.move_to_end(key)
+        return held[0].copy(), held[1].copy(), held[2].copy()
 
     def group_map(self, target: Tensor) -> Tensor:
         return torch.from_numpy(self._rings(target.detach().cpu().numpy().astype(np.int64))[0])

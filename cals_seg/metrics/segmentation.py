@@ -18,6 +18,7 @@ from cals_seg.metrics._functional import (
     prepare_logits,
     prepare_predictions,
 )
+from cals_seg.metrics.registry import register_meter
 
 
 def _confusion_update(
@@ -83,6 +84,8 @@ def _segmentation_compute(confusion: Tensor) -> dict[str, Any]:
     }
 
 
+@register_meter("segmentation", families=("segmentation",), build=lambda task, n_bins, test:
+                SegmentationMeter(task.num_classes, task.ignore_index))
 class SegmentationMeter(Meter):
     """mIoU and friends from an int64 ``K x K`` confusion matrix, exact over DDP.
 

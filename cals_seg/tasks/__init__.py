@@ -1,19 +1,22 @@
 """Tasks: what a config's ``data`` and ``model`` sections build, and which meters report on it.
 
 A :class:`Task` is the three splits, the model and the meters of one task family. Each family has
-one module here and registers its dataset builders by ``data.name``::
+one module here and registers its dataset builders by ``data.name`` in
+:data:`cals_seg.data.registry.DATASETS` (re-exported here)::
 
-    @register_dataset("voc", family="segmentation")
-    def voc(cfg: Config) -> SegmentationTask: ...
+    @register_dataset("synthetic_text", family="classification", kind="text")
+    def synthetic_text(cfg: Config) -> ClassificationTask: ...
 
-:func:`build_task` looks the name up (a typo lists the valid names). The trainer only ever sees a
-``Task``; it never reads ``data`` or ``model`` itself.
+A new dataset is one new file in this folder (the registry imports every module here the first
+time its names are read). :func:`build_task` looks the name up (a typo lists the valid names).
+A task's meters are those of :data:`cals_seg.metrics.METERS` registered for its family. The
+trainer only ever sees a ``Task``; it never reads ``data`` or ``model`` itself.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,24 +25,16 @@ from torch.utils.data import Dataset
 
 from cals_seg.config.rules import check_num_classes
 from cals_seg.config.schema import Config
-from cals_seg.data import DATASET_KINDS
+from cals_seg.data.registry import DATASETS, KINDS, DatasetEntry
 from cals_seg.errors import ConfigError
 from cals_seg.evaluation.inference import EvalProtocol
-from cals_seg.metrics import (
-    BoundaryAwareECEMeter,
-    BoundaryCalibrationMeter,
-    CalibrationMeter,
-    ObjectSizeCalibrationMeter,
-    SegmentationMeter,
-)
-from cals_seg.metrics.groups import ShotGroupMeter
-from cals_seg.utils.registry import Registry
+from cals_seg.metrics import METERS
 
 
 @dataclass
 class Task:
     """Splits, model and display information of a run (a classification-like task: logits
-    ``(N, K)``, targets ``(N,)``). Subclasses add the meters of their family."""
+    ``(N, K)``, targets ``(N,)``); its meters are those registered for its family."""
 
     train_set: Dataset
     val_set: Dataset
@@ -57,65 +52,73 @@ class Task:
     score_metric = "acc"  # the headline metric of the family, printed and compared
 
     def meters(self, n_bins: int = 15, test: bool = False) -> dict[str, nn.Module]:
-        """Fresh meters for one evaluation pass (``test``: the full set, e.g. class-wise ECE)."""
-        return {
-            "calibration": CalibrationMeter(
-                self.num_classes, n_bins, self.ignore_index, classwise=test
-            )
-        }
+        """Fresh meters for one evaluation pass: every meter of :data:`cals_seg.metrics.METERS`
+        registered for this task's family, in registration order (segmentation: calibration,
+        segmentation and the boundary-band meters; classification: calibration).
+
+        Args:
+            n_bins: confidence bins of the calibration meters.
+            test: the test pass: also the ``test_only`` meters (segmentation: object sizes;
+                classification: many / medium / few-shot groups) and class-wise ECE.
+
+        Returns:
+            ``{key: meter}``, fresh (reset) meters.
+        """
+        return {name: entry.build(self, n_bins, test) for name, entry in METERS.items()
+                if entry.applies(self.family, test)}
 
 
 @dataclass
 class SegmentationTask(Task):
-    """Logits ``(N, K, H, W)``, masks ``(N, H, W)``: calibration and segmentation meters."""
+    """Logits ``(N, K, H, W)``, masks ``(N, H, W)``: calibration, segmentation and region meters
+    (the band meter gives ``ece_band_weighted`` beside the pooled ``ece``)."""
 
     family = "segmentation"
     score_metric = "miou"
-
-    def meters(self, n_bins: int = 15, test: bool = False) -> dict[str, nn.Module]:
-        """Calibration, segmentation and boundary-band meters (the band meter gives
-        ``ece_band_weighted`` beside the pooled ``ece``, at about the cost of the calibration
-        meter); the test pass adds the object-size meter (class 0 is not an object when it is
-        named background)."""
-        out = super().meters(n_bins, test)
-        k, void = self.num_classes, self.ignore_index
-        out["segmentation"] = SegmentationMeter(k, void)
-        out["boundary"] = BoundaryCalibrationMeter(k, n_bins=n_bins, ignore_index=void)
-        out["rings"] = BoundaryAwareECEMeter(k, n_bins=n_bins, ignore_index=void)  # ba_ece
-        if test:
-            names = self.class_names[:1]
-            background = 0 if names and names[0].lower() in ("background", "_background_") else None
-            out["size"] = ObjectSizeCalibrationMeter(
-                k, n_bins=n_bins, ignore_index=void, background_index=background
-            )
-        return out
 
 
 @dataclass
 class ClassificationTask(Task):
     """Image or text classification; the test pass adds the many / medium / few-shot view."""
 
-    def meters(self, n_bins: int = 15, test: bool = False) -> dict[str, nn.Module]:
-        out = super().meters(n_bins, test)
-        if test:
-            counts = self.train_set.class_counts()
-            out["groups"] = ShotGroupMeter(counts, n_bins, self.ignore_index)
-        return out
+
+TASK_TYPES: dict[str, type[Task]] = {
+    "segmentation": SegmentationTask,
+    "classification": ClassificationTask,
+}
 
 
 Builder = Callable[[Config], Task]
-DATASETS: Registry[tuple[str, Builder]] = Registry("dataset")  # data.name -> (family, builder)
 
 
-def register_dataset(name: str, family: str) -> Callable[[Builder], Builder]:
-    """Decorator: make ``builder(cfg) -> Task`` the one for ``data.name == name``."""
+def register_dataset(name: str, family: str, kind: str | None = None,
+                     classes: Sequence[str] | None = None,
+                     splits: Callable[..., Any] | None = None) -> Callable[[Builder], Builder]:
+    """Decorator: make ``builder(cfg) -> Task`` the one for ``data.name == name``.
+
+    Args:
+        name: the ``data.name`` (unique).
+        family: the task family, ``segmentation`` or ``classification``.
+        kind: what its samples are (``segmentation``, ``classification``, ``text``); default
+            the family.
+        classes: its own class names (segmentation datasets).
+        splits: its split builder (segmentation datasets; what ``tools/check_data.py`` reads).
+
+    Returns:
+        The decorator, which registers the builder in :data:`DATASETS` and returns it.
+
+    Raises:
+        ValueError: an unknown family or kind, a kind of another family, or a name already
+            registered.
+    """
+    kind = family if kind is None else kind
+    if family not in TASK_TYPES or kind not in KINDS or (
+            family != (kind if kind != "text" else "classification")):
+        raise ValueError(f"data.name {name!r}: family {family!r} / kind {kind!r}; expected a "
+                         f"family of {list(TASK_TYPES)} and a kind of it among {list(KINDS)}.")
 
     def add(builder: Builder) -> Builder:
-        kind = DATASET_KINDS.get(name)
-        if kind is None or (kind if kind != "text" else "classification") != family:
-            raise ValueError(f"data.name {name!r}: add it to cals_seg.data.DATASET_KINDS "
-                             f"as a {family} dataset first.")
-        DATASETS.register(name, (family, builder))
+        DATASETS.register(name, DatasetEntry(family, builder, kind, classes, splits))
         return builder
 
     return add
@@ -123,7 +126,7 @@ def register_dataset(name: str, family: str) -> Callable[[Builder], Builder]:
 
 def dataset_names(family: str | None = None) -> list[str]:
     """Registered ``data.name`` values (of one family, or all)."""
-    return [n for n, (f, _) in DATASETS.items() if family is None or f == family]
+    return [n for n, entry in DATASETS.items() if family is None or entry.family == family]
 
 
 def task_family(cfg: Config) -> str:
@@ -132,13 +135,7 @@ def task_family(cfg: Config) -> str:
         raise ConfigError(
             f"data.name: unknown dataset {cfg.data.name!r}; valid names are {dataset_names()}."
         )
-    return DATASETS[cfg.data.name][0]
-
-
-TASK_TYPES: dict[str, type[Task]] = {
-    "segmentation": SegmentationTask,
-    "classification": ClassificationTask,
-}
+    return DATASETS[cfg.data.name].family
 
 
 def score_metric(cfg: Config) -> str:
@@ -160,7 +157,7 @@ def build_task(cfg: Config, family: str | None = None) -> Task:
         raise ConfigError(
             f"data.name={cfg.data.name!r} is a {found} dataset; train it with {tool}."
         )
-    task = DATASETS[cfg.data.name][1](cfg)
+    task = DATASETS[cfg.data.name].build(cfg)
     if cfg.data.class_names is not None:  # display names of any dataset
         task.class_names = list(cfg.data.class_names)
     return task
@@ -194,12 +191,14 @@ def class_names_or_default(names: Any, num_classes: int) -> list[str]:
     ]
 
 
-# The families register their datasets on import.
+# The built-in datasets register themselves in this order (that of a misspelt data.name's list);
+# a new file in this folder registers itself after them (DATASETS discovers it).
 from cals_seg.tasks import classification, segmentation, text  # noqa: E402, F401
 
 __all__ = [
     "DATASETS",
     "ClassificationTask",
+    "DatasetEntry",
     "SegmentationTask",
     "Task",
     "TASK_TYPES",

@@ -1,11 +1,11 @@
 """Segmentation datasets and the smp model: ``data.name`` ``voc``, ``synthetic``,
 ``cityscapes``, ``ade20k``, ``folder``.
 
-To add a dataset in another layout: write its ``Dataset`` (items ``{"image": (3, H, W),
-"mask": (H, W)}``; subclassing :class:`cals_seg.data.paired.PairedSegmentation` gives the
-loading, the label checks and ``tools/check_data.py``) in ``cals_seg/data/``, and here a
-function ``splits(cfg, transforms) -> {"train", "val", "test": Dataset}`` registered with
-:func:`segmentation_dataset` under its name and its class names.
+To add a dataset in another layout, write one new file in ``cals_seg/tasks/`` (docs/datasets.md,
+"Extending"): its ``Dataset`` (items ``{"image": (3, H, W), "mask": (H, W)}``; subclassing
+:class:`cals_seg.data.paired.PairedSegmentation` gives the loading, the label checks and
+``tools/check_data.py``) and a function ``splits(cfg, transforms) -> {"train", "val", "test":
+Dataset}`` registered with :func:`segmentation_dataset` under its name and its class names.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from cals_seg.evaluation.inference import EvalProtocol, input_multiple
 from cals_seg.evaluation.stream import group_fns
 from cals_seg.models import build_segmentation_model
 from cals_seg.tasks import (
+    DATASETS,
     SegmentationTask,
     class_names_or_default,
     generate_embedded,
@@ -132,19 +133,22 @@ def build_model(cfg: Config, encoder_weights: str | None = None) -> nn.Module:
                                     cfg.data.num_classes, **m.params)
 
 
-SPLIT_BUILDERS: dict[str, SplitBuilder] = {}
-CLASS_NAMES: dict[str, Sequence[str] | None] = {}
-
-
 def segmentation_dataset(name: str, classes: Sequence[str] | None) -> Callable[[SplitBuilder],
                                                                               SplitBuilder]:
     """Decorator: ``splits(cfg, transforms)`` becomes the dataset ``data.name == name`` with
-    default class names ``classes`` (its task is :func:`segmentation_task` of it)."""
+    default class names ``classes`` (its task is :func:`segmentation_task` of it), registered in
+    :data:`cals_seg.data.registry.DATASETS` as a segmentation dataset.
+
+    Args:
+        name: the ``data.name`` (unique).
+        classes: the dataset's own class names (``None``: ``class 0 ...``).
+
+    Returns:
+        The decorator, which returns ``splits`` unchanged.
+    """
 
     def add(splits: SplitBuilder) -> SplitBuilder:
-        SPLIT_BUILDERS[name] = splits
-        CLASS_NAMES[name] = classes
-        register_dataset(name, family="segmentation")(
+        register_dataset(name, family="segmentation", classes=classes, splits=splits)(
             lambda cfg: segmentation_task(cfg, splits, classes))
         return splits
 
@@ -158,13 +162,15 @@ def segmentation_splits(cfg: Config) -> dict[str, Dataset]:
     Raises:
         ValueError: not a segmentation dataset, or a layout that cannot be read at all.
     """
-    if cfg.data.name not in SPLIT_BUILDERS:
+    entry = DATASETS.get(cfg.data.name)
+    if entry is None or entry.splits is None:
+        valid = sorted(n for n, e in DATASETS.items() if e.splits is not None)
         raise ConfigError(
             f"data.name: {cfg.data.name!r} is not a segmentation dataset; valid names are "
-            f"{sorted(SPLIT_BUILDERS)}."
+            f"{valid}."
         )
     eval_tf = eval_transform(None, ignore_index=cfg.data.ignore_index)
-    return SPLIT_BUILDERS[cfg.data.name](cfg, dict.fromkeys(SPLITS, eval_tf))
+    return entry.splits(cfg, dict.fromkeys(SPLITS, eval_tf))
 
 
 def class_names(cfg: Config) -> list[str]:
@@ -172,7 +178,8 @@ def class_names(cfg: Config) -> list[str]:
     else the dataset's own, else ``class 0 ...``."""
     if cfg.data.class_names is not None:
         return list(cfg.data.class_names)
-    return class_names_or_default(CLASS_NAMES.get(cfg.data.name), cfg.data.num_classes)
+    entry = DATASETS.get(cfg.data.name)
+    return class_names_or_default(None if entry is None else entry.classes, cfg.data.num_classes)
 
 
 def _existing_root(cfg: Config) -> str:

@@ -60,10 +60,10 @@ def text_task(cfg: Config) -> ClassificationTask:
     )
 
 
-register_dataset("20news", family="classification")(text_task)
+register_dataset("20news", family="classification", kind="text")(text_task)
 
 
-@register_dataset("synthetic_text", family="classification")
+@register_dataset("synthetic_text", family="classification", kind="text")
 def synthetic_text(cfg: Config) -> ClassificationTask:
     """The embedded topic corpus, generated at ``data.root`` when missing."""
     generate_embedded(cfg, generate_synthetic_corpus, len(TEXT_GROUPS), "the synthetic corpus")
