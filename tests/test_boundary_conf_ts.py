@@ -31,7 +31,7 @@ from cals_seg.calibrators.boundary_conf_ts import (
     confidence_logodds,
 )
 from cals_seg.calibrators.boundary_ts import predicted_bands
-from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.calibrators.ts import fit_temperature
 
 K = 3
 VOID = 255

@@ -3,6 +3,7 @@ independent float64 references, save / load, the argmax contract, and the one-pa
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import numpy as np
@@ -19,7 +20,7 @@ from cals_seg.calibrators import (
     save_calibrator,
 )
 from cals_seg.calibrators.boundary_ts import predicted_bands
-from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.evaluation.engine import evaluate_calibrators, fit_calibrators
 from cals_seg.metrics import BoundaryCalibrationMeter, CalibrationMeter, SegmentationMeter
 
@@ -412,11 +413,19 @@ def test_eval_seg_calibrator_params():
         parse(["platt.a=1"])
 
 
-def test_command_names_match_the_registry():
-    """The commands list the calibrator names without importing torch: the same names."""
+def test_the_registry_is_filled_where_the_classes_are_defined():
+    """Each built-in registers itself under its own ``name``, in the listed order; the commands
+    read the registry at the call, so any registered name is a valid --calibrators."""
     from .conftest import load_tool
 
-    assert load_tool("eval_seg").CALIBRATOR_NAMES == list(CALIBRATORS)
+    assert list(CALIBRATORS) == ["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts",
+                                 "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf",
+                                 "image_ts"]
+    assert all(cls.name == name for name, cls in CALIBRATORS.items())
+    names = load_tool("eval_seg").calibrator_name
+    assert [names(n) for n in CALIBRATORS] == list(CALIBRATORS)
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown calibrator 'platt'"):
+        names("platt")
 
 
 # ----------------------------------------------------------------------------- DDP

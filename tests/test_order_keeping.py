@@ -15,7 +15,7 @@ import torch
 from scipy.optimize import minimize
 
 from cals_seg.calibrators import build_calibrator, load_calibrator, save_calibrator
-from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.metrics import SegmentationMeter
 
 VOID = 255

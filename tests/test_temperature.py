@@ -8,8 +8,7 @@ import warnings
 import pytest
 import torch
 
-from cals_seg.calibrators.temperature import fit_temperature, nll_at_temperature
-from cals_seg.calibrators.ts import TemperatureScaler
+from cals_seg.calibrators.ts import TemperatureScaler, fit_temperature, nll_at_temperature
 
 
 def _synthetic(n: int, k: int, scale: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,26 +49,26 @@ from typing import Any
 import torch
 
 from cals_seg.calibrators._base import Batches, Calibrator
-from cals_seg.calibrators.boundary_conf_ts import BoundaryConfidenceTemperatureScaling
-from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
-from cals_seg.calibrators.boundary_ts_fine import FineBoundaryTemperatureScaling
-from cals_seg.calibrators.dirichlet import DirichletCalibration
-from cals_seg.calibrators.image_ts import ImageTemperatureScaling
-from cals_seg.calibrators.lts import LocalTemperatureScaling
-from cals_seg.calibrators.order_keeping import ArgmaxKeepingScaling, OrderKeepingScaling
-from cals_seg.calibrators.selective import SelectiveScaling
-from cals_seg.calibrators.ts import TemperatureScaler, TemperatureScaling
-from cals_seg.calibrators.vector import VectorScaling
+from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.errors import MissingPathError, UserError
 from cals_seg.utils.fits import file_digest, ids_digest, members_digest, plain_record
-from cals_seg.utils.registry import Registry
+from cals_seg.utils.io import atomic_write
 
-CALIBRATORS: Registry[type[Calibrator]] = Registry("calibrator")
-for _cls in (TemperatureScaling, VectorScaling, DirichletCalibration, LocalTemperatureScaling,
-             SelectiveScaling, BoundaryTemperatureScaling, ArgmaxKeepingScaling,
-             OrderKeepingScaling, FineBoundaryTemperatureScaling,
-             BoundaryConfidenceTemperatureScaling, ImageTemperatureScaling):
-    CALIBRATORS.register(_cls.name, _cls)
+# The built-in calibrators register themselves in this order (that of the docs' tables and the
+# tools' choices); a new file in this folder registers itself after them (CALIBRATORS discovers
+# it the first time its names are read).
+# isort: off
+from cals_seg.calibrators.ts import TemperatureScaler, TemperatureScaling
+from cals_seg.calibrators.vector import VectorScaling
+from cals_seg.calibrators.dirichlet import DirichletCalibration
+from cals_seg.calibrators.lts import LocalTemperatureScaling
+from cals_seg.calibrators.selective import SelectiveScaling
+from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
+from cals_seg.calibrators.order_keeping import ArgmaxKeepingScaling, OrderKeepingScaling
+from cals_seg.calibrators.boundary_ts_fine import FineBoundaryTemperatureScaling
+from cals_seg.calibrators.boundary_conf_ts import BoundaryConfidenceTemperatureScaling
+from cals_seg.calibrators.image_ts import ImageTemperatureScaling
+# isort: on
 
 
 def build_calibrator(name: str, num_classes: int, **params: Any) -> Calibrator:
@@ -239,8 +240,6 @@ def fit_problem(saved: Any, wanted: Mapping[str, Any],
 
 
 def _short(value: Any) -> str:
-    import json
-
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -255,8 +254,6 @@ def save_calibrator(calibrator: Calibrator, path: str | Path,
         fitted_for: what the fit is for (:func:`calibrator_record`); None writes a file that
             is never reused by :func:`cals_seg.evaluation.engine.load_or_fit_calibrators`.
     """
-    from cals_seg.utils.io import atomic_write
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().clone() for k, v in calibrator.state_dict().items()}

@@ -3,22 +3,31 @@
 A calibrator maps logits ``(N, K, *S)`` (and, for some methods, the image) to calibrated logits
 of the same shape. It is fitted on the validation split by :meth:`Calibrator.fit`, which streams
 over a zero-argument callable returning a fresh iterator of ``(logits, target)`` or
-``(logits, target, image)`` batches, as
-:func:`cals_seg.calibrators.temperature.fit_temperature` does:
+``(logits, target, image)`` batches, as :func:`cals_seg.calibrators.ts.fit_temperature` does:
 the memory is one batch plus the calibrator's state; a method that needs several passes (grid
 refinement, L-BFGS iterations, epochs) calls it again.
+
+The chores every fit shares are written here once: the valid positions of a batch
+(:func:`valid_rows`), the guards of a multi-pass fit (:func:`check_positions`,
+:func:`check_same_data`, :func:`check_finite_nll`), the held-out images (:func:`holdout_mask`,
+:func:`with_holdout`, :func:`holdout_split`, :func:`score_candidates`,
+:func:`fit_with_holdout`), and the full-batch L-BFGS loop (:func:`lbfgs_fit`,
+:func:`lbfgs_stages`, :func:`accumulate_nll`). A calibrator registers itself in
+:data:`cals_seg.calibrators.registry.CALIBRATORS` where its class is defined.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from cals_seg.calibrators.temperature import _valid_rows
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int, check_positive_float
 
@@ -142,9 +151,6 @@ def _flag_identity(fit: Callable[..., dict[str, Any]]) -> Callable[..., dict[str
     """Wrap a ``fit``: afterwards ``fit_info["identity"]`` says whether the fitted calibrator is
     the identity on the first validation batch, with a warning when it is (netcal issues 48 and
     61: a fit that silently returns the identity)."""
-    import functools
-    import warnings
-
     @functools.wraps(fit)
     def wrapped(self: Calibrator, batches: Batches, *args: Any, **kwargs: Any) -> dict[str, Any]:
         depth = getattr(self, "_fit_depth", 0)
@@ -169,8 +175,133 @@ def _flag_identity(fit: Callable[..., dict[str, Any]]) -> Callable[..., dict[str
 
 
 def valid_rows(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """``(P, K)`` logits and ``(P,)`` labels of the valid positions of one batch (checked)."""
-    return _valid_rows(logits, target, ignore_index)
+    """Flatten one batch to the ``(P, K)`` logits and ``(P,)`` labels of its valid positions
+    (``target != ignore_index``), checked.
+
+    Shape:
+        logits: ``(N, K, *S)``; target: ``(N, *S)``; returns ``(P, K)`` and ``(P,)`` with ``P``
+        the number of positions whose target is not ``ignore_index``.
+
+    Raises:
+        ValueError: mismatched shapes, integer logits, or a valid target outside ``[0, K)``.
+    """
+    if logits.dim() < 2:
+        raise ValueError(
+            f"Expected `logits` of shape (N, K, *S), but got shape {tuple(logits.shape)}."
+        )
+    expected = (logits.shape[0], *logits.shape[2:])
+    if tuple(target.shape) != expected:
+        raise ValueError(
+            f"Expected `target` of shape {expected} to match `logits` {tuple(logits.shape)}, "
+            f"but got {tuple(target.shape)}."
+        )
+    if not logits.is_floating_point():
+        raise ValueError(f"Expected floating-point `logits`, but got {logits.dtype}.")
+    k = logits.shape[1]
+    rows = logits.detach().movedim(1, -1).reshape(-1, k)
+    labels = target.detach().reshape(-1).to(device=rows.device, dtype=torch.long)
+    valid = labels != ignore_index
+    rows, labels = rows[valid], labels[valid]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= k):
+        raise ValueError(
+            f"Expected valid `target` values in [0, {k}), but got values in "
+            f"[{int(labels.min())}, {int(labels.max())}] (ignore_index={ignore_index})."
+        )
+    return rows, labels
+
+
+def summed_nll(z: Tensor, labels: Tensor) -> Tensor:
+    """``sum_i logsumexp_k z_ik - z_{i, y_i}``: the summed NLL of ``softmax(z)``.
+
+    Shape:
+        z: ``(P, K)``; labels: ``(P,)`` int64; returns a scalar in the dtype of ``z``.
+    """
+    return (torch.logsumexp(z, dim=1) - z.gather(1, labels[:, None]).squeeze(1)).sum()
+
+
+# ------------------------------------------------------------------ the guards of a fit
+def check_positions(count: int, ignore_index: int) -> None:
+    """Raise ``ValueError`` when a pass over the validation batches saw no valid position."""
+    if count == 0:
+        raise ValueError(
+            f"Expected at least one valid position (target != ignore_index={ignore_index}) "
+            "in the validation batches, but got none."
+        )
+
+
+def check_same_data(first: Any, count: Any, what: str = "positions") -> Any:
+    """``count`` (the ``what`` a pass saw: an int, a tuple or a tensor of counts) when it
+    equals ``first`` (the first pass's; None for the first pass itself); else ``ValueError``:
+    ``batches()`` must return a fresh iterable over the same data on every call."""
+    if first is None:
+        return count
+    same = (torch.equal(first, count) if isinstance(count, Tensor) else first == count)
+    if not same:
+        seen = (f", but one pass saw {first} and another {count} {what}"
+                if isinstance(count, int) else "")
+        raise ValueError("Expected `batches()` to yield the same data on every call (a fresh "
+                         f"iterable each time){seen}.")
+    return first
+
+
+def check_finite_nll(value: Tensor | float) -> None:
+    """Raise ``ValueError`` unless the validation NLL ``value`` (a number or a tensor of
+    them) is finite everywhere: NaN or infinite logits."""
+    finite = (bool(torch.isfinite(value).all()) if isinstance(value, Tensor)
+              else math.isfinite(value))
+    if not finite:
+        raise ValueError("The validation NLL is not finite: the logits hold NaN or inf.")
+
+
+# ------------------------------------------------------------------ the L-BFGS loop
+def lbfgs(params: list[Tensor], max_iter: int) -> torch.optim.LBFGS:
+    """The full-batch L-BFGS of every fit: strong-Wolfe line search, stopping when an
+    iteration changes the objective (or a parameter) by less than 1e-9 or the largest gradient
+    entry is below 1e-7 (far below the 1e-4 that the NLL is reported at)."""
+    return torch.optim.LBFGS(params, lr=1.0, max_iter=max_iter, tolerance_grad=1e-7,
+                             tolerance_change=1e-9, history_size=20,
+                             line_search_fn="strong_wolfe")
+
+
+def lbfgs_stages(params: list[Tensor], closure: Callable[[float], Tensor],
+                 lams: Sequence[float], max_iter: int, best: Callable[[], float],
+                 early_stop: bool) -> int:
+    """Minimise ``closure(lam)`` (a pass that sets the gradients and returns the objective)
+    for each ``lam`` of ``lams`` in turn, each stage an :func:`lbfgs` of ``max_iter``
+    iterations started where the last ended; with ``early_stop``, stop after a stage (past
+    the first) that did not lower ``best()`` (the best held-out score so far): a weaker pull
+    would not help either. Returns the number of stages run."""
+    stages = 0
+    for lam in lams:
+        before = best()
+        optimizer = lbfgs(params, max_iter)
+        optimizer.step(lambda lam=lam: closure(lam))
+        stages += 1
+        if early_stop and stages > 1 and not best() < before:
+            break
+    return stages
+
+
+def accumulate_nll(out: Tensor, rows: Tensor, labels: Tensor,
+                   nll: Callable[[Tensor, Tensor], Tensor], device: torch.device,
+                   backward: bool = True) -> None:
+    """Add ``nll(chunk, labels)`` of every chunk of ``CHUNK_POSITIONS`` rows to ``out`` in
+    place (float64 rows on ``device``), after ``backward()`` of each when ``backward`` (else
+    without a graph): the memory of one chunk's graph for a sum over all positions.
+
+    Shape:
+        out: ``()`` float64; rows: ``(P, K)``; labels: ``(P,)``.
+    """
+    for start in range(0, rows.shape[0], CHUNK_POSITIONS):
+        chunk = rows[start:start + CHUNK_POSITIONS].to(device, torch.float64)
+        lab = labels[start:start + CHUNK_POSITIONS].to(device)
+        if backward:
+            value = nll(chunk, lab)
+            value.backward()
+        else:
+            with torch.no_grad():
+                value = nll(chunk, lab)
+        out += value.detach()
 
 
 def lbfgs_fit(
@@ -198,48 +329,32 @@ def lbfgs_fit(
     Returns:
         ``{"objective", "nll", "passes", "positions"}``.
     """
-    # Stops when an iteration changes the objective (or a parameter) by less than 1e-9, or the
-    # largest gradient entry is below 1e-7: far below the 1e-4 that the NLL is reported at.
-    optimizer = torch.optim.LBFGS(params, lr=1.0, max_iter=max_iter, tolerance_grad=1e-7,
-                                  tolerance_change=1e-9, history_size=20,
-                                  line_search_fn="strong_wolfe")
-    state: dict[str, Any] = {"passes": 0}
+    optimizer = lbfgs(params, max_iter)
+    device = params[0].device
+    state: dict[str, Any] = {"passes": 0, "positions": None}
 
     def closure() -> Tensor:
         optimizer.zero_grad()
-        total = torch.zeros((), dtype=torch.float64, device=params[0].device)
-        count = torch.zeros((), dtype=torch.int64, device=params[0].device)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        count = torch.zeros((), dtype=torch.int64, device=device)
         for logits, target, _ in iterate(batches):
             rows, labels = valid_rows(logits, target, ignore_index)
-            for start in range(0, rows.shape[0], CHUNK_POSITIONS):
-                chunk = rows[start:start + CHUNK_POSITIONS].to(params[0].device, torch.float64)
-                nll = batch_nll(chunk, labels[start:start + CHUNK_POSITIONS].to(chunk.device))
-                nll.backward()
-                total += nll.detach()
+            accumulate_nll(total, rows, labels, batch_nll, device)
             count += labels.numel()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         all_reduce_sum_([total, count, *grads])
         n = int(count)
-        if n == 0:
-            raise ValueError(
-                f"Expected at least one valid position (target != ignore_index={ignore_index}) "
-                "in the validation batches, but got none."
-            )
-        if state.get("positions", n) != n:
-            raise ValueError(
-                "Expected `batches()` to yield the same data on every call (a fresh iterable "
-                f"each time), but one pass saw {state['positions']} and another {n} positions."
-            )
+        check_positions(n, ignore_index)
+        state["positions"] = check_same_data(state["positions"], n)
         for p, g in zip(params, grads, strict=True):
             p.grad = g / n
         objective = total / n
-        state.update(passes=state["passes"] + 1, positions=n, nll=float(objective))
+        state.update(passes=state["passes"] + 1, nll=float(objective))
         if regulariser is not None:
             reg = regulariser()
             reg.backward()
             objective = objective + reg.detach()
-        if not math.isfinite(float(objective)):
-            raise ValueError("The validation NLL is not finite: the logits hold NaN or inf.")
+        check_finite_nll(float(objective))
         return objective
 
     with torch.enable_grad():  # the caller may be under no_grad (an evaluation)
@@ -249,12 +364,67 @@ def lbfgs_fit(
             "positions": state["positions"]}
 
 
+# ------------------------------------------------------------------ the held-out images
 def holdout_mask(n: int, first_index: int, every: int) -> Tensor:
     """Which of the ``n`` images of a batch are held out: image ``j`` of the stream (counted
     from 0 over the whole pass, ``first_index`` is the batch's first) when ``j % every ==
     every - 1`` (images 5, 10, 15, ... for ``every = 5``)."""
     j = torch.arange(first_index, first_index + n)
     return j % every == every - 1
+
+
+def with_holdout(batches: Batches, every: int
+                 ) -> Iterator[tuple[Tensor, Tensor, Tensor | None, Tensor]]:
+    """``(logits, target, image or None, held)`` for every batch of one call of ``batches``:
+    ``held`` ``(N,)`` bool on the logits' device flags the held-out images
+    (:func:`holdout_mask`, counted over the pass; ``every = 0``: none)."""
+    seen = 0
+    for logits, target, image in iterate(batches):
+        n = logits.shape[0]
+        held = (holdout_mask(n, seen, every) if every
+                else torch.zeros(n, dtype=torch.bool)).to(logits.device)
+        seen += n
+        yield logits, target, image, held
+
+
+def holdout_split(batches: Batches, every: int, part: str) -> Batches:
+    """The ``(logits, target)`` batches of the fit images (``part="fit"``), the held-out ones
+    (``"held"``) or all of them (``"all"``) on every call of ``batches`` (batches without
+    such an image left out)."""
+
+    def gen() -> Iterator[tuple[Tensor, Tensor]]:
+        for logits, target, _, held in with_holdout(batches, every):
+            keep = {"fit": ~held, "held": held, "all": torch.ones_like(held)}[part]
+            if bool(keep.any()):
+                yield logits[keep], target[keep]
+
+    return gen
+
+
+def score_candidates(batches: Batches, every: int, ignore_index: int,
+                     calibrated: Sequence[Callable[[Tensor], Tensor]]) -> tuple[list[float], int]:
+    """Score fitted candidates on the held-out images (one pass, no graph, all-reduced):
+    ``heldout[i] = (1 / |V|) sum_{p in V} NLL(softmax(calibrated[i](l))(p), y_p)`` over the
+    valid held-out positions ``V``, and the index of the best (ties: the earlier one).
+
+    Raises:
+        ValueError: no valid position among the held-out images.
+    """
+    total = torch.zeros(len(calibrated), dtype=torch.float64)
+    count = torch.zeros((), dtype=torch.int64)
+    with torch.no_grad():
+        for logits, target in holdout_split(batches, every, "held")():
+            _, labels = valid_rows(logits, target, ignore_index)
+            count += labels.numel()
+            for i, calibrate in enumerate(calibrated):
+                rows, labels = valid_rows(calibrate(logits), target, ignore_index)
+                total[i] += summed_nll(rows.to(torch.float64), labels)
+    all_reduce_sum_([total, count])
+    if int(count) == 0:
+        raise ValueError(f"Expected valid pixels in the held-out validation images (one in "
+                         f"{every}), but got none; lower `holdout_every`.")
+    heldout = (total / int(count)).tolist()
+    return heldout, min(range(len(heldout)), key=lambda i: (heldout[i], i))
 
 
 LossFn = Callable[[nn.Module, Tensor, Tensor, "Tensor | None", int], "tuple[Tensor, int] | None"]
@@ -299,8 +469,6 @@ def fit_with_holdout(
         ``{"heldout": "every Nth image ...", "heldout_images", "fit_images", "epochs_run",
         "best_epoch", "heldout_loss": [...]}`` (``best_epoch`` 0 is the untrained net).
     """
-    import copy
-
     check_int("epochs", epochs)
     check_int("patience", patience)
     check_int("holdout_every", holdout_every, 2)
@@ -313,8 +481,7 @@ def fit_with_holdout(
         frozen = copy.deepcopy(net).eval()
         net.train()
         total, weight, seen = 0.0, 0, 0
-        for logits, target, image in iterate(batches):
-            held = holdout_mask(logits.shape[0], seen, holdout_every).to(logits.device)
+        for logits, target, image, held in with_holdout(batches, holdout_every):
             seen += logits.shape[0]
             if epoch == 0:
                 counts["heldout"] += int(held.sum())

@@ -18,12 +18,14 @@ image, and band ``i`` holds ``ceil(b_i^2) <= D < ceil(b_{i+1}^2)``
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from cals_seg.calibrators._ops import confidence_logodds, floored_log_probs
 from cals_seg.metrics._distance import int_thresholds
 
 
@@ -165,8 +167,6 @@ class BandConfidenceTemperatures(nn.Module):
                              temperatures.detach().to("cpu", torch.float32).reshape(-1).clone())
 
     def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
-        from cals_seg.calibrators._ops import confidence_logodds
-
         band = graph_bands(logits, self.thresholds)
         cell = band * self.num_bins
         if self.num_bins > 1:
@@ -191,8 +191,6 @@ class FlaggedTemperature(nn.Module):
     def __init__(self, classifier: nn.Module, logit_threshold: float,
                  temperature: Tensor) -> None:
         super().__init__()
-        import copy
-
         self.classifier = copy.deepcopy(classifier).to("cpu", torch.float32).eval()
         self.logit_threshold = float(logit_threshold)
         t = temperature.detach().to("cpu", torch.float32).reshape(())
@@ -202,11 +200,9 @@ class FlaggedTemperature(nn.Module):
     def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
         if self.identity:
             return logits
-        from cals_seg.calibrators._ops import floored_log_probs as _log_probs
-
         k = logits.shape[1]
         rows = logits.movedim(1, -1).reshape(-1, k)
-        flag = self.classifier(_log_probs(rows)) > self.logit_threshold
+        flag = self.classifier(floored_log_probs(rows)) > self.logit_threshold
         flag = flag.reshape(logits.shape[0], *logits.shape[2:])
         scale = torch.where(flag, self.inverse.to(logits.dtype),
                             torch.ones((), dtype=logits.dtype, device=logits.device))

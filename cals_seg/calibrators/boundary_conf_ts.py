@@ -43,6 +43,7 @@ all images (8 with the defaults, whatever the number of candidates). Memory: one
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -51,10 +52,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.calibrators._base import Batches, Calibrator, holdout_mask, iterate, valid_rows
+from cals_seg.calibrators._base import (
+    Batches,
+    Calibrator,
+    holdout_split,
+    iterate,
+    score_candidates,
+    valid_rows,
+    with_holdout,
+)
+from cals_seg.calibrators._export import BandConfidenceTemperatures
+from cals_seg.calibrators._grid import grid_optima, refine_grids
 from cals_seg.calibrators._ops import confidence_logodds
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling, predicted_bands
-from cals_seg.calibrators.temperature import _parabola_vertex
+from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int
 
@@ -66,8 +77,6 @@ HIST_BINS = round((U_MAX - U_MIN) / HIST_STEP)
 # An edge that no pixel reaches (an unused bin, an empty band): finite, so that the state holds
 # finite numbers only; ``u`` is finite for finite logits.
 UNUSED = 1e300
-
-
 
 
 def conf_bins(u: Tensor, band: Tensor, edges: Tensor) -> Tensor:
@@ -127,21 +136,7 @@ def _quantile_edges(hist: Tensor, q: int) -> Tensor:
     return out
 
 
-def _split(batches: Batches, every: int, part: str):
-    """``(logits, target)`` of the fit (``part="fit"``), held-out (``"held"``) or all images."""
-
-    def gen():
-        seen = 0
-        for logits, target, _ in iterate(batches):
-            mask = holdout_mask(logits.shape[0], seen, every).to(logits.device)
-            seen += logits.shape[0]
-            keep = {"fit": ~mask, "held": mask, "all": torch.ones_like(mask)}[part]
-            if bool(keep.any()):
-                yield logits[keep], target[keep]
-
-    return gen
-
-
+@CALIBRATORS.register("boundary_ts_conf")
 class BoundaryConfidenceTemperatureScaling(Calibrator):
     """One temperature per (predicted-boundary band, confidence bin) cell; the band set and the
     number of bins chosen on held-out validation images (module docstring).
@@ -210,10 +205,7 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
         every = self.params["holdout_every"]
         out = [[torch.zeros(len(b) + 1, HIST_BINS, dtype=torch.int64) for _ in range(2)]
                for b in band_sets]
-        seen = 0
-        for logits, target, _ in iterate(batches):
-            held = holdout_mask(logits.shape[0], seen, every).to(logits.device)
-            seen += logits.shape[0]
+        for logits, target, _, held in with_holdout(batches, every):
             valid = target.to(logits.device) != self._ignore
             u = confidence_logodds(logits)
             idx = ((u.double().clamp(U_MIN, U_MAX - HIST_STEP / 2) - U_MIN) / HIST_STEP).long()
@@ -253,12 +245,8 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
         sizes = [(len(b) + 1) * (e.shape[1] + 1) for b, e in specs]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         n = sum(sizes)
-        lo = torch.full((n,), math.log(p["t_min"]), dtype=torch.float64)
-        hi = torch.full((n,), math.log(p["t_max"]), dtype=torch.float64)
-        steps = torch.linspace(0.0, 1.0, g, dtype=torch.float64)
-        first = None
-        for _ in range(p["passes"]):
-            log_t = lo[:, None] + (hi - lo)[:, None] * steps[None, :]
+
+        def sweep(log_t: Tensor) -> tuple[Tensor, Tensor]:
             total = torch.zeros(n, g, dtype=torch.float64)
             count = torch.zeros(n, dtype=torch.int64)
             for logits, target, _ in iterate(batches):
@@ -272,29 +260,13 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
                     total += cell_grid_nll(rows, labels, cell, log_t)
                     count += torch.bincount(cell, minlength=n)
             all_reduce_sum_([total, count])
-            if first is None:
-                if int(count.sum()) == 0:
-                    raise ValueError("Expected at least one valid position (target != "
-                                     f"ignore_index={self._ignore}) in the validation batches, "
-                                     "but got none.")
-                first = count
-            elif not torch.equal(count, first):
-                raise ValueError("Expected `batches()` to yield the same data on every call "
-                                 "(a fresh iterable each time).")
-            if not bool(torch.isfinite(total).all()):
-                raise ValueError("The NLL is not finite: `logits` contain NaN or inf values.")
-            best = total.argmin(dim=1)
-            idx = torch.arange(n)
-            lo = log_t[idx, (best - 1).clamp(min=0)]
-            hi = log_t[idx, (best + 1).clamp(max=g - 1)]
+            return total, count
+
+        log_t, total, best, count = refine_grids(sweep, n, p["t_min"], p["t_max"], g,
+                                                 p["passes"], self._ignore)
         temps = torch.ones(n, dtype=torch.float64)
         edge = torch.zeros(n, dtype=torch.bool)  # optimum at the edge of the search range
-        for c in range(n):
-            b = int(best[c])
-            x = float(log_t[c, b])
-            if 0 < b < g - 1:
-                x = _parabola_vertex([float(log_t[c, j]) for j in (b - 1, b, b + 1)],
-                                     [float(total[c, j]) for j in (b - 1, b, b + 1)])
+        for c, x in enumerate(grid_optima(log_t, total, best)):
             edge[c] = (x <= math.log(p["t_min"]) + 1e-9) or (x >= math.log(p["t_max"]) - 1e-9)
             temps[c] = math.exp(x)
         return ([temps[o:o + s] for o, s in zip(offsets, sizes, strict=True)],
@@ -344,25 +316,10 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
         hists = self._histograms(batches, band_sets)
         hist_of = {tuple(b): h for b, h in zip(band_sets, hists, strict=True)}
         edges_fit = [_quantile_edges(hist_of[tuple(b)][0], q) for b, q in cands]
-        temps, _ = self._candidate_temps(_split(batches, every, "fit"), cands, edges_fit)
-        # score every candidate on the held-out images
-        total = torch.zeros(len(cands), dtype=torch.float64)
-        count = torch.zeros((), dtype=torch.int64)
-        with torch.no_grad():
-            for logits, target in _split(batches, every, "held")():
-                _, labels = valid_rows(logits, target, ignore_index)
-                count += labels.numel()
-                for i, (bands, _q) in enumerate(cands):
-                    z = self._calibrate(logits, bands, edges_fit[i], temps[i])
-                    rows, labels = valid_rows(z, target, ignore_index)
-                    z = rows.to(torch.float64)
-                    total[i] += (torch.logsumexp(z, 1) - z.gather(1, labels[:, None])[:, 0]).sum()
-        all_reduce_sum_([total, count])
-        if int(count) == 0:
-            raise ValueError(f"Expected valid pixels in the held-out validation images (one in "
-                             f"{every}), but got none; lower `holdout_every`.")
-        heldout = (total / int(count)).tolist()
-        best = min(range(len(cands)), key=lambda i: (heldout[i], i))
+        temps, _ = self._candidate_temps(holdout_split(batches, every, "fit"), cands, edges_fit)
+        heldout, best = score_candidates(batches, every, ignore_index, [
+            functools.partial(self._calibrate, bands=bands, edges=edges_fit[i], temps=temps[i])
+            for i, (bands, _q) in enumerate(cands)])
         bands, q = cands[best]
         edges = _quantile_edges(hist_of[tuple(bands)][1], q)
         final_t, final_c = self._candidate_temps(batches, [cands[best]], [edges])
@@ -406,8 +363,6 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
     def export_module(self, fmt: str = "pt2") -> torch.nn.Module:
         """The chosen cells as a program for export
         (:class:`~cals_seg.calibrators._export.BandConfidenceTemperatures`)."""
-        from cals_seg.calibrators._export import BandConfidenceTemperatures
-
         bands, q = self.bands, self.num_bins
         nb = len(bands) + 1
         return BandConfidenceTemperatures(bands, self.edges[:nb, : q - 1],

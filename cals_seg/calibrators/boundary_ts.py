@@ -14,7 +14,7 @@ recomputed from the argmax, which the division keeps).
 
 Fit: the validation NLL is a sum over bands of one-temperature NLLs, so each ``T_i`` is the
 temperature-scaling optimum of its band's pixels, found by the same streaming grid refinement
-as :func:`cals_seg.calibrators.temperature.fit_temperature` (one grid per band, ``passes`` passes, a
+as :func:`cals_seg.calibrators.ts.fit_temperature` (one grid per band, ``passes`` passes, a
 parabola through the best point and its neighbours). A band without validation pixels gets the
 temperature of all pixels (``passes`` more passes, with a warning). Void pixels of the target
 are left out of the NLL, but they shape the predicted map like every other pixel, as at test
@@ -32,7 +32,10 @@ import torch
 from torch import Tensor
 
 from cals_seg.calibrators._base import Batches, Calibrator, iterate, valid_rows
-from cals_seg.calibrators.temperature import _grid_nll, _parabola_vertex, fit_temperature
+from cals_seg.calibrators._export import BandTemperatures
+from cals_seg.calibrators._grid import grid_nll, grid_optima, refine_grids
+from cals_seg.calibrators.registry import CALIBRATORS
+from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.errors import UserError
 from cals_seg.metrics._distance import (
     boundary_mask,
@@ -57,6 +60,7 @@ def predicted_bands(logits: Tensor, bands: Sequence[float]) -> Tensor:
     return label_map_bands(argmax_map(logits.detach()), bands)
 
 
+@CALIBRATORS.register("boundary_ts")
 class BoundaryTemperatureScaling(Calibrator):
     """One temperature per predicted-boundary distance band (buffer ``temperatures``,
     ``len(bands) + 1`` values, all 1.0 until fitted).
@@ -114,7 +118,7 @@ class BoundaryTemperatureScaling(Calibrator):
                 sel = band == i
                 if bool(sel.any()):
                     inv_t = (-log_t[i]).exp().to(rows.device)
-                    total[i] += _grid_nll(rows[sel], labels[sel], inv_t).cpu()
+                    total[i] += grid_nll(rows[sel], labels[sel], inv_t).cpu()
                     count[i] += int(sel.sum())
         all_reduce_sum_([total, count])
         return total, count
@@ -123,38 +127,14 @@ class BoundaryTemperatureScaling(Calibrator):
         """Fit one temperature per band by grid refinement of its validation NLL."""
         p = self.params
         num_bands, g = len(p["bands"]) + 1, p["num_grid"]
-        lo = torch.full((num_bands,), math.log(p["t_min"]), dtype=torch.float64)
-        hi = torch.full((num_bands,), math.log(p["t_max"]), dtype=torch.float64)
-        steps = torch.linspace(0.0, 1.0, g, dtype=torch.float64)
-        first = None
-        for _ in range(p["passes"]):
-            log_t = lo[:, None] + (hi - lo)[:, None] * steps[None, :]
-            nll, count = self._sweep(batches, log_t, ignore_index)
-            if first is None:
-                if int(count.sum()) == 0:
-                    raise ValueError(
-                        "Expected at least one valid position (target != ignore_index="
-                        f"{ignore_index}) in the validation batches, but got none."
-                    )
-                first = count
-            elif not torch.equal(count, first):
-                raise ValueError("Expected `batches()` to yield the same data on every call "
-                                 "(a fresh iterable each time).")
-            if not bool(torch.isfinite(nll).all()):
-                raise ValueError("The NLL is not finite: `logits` contain NaN or inf values.")
-            best = nll.argmin(dim=1)
-            left, right = (best - 1).clamp(min=0), (best + 1).clamp(max=g - 1)
-            rows = torch.arange(num_bands)
-            lo, hi = log_t[rows, left], log_t[rows, right]
+        log_t, nll, best, count = refine_grids(
+            lambda grid: self._sweep(batches, grid, ignore_index), num_bands, p["t_min"],
+            p["t_max"], g, p["passes"], ignore_index)
         temps = []
-        for i in range(num_bands):
+        for i, x in enumerate(grid_optima(log_t, nll, best)):
             b = int(best[i])
-            x = float(log_t[i, b])
-            if 0 < b < g - 1:
-                x = _parabola_vertex([float(log_t[i, j]) for j in (b - 1, b, b + 1)],
-                                     [float(nll[i, j]) for j in (b - 1, b, b + 1)])
-            elif int(count[i]) and (x <= math.log(p["t_min"]) + 1e-9
-                                    or x >= math.log(p["t_max"]) - 1e-9):
+            if not 0 < b < g - 1 and int(count[i]) and (x <= math.log(p["t_min"]) + 1e-9
+                                                         or x >= math.log(p["t_max"]) - 1e-9):
                 warnings.warn(f"boundary_ts: band {i}'s NLL is minimal at the search boundary "
                               f"T={math.exp(x):.4g}.", stacklevel=2)
             temps.append(math.exp(x))
@@ -200,6 +180,4 @@ class BoundaryTemperatureScaling(Calibrator):
     def export_module(self, fmt: str = "pt2") -> torch.nn.Module:
         """The bands and temperatures as a program for export
         (:class:`~cals_seg.calibrators._export.BandTemperatures`)."""
-        from cals_seg.calibrators._export import BandTemperatures
-
         return BandTemperatures(self.params["bands"], self.temperatures)

@@ -25,36 +25,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.calibrators._base import (
-    Batches,
-    Calibrator,
-    holdout_mask,
-    iterate,
-    valid_rows,
-)
+from cals_seg.calibrators._base import Batches, Calibrator, holdout_split, score_candidates
+from cals_seg.calibrators._export import BandTemperatures
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling, predicted_bands
-from cals_seg.utils.distributed import all_reduce_sum_
+from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.utils.validation import check_int
 
 CANDIDATES = ((3.0, 8.0), (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0),
               (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0))
 
 
-def _split(batches: Batches, every: int, held: bool) -> Batches:
-    """The held-out (``held``) or fitting images of every call of ``batches``."""
-
-    def gen():
-        seen = 0
-        for logits, target, _ in iterate(batches):
-            mask = holdout_mask(logits.shape[0], seen, every).to(logits.device)
-            seen += logits.shape[0]
-            keep = mask if held else ~mask
-            if bool(keep.any()):
-                yield logits[keep], target[keep]
-
-    return gen
-
-
+@CALIBRATORS.register("boundary_ts_fine")
 class FineBoundaryTemperatureScaling(Calibrator):
     """One temperature per predicted-boundary band, the bands chosen on held-out validation
     images among ``candidates`` (module docstring).
@@ -111,24 +92,9 @@ class FineBoundaryTemperatureScaling(Calibrator):
         fitted = []
         for bands in p["candidates"]:
             single = self._single(bands)
-            single.fit(_split(batches, every, False), ignore_index)
+            single.fit(holdout_split(batches, every, "fit"), ignore_index)
             fitted.append(single)
-        total = torch.zeros(len(fitted), dtype=torch.float64)
-        count = torch.zeros((), dtype=torch.int64)
-        with torch.no_grad():
-            for logits, target in _split(batches, every, True)():
-                _, labels = valid_rows(logits, target, ignore_index)
-                count += labels.numel()
-                for i, single in enumerate(fitted):
-                    rows, labels = valid_rows(single(logits), target, ignore_index)
-                    z = rows.to(torch.float64)
-                    total[i] += (torch.logsumexp(z, 1) - z.gather(1, labels[:, None])[:, 0]).sum()
-        all_reduce_sum_([total, count])
-        if int(count) == 0:
-            raise ValueError(f"Expected valid pixels in the held-out validation images (one in "
-                             f"{every}), but got none; lower `holdout_every`.")
-        heldout = (total / int(count)).tolist()
-        best = min(range(len(heldout)), key=lambda i: (heldout[i], i))
+        heldout, best = score_candidates(batches, every, ignore_index, fitted)
         final = self._single(p["candidates"][best])
         info = final.fit(batches, ignore_index)
         self.choice.fill_(best)
@@ -154,8 +120,6 @@ class FineBoundaryTemperatureScaling(Calibrator):
     def export_module(self, fmt: str = "pt2") -> torch.nn.Module:
         """The chosen bands and their temperatures as a program for export
         (:class:`~cals_seg.calibrators._export.BandTemperatures`)."""
-        from cals_seg.calibrators._export import BandTemperatures
-
         bands = self.bands
         return BandTemperatures(bands, self.temperatures[: len(bands) + 1])
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cals_seg.calibrators._base import Batches, Calibrator, lbfgs_fit
+from cals_seg.calibrators._base import Batches, Calibrator, lbfgs_fit, summed_nll
+from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.errors import UserError
 from cals_seg.utils.validation import check_int
 
@@ -35,6 +36,7 @@ def odir_penalty(weight: Tensor, bias: Tensor, lam: float, mu: float) -> Tensor:
     return lam / (k * (k - 1)) * off.pow(2).sum() + mu / k * bias.pow(2).sum()
 
 
+@CALIBRATORS.register("dirichlet")
 class DirichletCalibration(Calibrator):
     """Matrix ``W`` (parameter ``weight``, K x K) and bias ``b`` on log-probabilities.
 
@@ -69,8 +71,7 @@ class DirichletCalibration(Calibrator):
         lam, mu = self.params["lam"], self.params["mu"]
 
         def nll(rows: Tensor, labels: Tensor) -> Tensor:
-            z = dirichlet_logits(rows, w, b)
-            return (torch.logsumexp(z, dim=1) - z.gather(1, labels[:, None]).squeeze(1)).sum()
+            return summed_nll(dirichlet_logits(rows, w, b), labels)
 
         info = lbfgs_fit([w, b], nll, lambda: odir_penalty(w, b, lam, mu), batches,
                          ignore_index, self.params["max_iter"])

@@ -71,7 +71,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.calibrators._base import Batches, Calibrator, iterate
+from cals_seg.calibrators._base import (
+    Batches,
+    Calibrator,
+    check_finite_nll,
+    check_same_data,
+    iterate,
+    lbfgs_stages,
+)
 from cals_seg.calibrators._image_features import (
     FEATURES,
     IMAGE_FEATURES,
@@ -83,6 +90,9 @@ from cals_seg.calibrators._image_features import (
     logit_statistics,
     work_dtype,
 )
+from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
+from cals_seg.calibrators.registry import CALIBRATORS
+from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.data.drift_mixtures import (
     IMAGE_TS_CORRUPTIONS,
     CorruptedCopies,
@@ -90,6 +100,7 @@ from cals_seg.data.drift_mixtures import (
 )
 from cals_seg.errors import UserError
 from cals_seg.metrics._distance import int_thresholds
+from cals_seg.utils.distributed import is_distributed
 from cals_seg.utils.validation import check_int, check_positive_float
 
 LAMS = (0.1, 0.01, 0.001)
@@ -98,6 +109,7 @@ B_ANCHOR = 3.0  # with copies, b = -softplus(beta) starts at -softplus(-3) = -0.
 W_START = 0.05  # and w at this length towards the copies' mean features
 
 
+@CALIBRATORS.register("image_ts")
 class ImageTemperatureScaling(Calibrator):
     """A temperature per image and predicted band from image and logit statistics (module
     docstring).
@@ -262,8 +274,6 @@ class ImageTemperatureScaling(Calibrator):
     def _reference(self, batches: Batches, ignore_index: int, copies: int) -> list[float]:
         """The clean-fitted band temperatures: ``boundary_ts``'s fit (one temperature for
         ``bands=[]``) on the clean images that fit."""
-        from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
-        from cals_seg.calibrators.temperature import fit_temperature
 
         def clean_fit():
             seen = 0
@@ -307,8 +317,6 @@ class ImageTemperatureScaling(Calibrator):
         """Fit ``c`` and ``w`` on the stream of ``batches`` (module docstring). ``copies``: the
         stream holds each validation image followed by that many corrupted copies (0: a plain
         validation stream, every image clean)."""
-        from cals_seg.utils.distributed import is_distributed
-
         if is_distributed():
             raise UserError("image_ts: fit it in one process (its held-out images are counted "
                             "in loader order).")
@@ -388,14 +396,11 @@ class ImageTemperatureScaling(Calibrator):
                     loss = (nll * weights).sum()
                     loss.backward()
                     total += loss.detach()
-            if seen != len(count):
-                raise ValueError("Expected `batches()` to yield the same data on every call (a "
-                                 "fresh iterable each time).")
+            check_same_data(len(count), seen, "images")
             reg = lam * w.pow(2).sum()
             reg.backward()
             objective = total + reg.detach()
-            if not math.isfinite(float(objective)):
-                raise ValueError("The validation NLL is not finite: the logits hold NaN or inf.")
+            check_finite_nll(float(objective))
             state["passes"] += 1
             if every:
                 per_image = held_sum / count.clamp(min=1)
@@ -426,16 +431,8 @@ class ImageTemperatureScaling(Calibrator):
                     w.copy_(W_START * d / d.norm().clamp(min=1e-12))
                 else:
                     beta.fill_(B_START)
-            stages = 0
-            for lam in p["lams"]:
-                before = state["best"]["score"]
-                optimizer = torch.optim.LBFGS([w, beta], lr=1.0, max_iter=p["max_iter"],
-                                              tolerance_grad=1e-7, tolerance_change=1e-9,
-                                              history_size=20, line_search_fn="strong_wolfe")
-                optimizer.step(lambda lam=lam: closure(lam))
-                stages += 1
-                if every and stages > 1 and not state["best"]["score"] < before:
-                    break  # a weaker pull did not help the held-out images: nor will weaker
+            stages = lbfgs_stages([w, beta], closure, p["lams"], p["max_iter"],
+                                  lambda: state["best"]["score"], early_stop=bool(every))
         best = state["best"]
         fell_back = bool(every) and best["evaluation"] == 1
         with torch.no_grad():

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cals_seg.calibrators._base import Batches, Calibrator, fit_with_holdout
+from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.errors import UserError
 from cals_seg.utils.validation import check_int
 
@@ -59,6 +60,7 @@ def _nll_sum(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor,
     return loss, n
 
 
+@CALIBRATORS.register("lts")
 class LocalTemperatureScaling(Calibrator):
     """A temperature per pixel from the logits (and the image).
 

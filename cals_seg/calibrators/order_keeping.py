@@ -63,14 +63,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cals_seg.calibrators._base import (
-    CHUNK_POSITIONS,
     Batches,
     Calibrator,
-    holdout_mask,
+    accumulate_nll,
+    check_finite_nll,
+    check_same_data,
     iterate,
+    lbfgs_stages,
+    summed_nll,
     valid_rows,
+    with_holdout,
 )
-from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.calibrators._export import ExpertAffine
+from cals_seg.calibrators.registry import CALIBRATORS
+from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.errors import UserError
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int
@@ -185,19 +191,14 @@ class _OrderKeeping(Calibrator):
         every = self.params["holdout_every"]
         counts = torch.zeros(self.num_classes, dtype=torch.int64, device=self.weight.device)
         held_sum = torch.zeros(2, dtype=torch.float64, device=self.weight.device)
-        seen = 0
-        for logits, target, _ in iterate(batches):
+        for logits, target, _, held in with_holdout(batches, every):
             rows, _ = valid_rows(logits, target, ignore_index)
             counts += torch.bincount(rows.argmax(dim=1), minlength=self.num_classes).to(counts)
-            if every:
-                held = holdout_mask(logits.shape[0], seen, every).to(logits.device)
-                if bool(held.any()):
-                    rows, labels = valid_rows(logits[held], target[held], ignore_index)
-                    z = rows.to(torch.float64) / temperature
-                    held_sum[0] += (torch.logsumexp(z, 1) - z.gather(1, labels[:, None])[:, 0]
-                                    ).sum().to(held_sum)
-                    held_sum[1] += labels.numel()
-            seen += logits.shape[0]
+            if bool(held.any()):  # never without held-out images (every = 0)
+                rows, labels = valid_rows(logits[held], target[held], ignore_index)
+                z = rows.to(torch.float64) / temperature
+                held_sum[0] += summed_nll(z, labels).to(held_sum)
+                held_sum[1] += labels.numel()
         all_reduce_sum_([counts, held_sum])
         score = float(held_sum[0] / held_sum[1]) if every and int(held_sum[1]) else None
         return counts, score
@@ -218,8 +219,7 @@ class _OrderKeeping(Calibrator):
 
         def nll(rows: Tensor, labels: Tensor) -> Tensor:
             weight, bias = effective(a, r, b, temp)
-            z = order_keeping_logits(rows, weight, bias, mode)
-            return (torch.logsumexp(z, dim=1) - z.gather(1, labels[:, None]).squeeze(1)).sum()
+            return summed_nll(order_keeping_logits(rows, weight, bias, mode), labels)
 
         with torch.no_grad():  # TS: the candidate of evaluation 0
             ts_coef = (torch.eye(k - 1, **f64).repeat(k, 1, 1) / temp, torch.zeros(k, k - 1, **f64))
@@ -231,26 +231,12 @@ class _OrderKeeping(Calibrator):
             for p in params:
                 p.grad = None
             sums = torch.zeros(4, dtype=torch.float64, device=device)  # fit nll, n, held, n
-            seen = 0
-            for logits, target, _ in iterate(batches):
-                held = (holdout_mask(logits.shape[0], seen, every) if every
-                        else torch.zeros(logits.shape[0], dtype=torch.bool))
-                held = held.to(logits.device)
-                seen += logits.shape[0]
+            for logits, target, _, held in with_holdout(batches, every):
                 for part, mask in ((0, ~held), (2, held)):
                     if not bool(mask.any()):
                         continue
                     rows, labels = valid_rows(logits[mask], target[mask], ignore_index)
-                    for start in range(0, rows.shape[0], CHUNK_POSITIONS):
-                        chunk = rows[start:start + CHUNK_POSITIONS].to(**f64)
-                        lab = labels[start:start + CHUNK_POSITIONS].to(device)
-                        if part == 0:
-                            value = nll(chunk, lab)
-                            value.backward()
-                        else:
-                            with torch.no_grad():
-                                value = nll(chunk, lab)
-                        sums[part] += value.detach()
+                    accumulate_nll(sums[part], rows, labels, nll, device, backward=part == 0)
                     sums[part + 1] += labels.numel()
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             all_reduce_sum_([sums, *grads])
@@ -260,17 +246,14 @@ class _OrderKeeping(Calibrator):
                     f"Expected valid positions (target != ignore_index={ignore_index}) in both "
                     f"the fitting and the held-out validation images (one in {every} held "
                     "out), but one part has none; lower `holdout_every` (0: none held out).")
-            if state.setdefault("positions", (n_fit, n_held)) != (n_fit, n_held):
-                raise ValueError("Expected `batches()` to yield the same data on every call (a "
-                                 "fresh iterable each time).")
+            state["positions"] = check_same_data(state.get("positions"), (n_fit, n_held))
             for p, g in zip(params, grads, strict=True):
                 p.grad = g / n_fit
             with torch.enable_grad():
                 reg = penalty(a, r, b, lam)
                 reg.backward()
             objective = sums[0] / n_fit + reg.detach()
-            if not math.isfinite(float(objective)):
-                raise ValueError("The validation NLL is not finite: the logits hold NaN or inf.")
+            check_finite_nll(float(objective))
             state["passes"] += 1
             score = float(sums[2] / n_held) if every else -state["passes"]  # none held: last
             state["trace"].append(score if every else float(sums[0] / n_fit))
@@ -282,16 +265,8 @@ class _OrderKeeping(Calibrator):
             return objective
 
         with torch.enable_grad():  # the caller may be under no_grad (an evaluation)
-            stages = 0
-            for lam in self.params["lams"]:
-                before = state["best"]
-                optimizer = torch.optim.LBFGS(params, lr=1.0, max_iter=self.params["max_iter"],
-                                              tolerance_grad=1e-7, tolerance_change=1e-9,
-                                              history_size=20, line_search_fn="strong_wolfe")
-                optimizer.step(lambda lam=lam: closure(lam))
-                stages += 1
-                if every and stages > 1 and not state["best"] < before:
-                    break  # a weaker pull did not help the held-out images: nor will weaker
+            stages = lbfgs_stages(params, closure, self.params["lams"], self.params["max_iter"],
+                                  lambda: state["best"], early_stop=bool(every))
         weight, bias = state["coef"]
         self.weight.copy_(weight)
         self.bias.copy_(bias)
@@ -320,11 +295,10 @@ class _OrderKeeping(Calibrator):
         """The experts as a program for export
         (:class:`~cals_seg.calibrators._export.ExpertAffine`; the classes ranked by ``topk``
         in ONNX, which has no stable sort)."""
-        from cals_seg.calibrators._export import ExpertAffine
-
         return ExpertAffine(self.weight, self.bias, self.mode, topk=fmt == "onnx")
 
 
+@CALIBRATORS.register("cms_ap")
 class ArgmaxKeepingScaling(_OrderKeeping):
     """``cms_ap``: class-conditional affine map on the gaps to the top class; keeps the argmax
     (module docstring)."""
@@ -333,6 +307,7 @@ class ArgmaxKeepingScaling(_OrderKeeping):
     mode = "argmax"
 
 
+@CALIBRATORS.register("cms_op")
 class OrderKeepingScaling(_OrderKeeping):
     """``cms_op``: class-conditional affine map on the gaps between consecutive ranks; keeps
     the whole class order (module docstring)."""

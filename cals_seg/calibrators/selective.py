@@ -32,12 +32,13 @@ from cals_seg.calibrators._base import (
     Batches,
     Calibrator,
     fit_with_holdout,
-    holdout_mask,
-    iterate,
     valid_rows,
+    with_holdout,
 )
+from cals_seg.calibrators._export import FlaggedTemperature
+from cals_seg.calibrators._grid import grid_nll
 from cals_seg.calibrators._ops import floored_log_probs
-from cals_seg.calibrators.temperature import _grid_nll
+from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.errors import UserError
 from cals_seg.utils.validation import check_int, check_positive_float
 
@@ -73,6 +74,7 @@ class MispredictionClassifier(nn.Module):
 _log_probs = floored_log_probs
 
 
+@CALIBRATORS.register("selective")
 class SelectiveScaling(Calibrator):
     """Selective scaling: a misprediction classifier and the temperature of its flagged pixels.
 
@@ -144,8 +146,6 @@ class SelectiveScaling(Calibrator):
     def export_module(self, fmt: str = "pt2") -> nn.Module:
         """The classifier, threshold and ``T_mis`` as a program for export
         (:class:`~cals_seg.calibrators._export.FlaggedTemperature`)."""
-        from cals_seg.calibrators._export import FlaggedTemperature
-
         threshold = self.params["threshold"]
         return FlaggedTemperature(self.classifier, math.log(threshold / (1 - threshold)),
                                   self.temperature)
@@ -208,20 +208,17 @@ class SelectiveScaling(Calibrator):
         """``T_mis`` minimising the held-out NLL of the flagged pixels over a log grid."""
         log_t = torch.linspace(0.0, math.log(self.params["t_max"]), 61, dtype=torch.float64)
         total = torch.zeros_like(log_t)
-        flagged = wrong = seen = 0
-        for logits, target, _ in iterate(batches):
-            held = holdout_mask(logits.shape[0], seen, self.params["holdout_every"])
-            seen += logits.shape[0]
+        flagged = wrong = 0
+        for logits, target, _, held in with_holdout(batches, self.params["holdout_every"]):
             if not bool(held.any()):
                 continue
-            held = held.to(logits.device)
             lg, tg = logits[held], target[held]
             flag = self.flagged(lg).reshape(-1)
             valid = tg.reshape(-1).to(flag.device) != ignore_index
             rows, labels = valid_rows(lg, tg, ignore_index)
             sel = flag[valid]
             if bool(sel.any()):
-                total += _grid_nll(rows[sel], labels[sel], (-log_t).exp().to(rows.device)).cpu()
+                total += grid_nll(rows[sel], labels[sel], (-log_t).exp().to(rows.device)).cpu()
                 flagged += int(sel.sum())
                 wrong += int((rows[sel].argmax(dim=1) != labels[sel]).sum())
         best = float(log_t[int(total.argmin())].exp()) if flagged else 1.0

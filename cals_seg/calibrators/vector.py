@@ -13,17 +13,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cals_seg.calibrators._base import Batches, Calibrator, lbfgs_fit
+from cals_seg.calibrators._base import Batches, Calibrator, lbfgs_fit, summed_nll
+from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.utils.validation import check_int
 
 
 def vector_nll(rows: Tensor, labels: Tensor, scale: Tensor, bias: Tensor) -> Tensor:
     """Summed NLL of ``softmax(scale * rows + bias)``. Shape: rows ``(P, K)``, labels ``(P,)``,
     scale / bias ``(K,)``; returns a scalar."""
-    z = rows * scale + bias
-    return (torch.logsumexp(z, dim=1) - z.gather(1, labels[:, None]).squeeze(1)).sum()
+    return summed_nll(rows * scale + bias, labels)
 
 
+@CALIBRATORS.register("vector")
 class VectorScaling(Calibrator):
     """Per-class scale ``s`` and bias ``b`` (parameters ``scale``, ``bias``).
 

@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from cals_seg.commands._cli import add_set_argument, add_trust_argument
+from cals_seg.commands.eval_seg import calibrator_name
 
 SCORE_NAMES = {"miou": "mIoU", "acc": "Acc"}
 
@@ -97,9 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "DeepLabV3-ResNet18 with its optimizer state is about 160 MB per file)",
     )
     parser.add_argument(
-        "--calibrators", nargs="+", default=[], metavar="NAME",
-        choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts",
-                 "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf", "image_ts"],
+        "--calibrators", nargs="+", default=[], metavar="NAME", type=calibrator_name,
         help="post-hoc calibrators fitted on each segmentation run's validation split and "
         "evaluated on its test split: OUT/calibrators.md and .csv",
     )

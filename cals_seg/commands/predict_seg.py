@@ -61,6 +61,7 @@ from cals_seg.commands._cli import (
     add_trust_argument,
     protocol_overrides,
 )
+from cals_seg.commands.eval_seg import calibrator_name
 from cals_seg.errors import MissingPathError, UserError
 
 
@@ -114,10 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="precision of the forward pass (default: the run's train.amp, "
                         "where auto is float32 on a CPU; bf16 / fp16 change confidences, "
                         "docs/performance.md#precision)")
-    parser.add_argument("--calibrator", default=None, metavar="NAME",
-                        choices=["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts",
-                                 "cms_ap", "cms_op", "boundary_ts_fine", "boundary_ts_conf",
-                                 "image_ts"],
+    parser.add_argument("--calibrator", default=None, metavar="NAME", type=calibrator_name,
                         help="a post-hoc calibrator saved in <run>/calibrators/ (instead of T)")
     parser.add_argument("--conformal", nargs="+", default=None, metavar="ALPHA",
                         help="prediction sets with miscoverage ALPHA (then optional mode=..., "
