@@ -66,9 +66,14 @@ from cals_seg.evaluation.inference import IMAGENET_MEAN, IMAGENET_STD, input_mul
 from cals_seg.runs._trace import first_line, root_cause, trace_program
 
 FORMATS = ("onnx", "pt2")
-# What an exported program can calibrate with: ``none`` (T = 1) or any registered post-hoc
-# calibrator (its file in <run>/calibrators/); without a name, the run's temperature.
-CALIBRATORS: tuple[str, ...] = ("none", *REGISTRY)
+
+
+def calibrator_choices() -> tuple[str, ...]:
+    """What an exported program can calibrate with: ``none`` (T = 1) or any post-hoc calibrator
+    registered now (its file in <run>/calibrators/); without a name, the run's temperature."""
+    return ("none", *REGISTRY)
+
+
 INPUT_NAME, OUTPUT_NAMES, SETS_NAME = "image", {False: "probs", True: "logits"}, "sets"
 # (calibrator, format) pairs a format cannot hold, with the reason (none at present: every
 # registered calibrator is exported in both formats; tests/test_export_calibrators.py).
@@ -395,8 +400,9 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     """
     from cals_seg.runs.run import load_run
 
-    if calibrator is not None and calibrator not in CALIBRATORS:
-        raise UserError(f"--calibrator: expected one of {list(CALIBRATORS)}, got {calibrator!r}.")
+    if calibrator is not None and calibrator not in calibrator_choices():
+        raise UserError(f"--calibrator: expected one of {list(calibrator_choices())}, got "
+                        f"{calibrator!r}.")
     if fmt not in FORMATS:
         raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
     if (calibrator, fmt) in REFUSED:
@@ -475,6 +481,6 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-__all__ = ["CALIBRATORS", "FORMATS", "REFUSED", "CalibratedSegmenter", "ConformalSegmenter",
+__all__ = ["calibrator_choices", "FORMATS", "REFUSED", "CalibratedSegmenter", "ConformalSegmenter",
            "export_program", "export_run", "normalisation_constants", "trace_program",
            "written_files"]
