@@ -52,14 +52,16 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cals_seg.evaluation._scores import (  # noqa: F401 (re-exported here)
+from cals_seg.evaluation.conformal_score import (  # noqa: F401 (re-exported here)
     GRID,
     SCORES,
-    aps_scores,
     class_scores,
     lac_scores,
-    pixel_uniforms,
     score_cells,
+)
+from cals_seg.evaluation.conformal_scores.aps import (  # noqa: F401 (re-exported here)
+    aps_scores,
+    pixel_uniforms,
 )
 from cals_seg.metrics._functional import prepare_logits, sum_over_ranks
 from cals_seg.metrics.regions import boundary_bands
@@ -282,7 +284,8 @@ class ConformalSets(nn.Module):
         num_classes: K >= 2.
         alpha: target miscoverage in ``(0, 1)``.
         mode: ``"risk"``, ``"image:TAU"``, ``"class"`` or ``"band"`` (see the module).
-        score: ``"lac"`` or ``"aps"``.
+        score: a registered score (:data:`~cals_seg.evaluation.conformal_score.SCORES`:
+            ``"lac"``, ``"aps"``, ...).
         seed: seed of the APS randomisation (:func:`pixel_uniforms`).
         bands: band edges (pixels) of the ``band`` mode, as the boundary meter's.
         ignore_index: target value of void pixels.
@@ -300,7 +303,7 @@ class ConformalSets(nn.Module):
     """
 
     def __init__(self, num_classes: int, alpha: float, mode: str = "risk",
-                 score: Literal["lac", "aps"] = "lac", seed: int = 0,
+                 score: str = "lac", seed: int = 0,
                  bands: Sequence[float] = (3.0, 8.0), ignore_index: int = -100,
                  inputs: Literal["logits", "probs"] = "logits", grid: int = GRID) -> None:
         super().__init__()

@@ -8,6 +8,10 @@ clean one (``evaluate_once(dataset) -> metrics dict``, the caller's), so every e
     shifted = shift_evaluation(lambda ds: calibrated_test(..., loader(ds), ...), test_set,
                                parse_shifts(["fog:3", "all:5"], seed=0))
     print(shift_table(shifted))
+
+A run's whole shift evaluation (``eval_seg --shift``) is :func:`shift_results`: every
+corruption at the clean evaluation's temperature and calibrators, with the fraction of images
+the entropy flag of :mod:`cals_seg.evaluation.ood` marks on each.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cals_seg.data.corruptions import Corruption, corrupted_dataset
+from cals_seg.evaluation.engine import run_test_pass
+from cals_seg.evaluation.ood import QUANTILE, MeanEntropy, entropy_limit, flagged_rate
+from cals_seg.evaluation.stream import evaluate
 
 # (metric key, column title, in percent) of the shift tables.
 SHIFT_COLUMNS = (
@@ -102,9 +109,6 @@ def shift_table(shift: Mapping[str, Mapping[str, Any]],
     return "\n".join(lines) + "\n"
 
 
-
-
-
 def severity_curves(evaluations: Mapping[str, Mapping[str, Any]], key: str = "ece_band_weighted",
                     rows: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
     """``{"METHOD, ROW": [(0, clean), (s, mean over corruptions at s), ...]}`` of ``key`` for
@@ -147,5 +151,73 @@ def compare_table(evaluations: Mapping[str, Mapping[str, Any]],
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["SHIFT_COLUMNS", "compare_table", "metric", "rows_of", "severity_curves",
-           "severity_means", "shift_evaluation", "shift_table"]
+# --------------------------------------------------------------------------------------------
+# A run's evaluation under the corruptions (eval_seg --shift).
+# --------------------------------------------------------------------------------------------
+
+
+def fixed_test(run: Any, loader: Any, temperature: float | None,
+               calibrators: Mapping[str, Any], extra: Sequence[Any] = ()) -> dict[str, Any]:
+    """The metrics of ``calibrated_test`` with the temperature and calibrators already fitted:
+    ``{"temperature", "pre_ts", "post_ts" (None without T), "calibrators"}`` (no
+    ``calibrators`` key without calibrators); ``extra`` image consumers see the same pass."""
+    n_bins = run.config.eval.n_bins
+    out = run_test_pass(run.inference, loader, lambda: run.task.meters(n_bins, test=True),
+                        temperature, calibrators, run.config.train.progress, "shift", extra)
+    out["temperature"] = temperature if temperature is not None else 1.0
+    if not calibrators:
+        out.pop("calibrators", None)
+    return out
+
+
+def shift_results(run: Any, corruptions: Sequence[Corruption], split_set: Any,
+                  result: Mapping[str, Any], calibrators: Mapping[str, Any], *,
+                  loader: Callable[[Any], Any]) -> tuple[dict[str, dict[str, Any]],
+                                                         dict[str, Any]]:
+    """``({NAME:SEVERITY: metrics}, flags)``: :func:`fixed_test` of every corruption on
+    ``split_set`` at the clean evaluation's T (``result``) with the fitted ``calibrators``, and
+    the entropy flag of :mod:`cals_seg.evaluation.ood`: ``{"quantile", "limit_nats"`` (on the
+    validation images), ``"temperature", "clean_rate", "rates": {NAME:SEVERITY: fraction
+    flagged}}``. ``loader`` makes a dataset's evaluation loader, in order."""
+    temperature = result["temperature"] if result.get("post_ts") else None
+    t = temperature or 1.0
+
+    def entropies(dataset: Any) -> list[float]:
+        ref = MeanEntropy(t)
+        evaluate(run.model, loader(dataset), run.device, [], run.precision,
+                 protocol=run.task.protocol, image_consumers=[ref])
+        return ref.values
+
+    limit = entropy_limit(entropies(run.task.val_set), QUANTILE)
+    flags: dict[str, Any] = {"quantile": QUANTILE, "limit_nats": limit, "temperature": t,
+                             "clean_rate": flagged_rate(entropies(split_set), limit), "rates": {}}
+
+    def once(dataset: Any) -> dict[str, Any]:
+        ref = MeanEntropy(t)
+        metrics = fixed_test(run, loader(dataset), temperature, calibrators, [ref])
+        flags["rates"][dataset.corruption.key] = flagged_rate(ref.values, limit)
+        return metrics
+
+    shifted = shift_evaluation(once, split_set, corruptions)
+    return shifted, flags
+
+
+def shift_report(result: Mapping[str, Any]) -> str | None:
+    """The table of ``result["shift"]`` after the clean rows (:func:`shift_table`), with the
+    fractions of images the entropy flag marks (``result["entropy_flag"]``) under it; None
+    without a shift evaluation."""
+    if not result.get("shift"):
+        return None
+    table = shift_table(result["shift"], clean=result)
+    flags = result.get("entropy_flag")
+    if flags:
+        rates = ", ".join(f"{k} {100 * v:.0f}%" for k, v in flags["rates"].items())
+        table += (f"\nImages whose mean predictive entropy is above the validation's "
+                  f"{100 * flags['quantile']:.0f}th percentile ({flags['limit_nats']:.4f} nats): "
+                  f"clean {100 * flags['clean_rate']:.0f}%, {rates}.\n")
+    return table
+
+
+__all__ = ["SHIFT_COLUMNS", "compare_table", "fixed_test", "metric", "rows_of",
+           "severity_curves", "severity_means", "shift_evaluation", "shift_report",
+           "shift_results", "shift_table"]

@@ -174,8 +174,9 @@ class CalibratedSegmenter(nn.Module):
 class ConformalSegmenter(nn.Module):
     """A :class:`CalibratedSegmenter` that also returns the conformal prediction sets of a
     fitted :class:`~cals_seg.evaluation.conformal.ConformalSets` (what ``predict_seg
-    --conformal`` writes): class ``k`` is in a pixel's set when its score (LAC ``1 - p_k`` or
-    randomised APS, :func:`~cals_seg.evaluation._scores.class_scores`, on ``p = softmax`` of the
+    --conformal`` writes): class ``k`` is in a pixel's set when its score (a registered score,
+    LAC ``1 - p_k`` or randomised APS, ...:
+    :func:`~cals_seg.evaluation.conformal_score.class_scores`, on ``p = softmax`` of the
     network's logits, T = 1) is at most the threshold (one number, or the threshold of class
     ``k`` in ``class`` mode).
 
@@ -202,7 +203,7 @@ class ConformalSegmenter(nn.Module):
         self.register_buffer("threshold", index.to(torch.float32).view(shape))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        from cals_seg.evaluation._scores import class_scores
+        from cals_seg.evaluation.conformal_score import class_scores
 
         out, raw = self.segmenter.outputs(x)
         n, k, h, w = raw.shape
@@ -237,10 +238,10 @@ def export_program(module: CalibratedSegmenter | ConformalSegmenter, path: str |
                     f"--format onnx needs the {package} package; install it with: "
                     f'pip install "cals_seg[export]" (or: pip install onnx onnxscript '
                     "onnxruntime).") from None
-        if isinstance(module, ConformalSegmenter) and module.score == "aps":
-            raise UserError("--format onnx --conformal score=aps: the APS randomisation reads "
-                            "the bits of the probabilities, which ONNX cannot; use --format "
-                            "pt2, or score=lac.")
+        if isinstance(module, ConformalSegmenter):
+            from cals_seg.evaluation.conformal_score import refuse_onnx
+
+            refuse_onnx(module.score)  # a score ONNX cannot hold, in one line
     program, module.min_size = trace_program(module, min_size, what)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,21 +1,13 @@
-"""Per-pixel conformal scores: LAC and randomised APS, and their exact threshold grid cells.
-
-Used by :mod:`cals_seg.evaluation.conformal` (docs/conformal.md). A score is a number in
-``[0, 1]`` per class, small when the class is plausible.
-"""
+"""The randomised APS score (Romano et al. 2020) and its seeded per-pixel uniforms."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-SCORES = ("lac", "aps")
-GRID = 2**12
-_MASK32 = 0xFFFFFFFF
+from cals_seg.evaluation.conformal_score import SCORES, ConformalScore
 
-# --------------------------------------------------------------------------------------------
-# Scores.
-# --------------------------------------------------------------------------------------------
+_MASK32 = 0xFFFFFFFF
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
@@ -55,15 +47,6 @@ def pixel_uniforms(probs: Tensor, seed: int = 0) -> Tensor:
     return (x.to(torch.float64) + 0.5) / 2.0**32
 
 
-def lac_scores(probs: Tensor) -> Tensor:
-    """LAC score ``s_k = 1 - p_k`` (Sadinle et al. 2019).
-
-    Shape:
-        - probs: ``(N, K, P)``; returns the same shape and dtype, in ``[0, 1]``.
-    """
-    return (1.0 - probs).clamp_(0.0, 1.0)
-
-
 def aps_scores(probs: Tensor, u: Tensor) -> Tensor:
     """Randomised APS score (Romano et al. 2020): with the classes sorted by decreasing
     probability (ties by index), ``s_k = sum_{j ranked before k} p_j + u p_k``.
@@ -78,20 +61,18 @@ def aps_scores(probs: Tensor, u: Tensor) -> Tensor:
     return out.to(probs.dtype).clamp_(0.0, 1.0)
 
 
-def class_scores(probs: Tensor, score: str = "lac", seed: int = 0) -> Tensor:
-    """Scores of every class (``"lac"`` or ``"aps"``, seeded by ``seed``).
+@SCORES.register("aps")
+class APS(ConformalScore):
+    """Randomised APS: sets that adapt to how spread a pixel's probabilities are; ``u`` is
+    :func:`pixel_uniforms` of ``seed``. Exported to pt2 only: its ``u`` reads the bits of the
+    probabilities."""
 
-    Shape:
-        - probs: ``(N, K, P)`` float32; returns ``(N, K, P)`` float32.
-    """
-    if score == "lac":
-        return lac_scores(probs)
-    if score == "aps":
+    name = "aps"
+    onnx_refusal = "the APS randomisation reads the bits of the probabilities, which ONNX cannot"
+
+    @staticmethod
+    def scores(probs: Tensor, seed: int = 0) -> Tensor:
         return aps_scores(probs, pixel_uniforms(probs, seed))
-    raise ValueError(f"Expected `score` to be one of {list(SCORES)}, but got {score!r}.")
 
 
-def score_cells(scores: Tensor, grid: int = GRID) -> Tensor:
-    """Grid cell ``ceil(s * grid)`` of each score (exact: ``grid`` is a power of two), so that
-    ``s <= g / grid`` iff the cell is ``<= g``. Returns int64 in ``[0, grid]``."""
-    return torch.ceil(scores.to(torch.float64) * grid).to(torch.int64).clamp_(0, grid)
+__all__ = ["APS", "aps_scores", "pixel_uniforms"]

@@ -1,0 +1,156 @@
+"""A run's conformal sets in use: measured on a split (``eval_seg --conformal``), made for
+one image (``predict_seg --conformal``), and their tables and pictures (docs/conformal.md).
+
+The fits come from :mod:`cals_seg.evaluation.conformal_fit`; ``run``, ``spec`` and ``loader``
+are as there.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cals_seg.evaluation.conformal_fit import Loader, calibrated, fit_conformal
+from cals_seg.evaluation.inference import normalise, segment_logits
+from cals_seg.evaluation.stream import predict
+from cals_seg.metrics.conformal import PredictionSetMeter
+from cals_seg.metrics.regions import boundary_bands
+
+
+def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
+                         progress: bool = False,
+                         maps_dir: Path | None = None, num_maps: int = 0,
+                         folder: Path | None = None, *, loader: Loader) -> dict[str, Any]:
+    """:func:`~cals_seg.evaluation.conformal_fit.fit_conformal` (fits saved in ``folder``,
+    default ``<run>/calibrators``), then the sets of every mode on ``test_set`` measured by
+    :class:`~cals_seg.metrics.conformal.PredictionSetMeter`; returns ``{MODE: dict}``: the
+    fit's ``alpha``, ``threshold``, ``calibration_images``, ``calibration_ids``,
+    ``guarantee``, ``needs_images`` (``warning`` when empty, also printed on stderr once),
+    ... and the meter's ``risk``, ``coverage``, ``set_size``, ``coverage_band``, ... With
+    ``maps_dir``, the set-size map of each mode for the first ``num_maps`` test images:
+    ``maps_dir/<id>_set_size_<mode>.png`` (:func:`write_size_map`)."""
+    if test_set is val_set:
+        print("warning: --conformal on the validation split: its calibration images are among "
+              "the evaluated ones, so the numbers are not those of new images.", file=sys.stderr)
+    fits, results, calibrator, _ = fit_conformal(run, spec, val_set, folder, loader=loader)
+    for m, r in results.items():
+        if not r["guarantee"]:
+            print(f"warning: --conformal {m}: {r['warning']}", file=sys.stderr, flush=True)
+    task, device = run.task, run.device
+    meters = {m: PredictionSetMeter(task.num_classes, num_groups=cs.num_groups, tau=cs.tau,
+                                    ignore_index=task.ignore_index).to(device)
+              for m, cs in fits.items()}
+    ids = getattr(test_set, "ids", None)
+    seen = 0
+    for logits, target, image in predict(run.model, loader(test_set), device, run.precision,
+                                         progress, desc="conformal", protocol=task.protocol,
+                                         with_inputs=True):
+        out = calibrated(calibrator, logits, image)
+        first, seen = seen, seen + len(logits)
+        for m, cs in fits.items():
+            if maps_dir is not None and first < num_maps:
+                sets = cs.sets(out)
+                for i in range(min(len(logits), num_maps - first)):
+                    name = ids[first + i] if ids is not None else str(first + i)
+                    write_size_map(maps_dir / f"{name}_set_size_{m.replace(':', '-')}.png",
+                                   sets[i], cs.num_classes)
+            group = None
+            if cs.kind == "class":
+                group = target
+            elif cs.kind == "band":
+                pred = out.argmax(dim=1).cpu().numpy().astype(np.int64)
+                group = torch.from_numpy(boundary_bands(pred, cs.bands))
+            meters[m].update(cs.sets(out), target, group)
+    for m in fits:
+        results[m].update(meters[m].compute())
+    return results
+
+
+def conformal_table(results: dict[str, Any]) -> str:
+    """A markdown table: per mode, alpha, threshold, calibration images, guarantee (``yes``,
+    or ``NO: needs N``), risk, coverage, set size, ambiguous fraction, coverage per boundary
+    band; under it, the warning of each mode without a guarantee."""
+    head = ("| mode | alpha | threshold | calibration images | guarantee | risk | coverage | "
+            "set size | more than one class | coverage per boundary band |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
+    rows, notes = [], []
+    for mode, r in results.items():
+        thr = r["threshold"]
+        thr = f"{thr:.4f}" if isinstance(thr, float) else ", ".join(f"{t:.3f}" for t in thr)
+        bands = ", ".join("-" if c is None else f"{c:.4f}" for c in r["coverage_band"])
+        ok = r.get("guarantee", True)
+        need = r.get("needs_images")
+        cell = "yes" if ok else f"NO: needs {need}" + (" per group" if
+                                                       "groups_without_guarantee" in r else "")
+        rows.append(f"| {mode} | {r['alpha']:g} | {thr} | {r['calibration_images']} | {cell} | "
+                    f"{_fmt(r['risk'])} | {_fmt(r['coverage'])} | {_fmt(r['set_size'])} | "
+                    f"{_fmt(r['multi'])} | {bands} |")
+        if not ok and r.get("warning"):
+            notes.append(f"- {mode}: {r['warning']}.")
+    text = head + "\n".join(rows) + "\n"
+    if notes:
+        text += "\nWarning, empty guarantees:\n" + "\n".join(notes) + "\n"
+    return text
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def image_sets(run: Any, cs: Any, image: np.ndarray) -> torch.Tensor:
+    """Prediction sets ``(1, K, H, W)`` bool of one RGB image ``(H, W, 3)`` uint8 from the
+    network's logits at the image's resolution (the evaluation's path)."""
+    x = normalise(image, run.protocol).to(run.device)
+    logits = segment_logits(run.model, x, run.protocol, run.precision)
+    return cs.to(logits.device).sets(logits.float())
+
+
+def set_summary(cs: Any, sets: torch.Tensor) -> dict[str, Any]:
+    """The JSON-line numbers of one image's sets ``(1, K, H, W)`` bool: the fit's alpha, mode,
+    score and threshold, the mean set size, the fraction of pixels whose set is not one class,
+    and the fit's guarantee (``guarantee``, ``needs_images``, ``warning`` when empty)."""
+    size = sets.sum(dim=1).double()
+    return {"alpha": cs.alpha, "mode": cs.mode, "score": cs.score,
+            "threshold": cs.thresholds(), "mean_set_size": float(size.mean()),
+            "ambiguous_fraction": float((size != 1).double().mean()), **cs.guarantee()}
+
+
+def write_set_outputs(out: Path, name: str, image: np.ndarray, sets: torch.Tensor
+                      ) -> dict[str, str]:
+    """``<name>_set_size.png`` (classes in each pixel's set, 8-bit, 16-bit above 255
+    classes), ``<name>_sets.npz`` (bool ``sets`` ``(K, H, W)``, compressed) and
+    ``<name>_ambiguous.png`` (the image with the pixels whose set holds more than one class,
+    or none, in magenta). ``sets``: ``(1, K, H, W)`` or ``(K, H, W)`` bool. Returns the three
+    paths as strings, keyed ``set_size``, ``sets``, ``ambiguous``."""
+    import cv2  # deferred: OpenCV is slow to import and only the pictures need it
+
+    s = sets.reshape(-1, *sets.shape[-2:]).cpu().numpy().astype(bool)
+    size = s.sum(axis=0)
+    paths = {"set_size": out / f"{name}_set_size.png", "sets": out / f"{name}_sets.npz",
+             "ambiguous": out / f"{name}_ambiguous.png"}
+    cv2.imwrite(str(paths["set_size"]), size.astype(np.uint8 if s.shape[0] < 256 else np.uint16))
+    np.savez_compressed(paths["sets"], sets=s)
+    overlay = image.copy()
+    mark = size != 1
+    overlay[mark] = (0.4 * overlay[mark] + 0.6 * np.array([255, 0, 255])).astype(np.uint8)
+    cv2.imwrite(str(paths["ambiguous"]), cv2.cvtColor(overlay, cv2.COLOR_RGB2BGR))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def write_size_map(path: Path, sets: torch.Tensor, num_classes: int) -> None:
+    """A colour picture of one image's set sizes ``(K, H, W)`` bool: viridis from 0 classes
+    (dark) to ``K`` (bright), each pixel's size scaled by ``255 / K``."""
+    import cv2  # deferred: OpenCV is slow to import and only the pictures need it
+
+    size = sets.sum(dim=0).cpu().numpy()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grey = np.rint(size * (255 / num_classes)).astype(np.uint8)
+    cv2.imwrite(str(path), cv2.applyColorMap(grey, cv2.COLORMAP_VIRIDIS))
+
+
+__all__ = ["conformal_evaluation", "conformal_table", "image_sets", "set_summary",
+           "write_set_outputs", "write_size_map"]
