@@ -2,7 +2,7 @@
 of their ``bash`` blocks, taken from the files themselves, so a doc that drifts from the code
 fails here.
 
-Python blocks (11 at the time of writing: 9 run, 2 compiled only). Each block runs on its own,
+Python blocks (15 at the time of writing: 13 run, 2 compiled only). Each block runs on its own,
 in a fresh namespace, in a fresh working folder. A block that uses objects of the reader's own
 (a model, loaders, a trained run) says so on the line before its fence, with a marker that is
 invisible once rendered::
@@ -10,6 +10,9 @@ invisible once rendered::
     <!-- doc-test: with loop (why) -->            run it with the names of the tiny "loop" setup
     <!-- doc-test: with loaders; replace "a" by "b" -->   ... after this tiny-settings edit
     <!-- doc-test: compile-only (why) -->         needs a GPU, a download or real data: compiled
+    <!-- doc-test: registers loss NAME (why) -->  the whole new file of an "Extending" step: run
+                                                  it, then the entry must be registered and work
+                                                  (``loss``, ``dataset``, ``corruption``, ``meter``)
 
 The setups (``CONTEXTS``) are tiny: a 1-layer model, two batches of 16 x 16 images, or the run
 trained below. A block without a marker runs with nothing given: its imports must be complete
@@ -49,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Where every shell command must be runnable or parsed (the others' bash blocks are too).
 COMMAND_DOCS = ("README.md", "training.md")
-EXPECTED_PYTHON_BLOCKS = 14
+EXPECTED_PYTHON_BLOCKS = 15
 MARKER = re.compile(r"<!--\s*doc-test:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 TINY = [  # the embedded data and DeepLabV3 at sizes that train in seconds on one core
@@ -81,6 +84,12 @@ class Block:
     def context(self) -> str | None:
         m = re.match(r"with (\w+)", self.marker)
         return m.group(1) if m else None
+
+    @property
+    def registers(self) -> tuple[str, str] | None:
+        """``(kind, name)`` of an "Extending" block: the entry its file registers."""
+        m = re.match(r"registers (loss|dataset|corruption|meter) (\w+) \(.+\)$", self.marker)
+        return (m.group(1), m.group(2)) if m else None
 
 
 def collect_blocks() -> list[Block]:
@@ -226,8 +235,8 @@ def workspace(tmp_path_factory) -> Path:
 
 # ----------------------------------------------------------------------------- python blocks
 def test_collects_every_block():
-    """14 python blocks (README 1, api 4, calibrators 1, conformal 1, datasets 1, external models
-    2, integrations 4: 11 run, 3 only compiled); each one
+    """15 python blocks (README 2, api 4, calibrators 1, conformal 1, datasets 1, external models
+    2, integrations 4: 13 run, 2 only compiled); each one
     runs or says why it is only compiled; every marker is understood."""
     assert len(PYTHON) == EXPECTED_PYTHON_BLOCKS, [b.name for b in PYTHON]
     for block in BLOCKS:
@@ -236,11 +245,14 @@ def test_collects_every_block():
         assert block.lang == "python", f"{block.name}: a doc-test marker on a {block.lang} block"
         if block.compile_only:
             assert re.fullmatch(r"compile-only \(.+\)", block.marker), block.name
-        else:
+        elif block.registers is None:
             assert block.context in CONTEXTS, f"{block.name}: unknown setup {block.marker!r}"
         for old, _ in block.replacements:
             assert old in block.code, f"{block.name}: {old!r} is not in the block"
-    assert sum(not b.compile_only for b in PYTHON) == 11
+    assert sum(not b.compile_only for b in PYTHON) == 13
+    # every "Extending" section's code runs and registers (none is a fragment compiled only)
+    assert sorted(b.registers for b in PYTHON if b.registers) == [("dataset", "mydata"),
+                                                                  ("loss", "ce_squared")]
     assert len([c for c in COMMANDS if c[0] in COMMAND_DOCS]) >= 15
 
 
@@ -257,11 +269,66 @@ def _exec(block: Block, code: str, namespace: dict) -> dict:
     return namespace
 
 
+def _registry(kind: str):
+    from cals_seg.data.corruptions import CORRUPTION_REGISTRY
+    from cals_seg.data.registry import DATASETS
+    from cals_seg.losses import LOSSES
+    from cals_seg.metrics import METERS
+
+    return {"loss": LOSSES, "dataset": DATASETS, "corruption": CORRUPTION_REGISTRY,
+            "meter": METERS}[kind]
+
+
+def check_registered(kind: str, name: str) -> None:
+    """The entry an "Extending" file registered is used the way the tools use one: a loss built
+    by name and run, a dataset named by a config (the config rules and the task family know
+    it), a corruption parsed from ``--shift NAME:1`` and applied, a meter in a task's meters."""
+    import torch
+
+    from cals_seg.config import load_config
+    from cals_seg.config.checks import check_config
+    from cals_seg.data.corruptions import parse_shifts
+    from cals_seg.losses import build_loss
+    from cals_seg.tasks import SegmentationTask, task_family
+
+    assert name in _registry(kind), f"the {kind} block did not register {name!r}"
+    if kind == "loss":
+        logits = torch.randn(2, 3, 4, 4, requires_grad=True)
+        target = torch.randint(0, 3, (2, 4, 4))
+        target[:, 0] = 255
+        value = build_loss(name, 3, ignore_index=255)(logits, target)
+        value.backward()
+        assert value.dim() == 0 and torch.isfinite(value) and logits.grad is not None
+    elif kind == "dataset":
+        cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml",
+                          [f"data.name={name}", "train.device=cpu"])
+        check_config(cfg)
+        assert task_family(cfg) == _registry(kind)[name].family
+    elif kind == "corruption":
+        (shift,) = parse_shifts([f"{name}:1"])
+        image = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+        assert shift.apply(image, index=0).shape == image.shape
+    else:
+        task = SegmentationTask(None, None, None, None, 3, 255, ["a", "b", "c"])
+        assert name in task.meters(test=True)
+
+
 @pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.name)
 def test_python_block(block, request, tmp_path):
     code = compile(block.code, block.name, "exec")  # every block at least compiles
     if block.compile_only:
         assert code is not None
+        return
+    if block.registers:  # the whole new file of an "Extending" step
+        kind, name = block.registers
+        registry = _registry(kind)
+        assert name not in registry, f"{name!r} is registered before its block runs"
+        try:
+            with chdir(tmp_path):
+                exec(code, {"__name__": "__doc_block__"})
+            check_registered(kind, name)
+        finally:  # the registry has no public removal: the doc's entry must not outlive it
+            registry._entries.pop(name, None)
         return
     for package in ("lightning", "torchmetrics", "segmentation_models_pytorch"):
         if re.search(rf"^\s*(from|import) {package}\b", block.code, re.M):
