@@ -114,7 +114,7 @@ def test_compare_refuses_a_bad_config_before_any_run(tmp_path, capsys):
 def test_results_table_has_aurc_and_the_time_ratio_to_ce(tmp_path):
     """The study table's AURC, median training seconds per epoch (first epoch left out) and the
     ratio of each row's mean to the ce row's, against values worked out by hand."""
-    from cals_seg.training.study import epoch_time, summarise, write_results
+    from cals_seg.training.tables import epoch_time, summarise, write_results
 
     def metrics(aurc: float) -> dict:
         view = {"miou": 0.4, "ece": 0.02, "aece": 0.02, "nll": 0.3, "aurc": aurc,

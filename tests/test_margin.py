@@ -12,7 +12,7 @@ import torch
 
 from cals_seg.config.schema import load_config
 from cals_seg.evaluation.stream import unpack_batch
-from cals_seg.runs.gaps import confidence_cap, recommend
+from cals_seg.runs.margin_choice import confidence_cap, recommend
 from cals_seg.tasks import build_task
 from cals_seg.utils.io import load_checkpoint, read_jsonl
 

@@ -211,12 +211,8 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
     from cals_seg.errors import UntrustedCheckpointError, UserError
     from cals_seg.runs.run import Run
     from cals_seg.tasks import score_metric, task_family
-    from cals_seg.training.study import (
-        add_calibrators,
-        backfill_test_metrics,
-        calibrator_rows,
-        summarise,
-    )
+    from cals_seg.training.study import add_calibrators, backfill_test_metrics
+    from cals_seg.training.tables import calibrator_rows, summarise
 
     first_run: dict[str, Path] = {}
     metric = None
@@ -445,7 +441,7 @@ def plot_study(out: Path, rows: dict[str, dict[str, Any]], first_run: dict[str, 
     """ECE against the score, a reliability grid and the multiplier curves of each row."""
 
     from cals_seg.runs.run import Run
-    from cals_seg.training.study import mean_std
+    from cals_seg.training.tables import mean_std
     from cals_seg.visualization import plotting
 
     points = []
@@ -499,17 +495,17 @@ def write_extras(args: argparse.Namespace, rows: dict[str, dict[str, Any]],
                  ensembles: dict[str, dict[str, Any]]) -> None:
     """OUT/conformal.*, OUT/shift.* and shift_ece_severity.png, OUT/ensemble.* (each when its
     option was given)."""
-    from cals_seg.training import study
+    from cals_seg.training import tables
 
     if args.conformal:
-        study.write_conformal_results(args.out, {m: r.get("conformal", []) for m, r in
+        tables.write_conformal_results(args.out, {m: r.get("conformal", []) for m, r in
                                                  rows.items()})
     if args.shift:
         evaluations = {m: r.get("shift", []) for m, r in rows.items()}
         evaluations.update({name: [e["metrics"]] for name, e in ensembles.items()})
-        study.write_shift_results(args.out, evaluations)
+        tables.write_shift_results(args.out, evaluations)
     if args.ensemble is not None:
-        study.write_ensemble_results(args.out, ensembles, rows)
+        tables.write_ensemble_results(args.out, ensembles, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,7 +522,8 @@ def _main(args: argparse.Namespace) -> int:
     from cals_seg.commands._cli import USER_ERRORS, report
     from cals_seg.config.rules import check_folder
     from cals_seg.errors import UntrustedCheckpointError
-    from cals_seg.training.study import run_one, write_results
+    from cals_seg.training.study import run_one
+    from cals_seg.training.tables import write_results
 
     start = time.perf_counter()
     rows: dict[str, dict[str, Any]] = {}
@@ -568,7 +565,7 @@ def _main(args: argparse.Namespace) -> int:
         return report(err)
     write_results(args.out, rows, score_name)
     if args.calibrators:
-        from cals_seg.training.study import write_calibrator_results
+        from cals_seg.training.tables import write_calibrator_results
 
         write_calibrator_results(args.out, rows)
     write_extras(args, rows, ensembles)

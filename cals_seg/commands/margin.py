@@ -40,7 +40,7 @@ from typing import Any
 from cals_seg.commands._cli import add_set_argument, add_trust_argument
 from cals_seg.errors import UserError
 
-PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)  # as cals_seg.runs.gaps
+PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)  # as cals_seg.runs.margin_choice
 
 
 def _fmt_gap_table(stats: dict[str, Any]) -> str:
@@ -67,7 +67,7 @@ def _fmt_gap_table(stats: dict[str, Any]) -> str:
 
 def gaps_main(args: argparse.Namespace) -> int:
     from cals_seg.commands._cli import USER_ERRORS, report
-    from cals_seg.runs.gaps import gap_statistics
+    from cals_seg.runs.margin_choice import gap_statistics
     from cals_seg.runs.run import load_run
     from cals_seg.training.engine import make_loader
     from cals_seg.utils.io import write_json
@@ -132,7 +132,7 @@ def write_sweep(out: Path, rows: list[dict[str, Any]], config: Path, args: argpa
                 sets: list[str], minutes: float) -> None:
     """The recommendation from the sweep's rows (the CE reference first), written to
     ``OUT/results.json`` and ``OUT/results.md`` and printed."""
-    from cals_seg.runs.gaps import recommend
+    from cals_seg.runs.margin_choice import recommend
     from cals_seg.utils.io import write_json
 
     reference, candidates = rows[0], [r for r in rows[1:] if "error" not in r]
@@ -174,7 +174,7 @@ def sweep_main(args: argparse.Namespace) -> int:
     from cals_seg.config.checks import check_config
     from cals_seg.config.schema import load_config
     from cals_seg.losses import LOSSES
-    from cals_seg.runs.gaps import run_summary
+    from cals_seg.runs.margin_choice import run_summary
     from cals_seg.tasks import build_task
     from cals_seg.training.study import run_one
 

@@ -37,13 +37,14 @@ from cals_seg.utils.distributed import is_main_process
 from cals_seg.utils.precision import autocast_context
 
 
-class Meter(Protocol):
-    """What the evaluation feeds: ``update(logits (N, K, *S), target (N, *S))``."""
+class Updatable(Protocol):
+    """What the evaluation feeds: anything with ``update(logits (N, K, *S), target (N, *S))``
+    (a :class:`cals_seg.metrics.Meter`, a :class:`Scaled` group, a conformal set meter)."""
 
     def update(self, logits: Tensor, target: Tensor) -> None: ...
 
 
-Consumer = Meter | Callable[[Tensor, Tensor], None]
+Consumer = Updatable | Callable[[Tensor, Tensor], None]
 
 
 GROUPS_PREFIX = "groups:"
