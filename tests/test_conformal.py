@@ -455,9 +455,10 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
     import cv2
     from PIL import Image
 
-    from cals_seg.commands._conformal import load_conformal, parse_conformal
+    from cals_seg.commands._conformal import parse_conformal
     from cals_seg.config.schema import load_config, save_config
     from cals_seg.errors import UserError
+    from cals_seg.evaluation.conformal_fit import load_conformal
     from cals_seg.tasks.segmentation import build_model
 
     from .conftest import load_tool

@@ -171,8 +171,8 @@ def test_every_is_chosen_from_what_the_holdout_keeps(alpha):
     """Without every: the largest of 5..2 (and 1 without a calibrator) whose held-out images
     reach the count, else the smallest; counted with the hold-out mask itself."""
     from cals_seg.calibrators._base import holdout_mask
-    from cals_seg.commands._conformal import calibration_ids, choose_every
     from cals_seg.evaluation.conformal import guarantee_images
+    from cals_seg.evaluation.conformal_fit import calibration_ids, choose_every
 
     need = guarantee_images(alpha)
     for m in range(0, 41):
@@ -245,8 +245,8 @@ def test_a_fit_is_used_only_for_what_it_was_fitted_for(tmp_path, capsys):
     """eval_seg saves each fit with its record; predict_seg reuses it when every recorded
     field matches, refits it (data readable) or refuses in one line naming the file and the
     key (data unreadable) when any one differs; a seed=1 fit is never used for seed=0."""
-    from cals_seg.commands._conformal import calibration_ids
     from cals_seg.config.schema import load_config
+    from cals_seg.evaluation.conformal_fit import calibration_ids
     from cals_seg.tasks.segmentation import segmentation_splits
     from cals_seg.utils.fits import file_digest, ids_digest
 
