@@ -41,8 +41,8 @@ _EXPORTS = {
     "SegmentationMeter": "cals_seg.metrics",
     "ShotGroupMeter": "cals_seg.metrics",
     "resolve_amp": "cals_seg.utils.precision",
-    "fit_temperature": "cals_seg.calibrators.temperature",
-    "nll_at_temperature": "cals_seg.calibrators.temperature",
+    "fit_temperature": "cals_seg.calibrators.ts",
+    "nll_at_temperature": "cals_seg.calibrators.ts",
     "TemperatureScaler": "cals_seg.calibrators.ts",
     "EvalProtocol": "cals_seg.evaluation.inference",
     "Prediction": "cals_seg.evaluation.inference",
@@ -55,14 +55,14 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects, re-exported (`as`); the
     # same pairs as _EXPORTS (tests/test_doc_counts.py)
-    from cals_seg.calibrators.temperature import (
-        fit_temperature as fit_temperature,
-    )
-    from cals_seg.calibrators.temperature import (
-        nll_at_temperature as nll_at_temperature,
-    )
     from cals_seg.calibrators.ts import (
         TemperatureScaler as TemperatureScaler,
+    )
+    from cals_seg.calibrators.ts import (
+        fit_temperature as fit_temperature,
+    )
+    from cals_seg.calibrators.ts import (
+        nll_at_temperature as nll_at_temperature,
     )
     from cals_seg.evaluation.inference import (
         EvalProtocol as EvalProtocol,

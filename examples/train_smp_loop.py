@@ -23,7 +23,7 @@ import torch
 from albumentations.pytorch import ToTensorV2
 from torch.utils.data import DataLoader, Dataset
 
-from cals_seg.calibrators.temperature import fit_temperature
+from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.losses import build_loss
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 from cals_seg.utils.precision import resolve_amp

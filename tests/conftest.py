@@ -57,7 +57,7 @@ def recomputed_test_accuracy(run_dir: Path) -> tuple[float, int]:
 
 
 # No test touches the network: pretrained weights that are not cached fail at once
-# (cals_seg.models._hub reads this), and huggingface_hub itself stays offline.
+# (cals_seg.models.hub reads this), and huggingface_hub itself stays offline.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def assert_tree_close(got: Any, want: Any, rel: float = 1e-12, abs_: float = 1e-15,
                       path: str = "") -> None:

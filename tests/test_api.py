@@ -23,8 +23,7 @@ def test_import_does_not_pull_heavy_dependencies():
 
 
 def test_public_names():
-    from cals_seg.calibrators.temperature import fit_temperature
-    from cals_seg.calibrators.ts import TemperatureScaler
+    from cals_seg.calibrators.ts import TemperatureScaler, fit_temperature
     from cals_seg.losses import LOSSES, build_loss
     from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cals_seg.losses import CALSALMLoss, CALSHRLoss, MbLSLoss, build_loss
-from cals_seg.losses._auto_margin import (
+from cals_seg.losses.auto_margin import (
     BIN_WIDTH,
     IMAGE_SUM_KEYS,
     NUM_BINS,

@@ -172,3 +172,53 @@ def test_reported_beside_the_band_weighted_ece():
         meters = task.meters(test=test)
         assert isinstance(meters["rings"], BoundaryAwareECEMeter)
         assert "boundary" in meters  # beside the band-weighted ECE of the band meter
+
+
+def test_the_rings_of_a_mask_are_computed_once_and_follow_its_content():
+    """One evaluation feeds a mask to several meters (raw, post-TS, each calibrator): the rings
+    are kept for the last few masks, keyed by content; a mask changed in place, or another
+    one, gets its own, and every meter's numbers equal those of a fresh meter alone."""
+    from cals_seg.metrics import regions
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 20, 24, generator=gen)
+    target = torch.randint(0, 3, (2, 20, 24), generator=gen)
+    target[:, :3] = 255
+    regions._RING_MEMO.clear()
+
+    def fresh(y: torch.Tensor) -> dict:
+        regions._RING_MEMO.clear()
+        m = BoundaryAwareECEMeter(3, ignore_index=255)
+        m.update(logits, y)
+        return m.compute()
+
+    want = fresh(target)
+    meters = [BoundaryAwareECEMeter(3, ignore_index=255) for _ in range(4)]
+    calls = []
+    real = regions.squared_boundary_distance
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    regions._RING_MEMO.clear()
+    try:
+        regions.squared_boundary_distance = counted
+        for m in meters:
+            m.update(logits, target)
+        assert len(calls) == 1  # one distance transform for four meters
+        changed = target.clone()
+        changed[0, 10:] = 1  # another mask: its own rings
+        other = BoundaryAwareECEMeter(3, ignore_index=255)
+        other.update(logits, changed)
+        assert len(calls) == 2
+    finally:
+        regions.squared_boundary_distance = real
+    for m in meters:
+        assert m.compute()["ba_ece"] == want["ba_ece"]
+    assert other.compute()["ba_ece"] == fresh(changed)["ba_ece"]
+    for i in range(regions._RING_MEMO_SIZE + 3):  # memory: a few masks at most
+        y = target.clone()
+        y[0, 5, i] = (int(y[0, 5, i]) + 1) % 3
+        BoundaryAwareECEMeter(3, ignore_index=255).update(logits, y)
+    assert len(regions._RING_MEMO) == regions._RING_MEMO_SIZE

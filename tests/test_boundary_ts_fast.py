@@ -8,9 +8,9 @@ import torch
 
 from cals_seg.calibrators import build_calibrator
 from cals_seg.calibrators.boundary_ts import predicted_bands
-from cals_seg.metrics import _functional
-from cals_seg.metrics._distance import boundary_mask, capped_squared_distance
-from cals_seg.metrics._functional import argmax_map
+from cals_seg.metrics import functional
+from cals_seg.metrics.distance import boundary_mask, capped_squared_distance
+from cals_seg.metrics.functional import argmax_map
 
 
 def _logits(n: int, k: int, h: int, w: int, seed: int) -> torch.Tensor:
@@ -27,7 +27,7 @@ def _logits(n: int, k: int, h: int, w: int, seed: int) -> torch.Tensor:
 def test_argmax_map_equals_argmax(seed, monkeypatch):
     x = _logits(2, [3, 19, 40][seed], 23, 37, seed).round(decimals=1)  # many ties
     assert torch.equal(argmax_map(x), x.argmax(dim=1))
-    monkeypatch.setattr(_functional, "BLOCK_ELEMENTS", 1)  # blocks of 64 positions
+    monkeypatch.setattr(functional, "BLOCK_ELEMENTS", 1)  # blocks of 64 positions
     assert torch.equal(argmax_map(x), x.argmax(dim=1))
     assert torch.equal(argmax_map(x.double()), x.argmax(dim=1))
 

@@ -262,7 +262,7 @@ class _PreviousRuleALM(CALSALMLoss):
     class, ``m <- next_margin(m, T_hat, G)``); CALS-ALM itself now moves only on evidence."""
 
     def _update_margin(self, epoch, stats):
-        from cals_seg.losses._auto_margin import (
+        from cals_seg.losses.auto_margin import (
             beyond_chance,
             largest_gap_bound,
             next_margin,
@@ -326,7 +326,7 @@ def test_margin_steering_reads_the_right_pixels(steer):
     observes bands b-1..b+1 only. ``pooled_gate``: band b's own T_hat while all the pixels
     together are over-confident (T_all >= 1), T_all otherwise. The margin then follows
     next_margin from the band's own ceiling; the multipliers follow the margin."""
-    from cals_seg.losses._auto_margin import MARGIN_RATE, MARGIN_SKILL, beyond_chance, next_margin
+    from cals_seg.losses.auto_margin import MARGIN_RATE, MARGIN_SKILL, beyond_chance, next_margin
 
     epochs = _epochs()
     def onehot(y):

@@ -530,7 +530,14 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
 
 
 def test_conformal_calibrator_names_are_the_calibrators():
+    """--conformal calibrator= reads the registry: every registered name is accepted, and the
+    refusal of another lists them all."""
     from cals_seg.calibrators import CALIBRATORS
-    from cals_seg.commands._conformal import CALIBRATOR_NAMES
+    from cals_seg.commands._conformal import parse_conformal
+    from cals_seg.errors import UserError
 
-    assert list(CALIBRATOR_NAMES) == list(CALIBRATORS)
+    for name in CALIBRATORS:
+        assert parse_conformal(["alpha=0.1", f"calibrator={name}"])["calibrator"] == name
+    with pytest.raises(UserError) as err:
+        parse_conformal(["alpha=0.1", "calibrator=nope"])
+    assert str(list(CALIBRATORS)) in str(err.value)

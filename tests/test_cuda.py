@@ -22,8 +22,7 @@ import os
 import pytest
 import torch
 
-from cals_seg.calibrators.temperature import fit_temperature, nll_at_temperature
-from cals_seg.calibrators.ts import TemperatureScaler
+from cals_seg.calibrators.ts import TemperatureScaler, fit_temperature, nll_at_temperature
 from cals_seg.losses import LOSSES, build_loss
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 

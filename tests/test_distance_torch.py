@@ -1,4 +1,4 @@
-"""The device-side boundary distances (cals_seg.metrics._distance) against scipy's exact
+"""The device-side boundary distances (cals_seg.metrics.distance) against scipy's exact
 Euclidean distance transform and the numpy bands of the region meters."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from cals_seg.calibrators.boundary_ts import predicted_bands
-from cals_seg.metrics._distance import boundary_mask, label_map_bands, squared_distance_below
+from cals_seg.metrics.distance import boundary_mask, label_map_bands, squared_distance_below
 from cals_seg.metrics.regions import boundary_bands, boundary_pixels
 
 ndimage = pytest.importorskip("scipy.ndimage")

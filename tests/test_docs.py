@@ -327,8 +327,9 @@ def test_python_block(block, request, tmp_path):
             with chdir(tmp_path):
                 exec(code, {"__name__": "__doc_block__"})
             check_registered(kind, name)
-        finally:  # the registry has no public removal: the doc's entry must not outlive it
-            registry._entries.pop(name, None)
+        finally:  # the doc's entry must not outlive its block
+            if name in registry:
+                registry.unregister(name)
         return
     for package in ("lightning", "torchmetrics", "segmentation_models_pytorch"):
         if re.search(rf"^\s*(from|import) {package}\b", block.code, re.M):
@@ -546,7 +547,7 @@ def test_offline_pretrained_weights_fail_before_smp_is_called(monkeypatch):
     import segmentation_models_pytorch as smp
 
     from cals_seg.errors import WeightsUnavailableError
-    from cals_seg.models import _hub
+    from cals_seg.models import hub
     from cals_seg.models.segmentation import build_segmentation_model
 
     def no_network(*args, **kwargs):
@@ -555,8 +556,8 @@ def test_offline_pretrained_weights_fail_before_smp_is_called(monkeypatch):
     monkeypatch.setattr("socket.create_connection", no_network)
     monkeypatch.setattr(smp, "create_model", no_network)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert not _hub.hub_reachable()
-    monkeypatch.setattr(_hub, "is_cached", lambda repo: False)
+    assert not hub.hub_reachable()
+    monkeypatch.setattr(hub, "is_cached", lambda repo: False)
     with pytest.raises(WeightsUnavailableError) as err:
         build_segmentation_model("deeplabv3", "resnet34", "imagenet", 3)
     message = str(err.value)
@@ -566,7 +567,7 @@ def test_offline_pretrained_weights_fail_before_smp_is_called(monkeypatch):
     from huggingface_hub import constants
 
     seen = []
-    monkeypatch.setattr(_hub, "is_cached", lambda repo: repo[0] == "smp-hub/resnet34.imagenet")
+    monkeypatch.setattr(hub, "is_cached", lambda repo: repo[0] == "smp-hub/resnet34.imagenet")
     monkeypatch.setattr(smp, "create_model",
                         lambda *a, **k: seen.append(constants.HF_HUB_OFFLINE) or "model")
     saved = constants.HF_HUB_OFFLINE
@@ -577,11 +578,12 @@ def test_offline_pretrained_weights_fail_before_smp_is_called(monkeypatch):
 def test_check_data_warns_about_large_crops_and_offline_weights(tmp_path, monkeypatch):
     """configs/folder_deeplabv3.yaml as shipped on small images: crop 512 on 40 x 24 images, and
     ImageNet weights that this (offline) machine has not cached: two warnings, exit 0."""
-    from cals_seg.models import _hub
+
+    from cals_seg.models import hub
 
     from ._trees import folder_tree
 
-    monkeypatch.setattr(_hub, "is_cached", lambda repo: False)
+    monkeypatch.setattr(hub, "is_cached", lambda repo: False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     root = folder_tree(tmp_path / "data", {"train": 4, "val": 2, "test": 2})
     argv = [str(ROOT / "configs" / "folder_deeplabv3.yaml"), "--no-progress", "--set",

@@ -23,7 +23,7 @@ from PIL import Image
 from cals_seg.calibrators import CALIBRATORS, build_calibrator
 from cals_seg.calibrators._export import graph_bands
 from cals_seg.calibrators.boundary_ts import predicted_bands
-from cals_seg.metrics._distance import int_thresholds
+from cals_seg.metrics.distance import int_thresholds
 
 from .conftest import load_tool
 

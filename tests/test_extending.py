@@ -124,7 +124,8 @@ def registered() -> Iterator[None]:
     yield
     for reg, name in ((LOSSES, LOSS), (DATASETS, DATASET), (CORRUPTION_REGISTRY, CORRUPTION),
                       (METERS, METER)):
-        reg._entries.pop(name, None)
+        if name in reg:
+            reg.unregister(name)
 
 
 def write_setup(folder: Path) -> Path:

@@ -23,7 +23,7 @@ from cals_seg.calibrators.image_ts import (
     image_statistics,
     logit_statistics,
 )
-from cals_seg.metrics._distance import int_thresholds
+from cals_seg.metrics.distance import int_thresholds
 
 VOID = 255
 MEAN, STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])

@@ -17,7 +17,7 @@ from cals_seg.metrics import (
     SegmentationMeter,
     ShotGroupMeter,
 )
-from cals_seg.metrics._functional import PROBE_POSITIONS, looks_like_probabilities
+from cals_seg.metrics.functional import PROBE_POSITIONS, looks_like_probabilities
 
 from .conftest import assert_tree_close
 

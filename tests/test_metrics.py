@@ -413,7 +413,7 @@ def test_classwise_false():
 
 
 def test_bin_index_is_exact_at_the_edges():
-    from cals_seg.metrics._functional import bin_index
+    from cals_seg.metrics.functional import bin_index
 
     for n in (1, 3, 7, 10, 15, 100):
         for dtype, npt in ((torch.float32, np.float32), (torch.float64, np.float64)):
@@ -430,7 +430,7 @@ def test_bin_index_is_exact_at_the_edges():
 
 
 def test_fine_histogram_cells_are_ordered_and_resolve_the_tail():
-    from cals_seg.metrics._functional import NUM_FINE_CELLS, fine_cell
+    from cals_seg.metrics.functional import NUM_FINE_CELLS, fine_cell
 
     g = torch.Generator().manual_seed(10)
     tail = 1 - torch.arange(0, 5000, dtype=torch.float64) * 2.0**-24

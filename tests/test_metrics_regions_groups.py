@@ -129,7 +129,7 @@ def test_calibration_blocks_equal_one_block(classwise, monkeypatch):
 
 
 def test_max_argmax_equals_torch_max():
-    from cals_seg.metrics._functional import max_argmax
+    from cals_seg.metrics.functional import max_argmax
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):

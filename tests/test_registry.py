@@ -147,3 +147,14 @@ def test_a_meter_declares_its_states_and_the_base_streams_resets_and_saves_them(
         _HitCount(1)
     with pytest.raises(UserError, match="`ignore_index` to be an integer"):
         _HitCount(3, ignore_index=None)  # type: ignore[arg-type]
+
+
+def test_unregister_removes_an_entry_and_refuses_an_unknown_one():
+    reg: Registry[int] = Registry("thing")
+    reg.register("a", 1)
+    reg.register("b", 2)
+    assert reg.unregister("a") == 1 and list(reg) == ["b"] and "a" not in reg
+    with pytest.raises(UnknownNameError, match="Unknown thing 'a'; valid names are \\['b'\\]"):
+        reg.unregister("a")
+    reg.register("a", 3)  # the name is free again
+    assert reg["a"] == 3

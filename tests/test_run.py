@@ -14,11 +14,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from cals_seg.calibrators import build_calibrator
 from cals_seg.errors import RunExistsError
-from cals_seg.evaluation.engine import evaluate_calibrators, fit_calibrators, run_test_pass
+from cals_seg.evaluation.engine import (
+    calibrated_test,
+    evaluate_calibrators,
+    fit_calibrators,
+    run_test_pass,
+)
 from cals_seg.evaluation.stream import Inference
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 from cals_seg.runs import run as run_mod
-from cals_seg.runs.run import Run, calibrated_test
+from cals_seg.runs.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 VOID = 255
@@ -182,7 +187,7 @@ def test_calibrated_test_fits_t_on_validation_only():
         def meters(n_bins, test=False):
             return _meters(k)
 
-    from cals_seg.calibrators.temperature import fit_temperature
+    from cals_seg.calibrators.ts import fit_temperature
 
     infer = Inference(model, torch.device("cpu"))
     out = calibrated_test(infer, Task, val, test)

@@ -13,7 +13,7 @@ The predicted boundary bands (:func:`graph_bands`) follow the definition of the 
 class), a pixel is a boundary pixel when one of its 8 neighbours inside the image has another
 label, ``D`` is the exact squared Euclidean distance to the nearest boundary pixel of the same
 image, and band ``i`` holds ``ceil(b_i^2) <= D < ceil(b_{i+1}^2)``
-(:func:`cals_seg.metrics._distance.label_map_bands`), decided on the same integers.
+(:func:`cals_seg.metrics.distance.label_map_bands`), decided on the same integers.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from cals_seg.calibrators._ops import confidence_logodds, floored_log_probs
-from cals_seg.metrics._distance import int_thresholds
+from cals_seg.metrics.distance import int_thresholds
 
 
 def _cat_zeros(x: Tensor, dim: int, before: int, after: int) -> Tensor:
@@ -45,7 +45,7 @@ def _cat_zeros(x: Tensor, dim: int, before: int, after: int) -> Tensor:
 
 def graph_boundary(label: Tensor) -> Tensor:
     """Pixels with at least one of their 8 neighbours inside the image of another label: the
-    rule of :func:`cals_seg.metrics._distance.boundary_mask` (no void), written without
+    rule of :func:`cals_seg.metrics.distance.boundary_mask` (no void), written without
     in-place writes into slices.
 
     Shape:
@@ -74,7 +74,7 @@ def graph_boundary(label: Tensor) -> Tensor:
 def graph_squared_distance(boundary: Tensor, limit: int) -> Tensor:
     """``min(D, limit)`` for the exact squared Euclidean distance ``D`` of every pixel to the
     nearest boundary pixel of its image: the two passes of
-    :func:`cals_seg.metrics._distance.capped_squared_distance` (a vertical distance capped at
+    :func:`cals_seg.metrics.distance.capped_squared_distance` (a vertical distance capped at
     ``R + 1``, ``R = isqrt(limit - 1)``, then the minimum over ``|dx| <= R`` of ``g^2 + dx^2``)
     in int32, with ``R`` dilation steps whatever the height (steps past the height change
     nothing: a column without a boundary pixel counts to ``R + 1``, the cap, as there).
@@ -107,7 +107,7 @@ def graph_squared_distance(boundary: Tensor, limit: int) -> Tensor:
 def graph_bands(logits: Tensor, thresholds: Sequence[int]) -> Tensor:
     """Band of every pixel from the boundaries of ``argmax(logits)``: the bands of
     :func:`cals_seg.calibrators.boundary_ts.predicted_bands` (``thresholds``:
-    :func:`~cals_seg.metrics._distance.int_thresholds` of the band distances).
+    :func:`~cals_seg.metrics.distance.int_thresholds` of the band distances).
 
     Shape:
         - logits: ``(N, K, H, W)``; returns ``(N, H, W)`` int64.

@@ -37,22 +37,22 @@ from cals_seg.calibrators._grid import grid_nll, grid_optima, refine_grids
 from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.errors import UserError
-from cals_seg.metrics._distance import (
+from cals_seg.metrics.distance import (
     boundary_mask,
     capped_squared_distance,
     int_thresholds,
     label_map_bands,
 )
-from cals_seg.metrics._functional import argmax_map
+from cals_seg.metrics.functional import argmax_map
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int
 
 
 def predicted_bands(logits: Tensor, bands: Sequence[float]) -> Tensor:
     """Band of every pixel from the boundaries of ``argmax(logits)``, computed on the logits'
-    device (:func:`cals_seg.metrics._distance.label_map_bands`: exact distances, the bands of
+    device (:func:`cals_seg.metrics.distance.label_map_bands`: exact distances, the bands of
     :func:`cals_seg.metrics.regions.boundary_bands`). The arg-max is
-    :func:`cals_seg.metrics._functional.argmax_map` (that of ``argmax(dim=1)``, faster).
+    :func:`cals_seg.metrics.functional.argmax_map` (that of ``argmax(dim=1)``, faster).
 
     Shape:
         - logits: ``(N, K, H, W)``; returns ``(N, H, W)`` int64 on the logits' device.

@@ -99,7 +99,7 @@ from cals_seg.data.drift_mixtures import (
     held_out_function,
 )
 from cals_seg.errors import UserError
-from cals_seg.metrics._distance import int_thresholds
+from cals_seg.metrics.distance import int_thresholds
 from cals_seg.utils.distributed import is_distributed
 from cals_seg.utils.validation import check_int, check_positive_float
 

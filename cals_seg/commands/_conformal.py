@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cals_seg.calibrators import CALIBRATORS
 from cals_seg.errors import MissingPathError, UserError
 from cals_seg.evaluation import conformal_eval, conformal_fit
 from cals_seg.evaluation.conformal import parse_mode
@@ -46,8 +47,6 @@ from cals_seg.evaluation.fit_records import protocol_record  # noqa: F401 (the c
 from cals_seg.training.engine import make_loader
 
 CONFORMAL_KEYS = ("alpha", "mode", "score", "calibrator", "seed", "every")
-CALIBRATOR_NAMES = ("ts", "vector", "dirichlet", "lts", "selective", "boundary_ts", "cms_ap",
-                    "cms_op", "boundary_ts_fine", "boundary_ts_conf", "image_ts")
 
 
 def _ascii_int(value: str) -> int:
@@ -94,7 +93,7 @@ def parse_conformal(items: list[str]) -> dict[str, Any]:
                     raise ValueError(value)
                 spec["score"] = value
             elif key == "calibrator":
-                if value not in CALIBRATOR_NAMES:
+                if value not in CALIBRATORS:
                     raise ValueError(value)
                 spec["calibrator"] = value
             else:
@@ -104,7 +103,7 @@ def parse_conformal(items: list[str]) -> dict[str, Any]:
         except ValueError:
             allowed = {"alpha": "a number in (0, 1)", "mode": "risk, image:TAU, class or band "
                        "(comma-separated)", "score": f"one of {list(SCORES)}",
-                       "calibrator": f"one of {list(CALIBRATOR_NAMES)}",
+                       "calibrator": f"one of {list(CALIBRATORS)}",
                        "seed": "an integer >= 0 (ASCII digits)",
                        "every": "an integer >= 1 (ASCII digits; 1: all validation images)"}[key]
             raise UserError(f"--conformal {item!r}: expected {key} to be {allowed}.") from None
@@ -157,6 +156,15 @@ def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set:
     ``{MODE: fit and test-split numbers}``."""
     return conformal_eval.conformal_evaluation(run, spec, val_set, test_set, progress, maps_dir,
                                                num_maps, folder, loader=run_loader(run))
+
+
+def conformal_sets(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
+                   maps_dir: Path | None = None, num_maps: int = 0,
+                   folder: Path | None = None) -> Any:
+    """:func:`cals_seg.evaluation.conformal_eval.conformal_sets` with the run's loader: the
+    fitted sets as a consumer of the test pass."""
+    return conformal_eval.conformal_sets(run, spec, val_set, test_set, maps_dir, num_maps,
+                                         folder, loader=run_loader(run))
 
 
 def validation_split(run: Any) -> tuple[Any, str | None]:

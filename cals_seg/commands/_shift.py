@@ -134,15 +134,16 @@ def drift_calibrators(run: Any, args: argparse.Namespace, names: Sequence[str], 
 
 
 def shift_results(run: Any, args: argparse.Namespace, split_set: Any, result: Mapping[str, Any],
-                  calibrators: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]],
-                                                           dict[str, Any]]:
+                  calibrators: Mapping[str, Any], clean_entropies: Sequence[float] | None = None
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """:func:`cals_seg.evaluation.shift.shift_results` of the corruptions of ``args.shift`` on
-    ``split_set``: ``({NAME:SEVERITY: metrics}, the entropy flag)``."""
+    ``split_set``: ``({NAME:SEVERITY: metrics}, the entropy flag)``; ``clean_entropies`` as
+    there."""
     from cals_seg.commands._conformal import run_loader
     from cals_seg.evaluation import shift
 
     return shift.shift_results(run, args.shift, split_set, result, calibrators,
-                               loader=run_loader(run))
+                               loader=run_loader(run), clean_entropies=clean_entropies)
 
 
 def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,

@@ -68,7 +68,7 @@ def _setup_warnings(cfg, report) -> list[str]:
     """What would make training slow or stop although the data are right: crops much larger
     than the images, pretrained weights that cannot be downloaded here."""
     from cals_seg.data.crops import crop_warning
-    from cals_seg.models._hub import weights_problem
+    from cals_seg.models.hub import weights_problem
 
     found = []
     train = report.splits.get("train")

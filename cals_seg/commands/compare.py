@@ -40,7 +40,7 @@ apply to it):
 
 Prediction sets, shift and ensembles (docs/conformal.md, docs/shift.md), for segmentation runs:
 
-    --conformal alpha=0.1 [mode=risk,image:0.9,class,band] [score=lac|aps] [calibrator=NAME]
+    --conformal alpha=0.1 [mode=risk,image:0.9,class,band] [score=NAME] [calibrator=NAME]
         the conformal evaluation of tools/eval_seg.py --conformal on each run (fitted on its
         held-out validation images, measured on its test split), and again after each
         calibrator of --calibrators: OUT/conformal.md and .csv, one row per method,
@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--conformal", nargs="+", default=None, metavar="KEY=VALUE",
                         help="prediction sets with a guarantee, as tools/eval_seg.py's: alpha=0.1 "
-                        "[mode=risk|image:0.9|class|band (comma-separated)] [score=lac|aps] "
+                        "[mode=risk|image:0.9|class|band (comma-separated)] [score=NAME] "
                         "[calibrator=NAME]: OUT/conformal.md and .csv")
     parser.add_argument("--shift", nargs="+", default=None, metavar="NAME:SEVERITY",
                         help="evaluate each run with each image corruption (severity 1-5; all:3, "

@@ -8,7 +8,7 @@ per-image calibration maps.
         [--resize S] [--pad P] [--set key=value ...]
         [--calibrators ts vector dirichlet lts selective boundary_ts] [--refit-calibrators]
         [--calibrator-param lts.epochs=20 ...]
-        [--conformal alpha=0.1 [mode=risk|image:0.9|class|band] [score=lac|aps]
+        [--conformal alpha=0.1 [mode=risk|image:0.9|class|band] [score=NAME]
                      [calibrator=NAME]]
         [--shift NAME:SEVERITY ... | all:3 | all] [--shift-seed 0] [--calibrator-fit-shift]
     python tools/eval_seg.py RUN1 RUN2 ... --ensemble --out DIR [options above]
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from cals_seg.commands._cli import (
     add_method_argument,
@@ -65,6 +66,7 @@ from cals_seg.commands._cli import (
 )
 from cals_seg.commands._shift import add_shift_arguments
 from cals_seg.errors import MissingPathError, UserError
+from cals_seg.utils.background import Background
 
 
 def calibrator_name(value: str) -> str:
@@ -113,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "lts.epochs=20 or boundary_ts.bands=[2,5,10] (YAML values)")
     parser.add_argument("--conformal", nargs="+", default=None, metavar="KEY=VALUE",
                         help="prediction sets with a guarantee: alpha=0.1 [mode=risk|image:0.9|"
-                        "class|band (comma-separated)] [score=lac|aps] [calibrator=NAME]")
+                        "class|band (comma-separated)] [score=NAME] [calibrator=NAME]")
     add_protocol_arguments(parser)
     add_shift_arguments(parser)
     add_method_argument(parser)
@@ -212,17 +214,16 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     calibrators, the default output folder), and an output folder that neither overlaps the
     data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``).
     """
-    from cals_seg.runs.run import Run
     from cals_seg.utils.distributed import is_main_process
     from cals_seg.utils.lock import RunLock
     from cals_seg.utils.paths import OutputFolder
 
     if not is_main_process():
         return
-    folder = run.checkpoint.resolve().parent
+    folder = run.run
     if not args.out or args.calibrators:
-        args.run_lock = RunLock(folder, "eval").acquire()  # held until the process ends
-    out = Path(args.out) if args.out else Run(folder).eval_dir(args.split)
+        args.run_lock = RunLock(folder.path, "eval").acquire()  # held until the process ends
+    out = Path(args.out) if args.out else folder.eval_dir(args.split)
     outputs = OutputFolder(out, "eval_seg", inputs=[run.config.data.root])
     split_set = getattr(run.task, f"{args.split}_set")
     num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
@@ -260,7 +261,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
 
     from cals_seg.config.checks import bounded_input
     from cals_seg.data.checks import warn_large_images
-    from cals_seg.runs.run import Run, calibrated_test
+    from cals_seg.evaluation.engine import calibrated_test, fit_post_temperature
     from cals_seg.training.engine import make_loader
     from cals_seg.utils.distributed import is_main_process
 
@@ -281,8 +282,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.evaluation.inference import NonFiniteLogitsError
         from cals_seg.utils.distributed import is_distributed
 
-        cal_folder = getattr(args, "calibrator_folder", None) or \
-            Run(run.checkpoint.resolve().parent).calibrators
+        cal_folder = getattr(args, "calibrator_folder", None) or run.run.calibrators
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
@@ -311,12 +311,46 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
             except USER_ERRORS as err:
                 return report(err)
             calibrators, fits = calibrators | drifted[0], fits | drifted[1]
+    # Everything fitted on validation comes first (each pass after the first served from the
+    # logit cache); then ONE pass over the split feeds the meters of every view, the conformal
+    # sets and the entropy statistics of the shift flag.
+    temperature = None
+    if e.temperature_scaling:  # the ts calibrator fitted above is the same fit, to the bit
+        ts_fit = fits.get("ts", {}).get("temperature")
+        temperature = float(ts_fit) if ts_fit is not None and "ts" in calibrators else \
+            fit_post_temperature(infer, val_loader, task.ignore_index)
+    extra: list[Any] = []
+    sets = clean_entropy = None
+    if getattr(args, "conformal", None):
+        from cals_seg.commands._cli import USER_ERRORS, report
+        from cals_seg.commands._conformal import conformal_sets
+
+        try:
+            out = Path(args.out) if args.out else run.run.eval_dir(args.split)
+            num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
+            # an ensemble's fits live in its --out (args.calibrator_folder), never in a member's
+            sets = conformal_sets(run, args.conformal, task.val_set, split_set, out / "maps",
+                                  num_maps, getattr(args, "calibrator_folder", None))
+        except USER_ERRORS as err:
+            return report(err)
+        extra.append(sets)
+    if getattr(args, "shift", None):
+        from cals_seg.evaluation.ood import MeanEntropy
+
+        clean_entropy = MeanEntropy(temperature or 1.0)  # the flag's clean rate, same pass
+        extra.append(clean_entropy)
     result = calibrated_test(
         infer, task, val_loader, make_loader(split_set, e.batch_size, False, workers), e.n_bins,
         e.temperature_scaling, cfg.train.progress, calibrators=calibrators,
+        temperature=temperature, extra=extra,
     )
     result.update(checkpoint=str(run.checkpoint), epoch=run.epoch, split=args.split,
                   precision=infer.amp, family=run.family, score_metric=run.score_metric)
+    figures = Background()
+    if is_main_process():  # the clean figures are drawn while the corrupted splits stream
+        out = Path(args.out) if args.out else run.run.eval_dir(args.split)
+        out.mkdir(parents=True, exist_ok=True)
+        figures.start(draw_clean_figures, result, out, cfg.name, args.split)
     from cals_seg.evaluation.confidence_regime import KEY as REGIME_KEY
 
     regime = under_confidence(run, infer, val_loader)
@@ -331,24 +365,12 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.commands._shift import shift_results
 
         try:
-            result["shift"], result["entropy_flag"] = shift_results(run, args, split_set,
-                                                                    result, calibrators)
+            result["shift"], result["entropy_flag"] = shift_results(
+                run, args, split_set, result, calibrators, clean_entropy.values)
         except USER_ERRORS as err:
             return report(err)
-    if getattr(args, "conformal", None):
-        from cals_seg.commands._cli import USER_ERRORS, report
-        from cals_seg.commands._conformal import conformal_evaluation
-
-        try:
-            out = Path(args.out) if args.out else \
-                Run(run.checkpoint.resolve().parent).eval_dir(args.split)
-            num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
-            # an ensemble's fits live in its --out (args.calibrator_folder), never in a member's
-            result["conformal"] = conformal_evaluation(
-                run, args.conformal, task.val_set, split_set, cfg.train.progress, out / "maps",
-                num_maps, getattr(args, "calibrator_folder", None))
-        except USER_ERRORS as err:
-            return report(err)
+    if sets is not None:
+        result["conformal"] = sets.results()
     if names and skipped:
         result["calibrator_errors"] = skipped
     from cals_seg.evaluation.logit_cache import active_cache
@@ -359,7 +381,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
         return 0
 
-    code = write_evaluation(run, args, result, split_set)
+    code = write_evaluation(run, args, result, split_set, figures)
     return code or (1 if skipped else 0)  # 1: some calibrators could not be fitted (named)
 
 
@@ -387,22 +409,16 @@ def calibrator_skip(name: str, err: Exception) -> str:
     return reason
 
 
-def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> int:
-    """What rank 0 writes: metrics.json, the reliability, calibrator and region plots, the
-    multiplier curves and the calibration maps; prints the summary line."""
-    from cals_seg.evaluation.reports import calibration_maps, plot_regions
-    from cals_seg.runs.run import Run
-    from cals_seg.utils.io import write_json
+def draw_clean_figures(result: dict, out: Path, setup: str, split: str) -> None:
+    """The figures of the clean evaluation ``result`` of ``split`` in ``out``: the reliability
+    diagrams (pre-TS, post-TS, each calibrator) and the region plots (ECE per band and size,
+    risk-coverage, reliability per band), titled with the ``setup``'s name and the split."""
+    from cals_seg.evaluation.reports import plot_regions
     from cals_seg.visualization import plotting
 
-    cfg, task = run.config, run.task
-    folder = Run(run.checkpoint.resolve().parent)
-    out = Path(args.out) if args.out else folder.eval_dir(args.split)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(Run.eval_metrics(out), result)
     for key in ("pre_ts", "post_ts"):
         if result.get(key):
-            title = f"{cfg.name} {args.split}, {key.replace('_', '-')}"
+            title = f"{setup} {split}, {key.replace('_', '-')}"
             if key == "post_ts":
                 title += f" (T = {result['temperature']:.2f})"
             plotting.plot_reliability_diagram(
@@ -411,6 +427,31 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
                 title=title,
                 ece=result[key]["ece"],
             )
+    for cal, metrics in (result.get("calibrators") or {}).items():
+        plotting.plot_reliability_diagram(metrics["reliability"], out / f"reliability_{cal}.png",
+                                          title=f"{setup}, {split} split, {cal}",
+                                          ece=metrics["ece"])
+    plot_regions(result, out, f"{setup} {split}")
+
+
+def write_evaluation(run, args: argparse.Namespace, result: dict, split_set,
+                     figures: Background | None = None) -> int:
+    """What rank 0 writes: metrics.json, the calibrator table, the multiplier curves and the
+    calibration maps, and the clean figures (:func:`draw_clean_figures`: here, or joined from
+    ``figures`` where they were started while the corrupted splits streamed); prints the
+    summary line."""
+    from cals_seg.evaluation.reports import calibration_maps
+    from cals_seg.runs.run import Run
+    from cals_seg.utils.io import write_json
+    from cals_seg.visualization import plotting
+
+    cfg, task = run.config, run.task
+    folder = run.run
+    out = Path(args.out) if args.out else folder.eval_dir(args.split)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(Run.eval_metrics(out), result)
+    if figures is None:
+        draw_clean_figures(result, out, cfg.name, args.split)
     write_calibrator_outputs(result, out, f"{cfg.name}, {args.split} split")
     if result.get("shift"):
         from cals_seg.commands._shift import write_shift
@@ -423,7 +464,6 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
         (out / "conformal.md").write_text(f"{cfg.name}, {args.split} split: conformal sets "
                                           "(docs/conformal.md).\n\n" + table)
         print(table)
-    plot_regions(result, out, f"{cfg.name} {args.split}")
     history = folder.history()
     plotting.plot_multiplier_curves(history, out / "lambda_curves.png", task.class_names)
     num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
@@ -443,21 +483,20 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set) -> 
             f"mIoU {pre['miou']:.4f}")
     if post is not None:
         line += f"  | post-TS ECE {100 * post['ece']:.2f}% (T = {result['temperature']:.3f})"
+    if figures is not None:
+        figures.wait()
     print(line)
     print(f"wrote {Run.eval_metrics(out)} and {len(maps)} calibration maps in {out / 'maps'}")
     return 0
 
 
 def write_calibrator_outputs(result: dict, out: Path, title: str) -> None:
-    """Each post-hoc calibrator's reliability diagram and the table ``out/calibrators.md``."""
+    """The table of the post-hoc calibrators, ``out/calibrators.md`` (their reliability
+    diagrams are among :func:`draw_clean_figures`)."""
     from cals_seg.evaluation.engine import calibration_table
-    from cals_seg.visualization import plotting
 
     if not result.get("calibrators"):
         return
-    for name, metrics in result["calibrators"].items():
-        plotting.plot_reliability_diagram(metrics["reliability"], out / f"reliability_{name}.png",
-                                          title=f"{title}, {name}", ece=metrics["ece"])
     rows = {"uncalibrated": result["pre_ts"]}
     if result.get("post_ts"):
         rows["ts (the run's T)"] = result["post_ts"]

@@ -2,7 +2,7 @@
 
     python tools/export.py runs/<name> --format onnx --out model.onnx
     python tools/export.py runs/<name> --format pt2 --out model.pt2 [--logits]
-        [--calibrator NAME] [--conformal 0.1 [mode=risk|image:0.9|class] [score=lac|aps]]
+        [--calibrator NAME] [--conformal 0.1 [mode=risk|image:0.9|class] [score=NAME]]
 
 The program maps a float32 RGB batch (N, 3, H, W) with values in [0, 255] to calibrated
 probabilities (N, K, H, W) at the input's resolution: normalisation, padding to the network's
@@ -13,7 +13,7 @@ NAME the post-hoc calibrator saved in <run>/calibrators/NAME.pt (fitted by tools
 its boundary bands come from the program's own predicted map). --calibrator none: T = 1. N, H
 and W are dynamic; the smallest side is the smallest the network holds (found by the export;
 --min-size to ask for another). With --conformal ALPHA [mode=risk|image:TAU|class]
-[score=lac|aps] (aps: pt2 only), the program has a second output, sets: the prediction sets
+[score=NAME] (aps: pt2 only), the program has a second output, sets: the prediction sets
 (N, K, H, W) bool of predict_seg --conformal (docs/conformal.md), from the fit saved in
 <run>/calibrators/ (or fitted now on the run's held-out validation images). Next to FILE,
 FILE.json says what it expects and returns (class names, smallest side, calibration,
@@ -32,8 +32,8 @@ import sys
 from cals_seg.commands._cli import add_trust_argument
 
 # The library's names (cals_seg.runs.export imports torch; --help must not). --calibrator is
-# checked against the registry there (cals_seg.runs.export.CALIBRATORS), so that a calibrator
-# registered later is exported without an edit here.
+# checked against the registry there (cals_seg.runs.export.calibrator_choices()), so that a
+# calibrator registered later is exported without an edit here.
 FORMATS = ("onnx", "pt2")
 
 
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "network holds, found by the export)")
     parser.add_argument("--conformal", nargs="+", default=None, metavar="ALPHA",
                         help="also output the prediction sets of predict_seg --conformal: ALPHA "
-                        "[mode=risk|image:TAU|class] [score=lac|aps]")
+                        "[mode=risk|image:TAU|class] [score=NAME]")
     add_trust_argument(parser)
     return parser.parse_args(argv)
 
@@ -87,16 +87,15 @@ def _main(args: argparse.Namespace) -> int:
         conformal = None
         if args.conformal is not None:
             from cals_seg.commands._conformal import load_or_fit_conformal, parse_conformal
+            from cals_seg.evaluation.conformal_score import refuse_onnx
             from cals_seg.runs.run import load_run
 
             spec = parse_conformal(args.conformal)
             if any(m.startswith("band") for m in spec["mode"]):
                 raise UserError("--conformal mode=band: the distance to the predicted boundaries "
                                 "is not exported; use mode=risk, image:TAU or class.")
-            if spec["score"] == "aps" and args.format == "onnx":
-                raise UserError("--format onnx --conformal score=aps: the APS randomisation "
-                                "reads the bits of the probabilities, which ONNX cannot; use "
-                                "--format pt2, or score=lac.")
+            if args.format == "onnx":
+                refuse_onnx(spec["score"])
             conformal = load_or_fit_conformal(
                 load_run(args.run, args.checkpoint, device="cpu", amp="none",
                          family="segmentation"), spec)

@@ -66,7 +66,7 @@ def import_model(config: str | Path, out: str | Path, overrides: list[str] | tup
     import torch
     import torch.nn.functional as F
 
-    from cals_seg.calibrators.temperature import fit_temperature
+    from cals_seg.calibrators.ts import fit_temperature
     from cals_seg.config.checks import check_config
     from cals_seg.config.schema import config_to_dict, load_config, save_config
     from cals_seg.evaluation.stream import predict, unpack_batch

@@ -3,7 +3,7 @@
     python tools/predict_seg.py runs/<name> photos/ extra.jpg --out predictions/ \\
         [--threshold 0.5] [--temperature T] [--mode slide --window 512 --stride 341] \\
         [--resize S] [--pad P] [--device auto|cpu|cuda] [--strict] [--set key=value ...]
-        [--calibrator NAME] [--conformal ALPHA [mode=risk|image:0.9|class|band] [score=lac|aps]]
+        [--calibrator NAME] [--conformal ALPHA [mode=risk|image:0.9|class|band] [score=NAME]]
 
 RUN_DIR_OR_CHECKPOINT is a run directory (its checkpoint_best.pt, else checkpoint_last.pt) or a
 checkpoint inside one; the run's resolved config.yaml rebuilds the model and the normalisation,
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="a post-hoc calibrator saved in <run>/calibrators/ (instead of T)")
     parser.add_argument("--conformal", nargs="+", default=None, metavar="ALPHA",
                         help="prediction sets with miscoverage ALPHA (then optional mode=..., "
-                        "score=lac|aps; docs/conformal.md)")
+                        "score=NAME: lac, aps or any registered score; docs/conformal.md)")
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first unreadable input (default: name it, go on)")
     parser.add_argument("--no-progress", dest="progress", action="store_false")

@@ -4,7 +4,7 @@ A margin penalty (CALS-ALM, CALS-HR, MbLS) bounds the logit gaps, so it can only
 confidence. A network that is already under-confident on held-out data cannot be helped by one;
 a post-hoc calibrator fitted on the validation split can (temperature scaling with ``T < 1``
 raises every confidence). The evidence is the interval of the validation temperature that the
-evidence rule of ``margin: auto`` computes (:mod:`cals_seg.losses._auto_margin`): the mean
+evidence rule of ``margin: auto`` computes (:mod:`cals_seg.losses.auto_margin`): the mean
 calibration gap of the split (mean confidence minus accuracy) with its standard error, the image
 being the sampling unit, turned into the temperatures ``T_lo <= T_hat <= T_hi`` whose mean
 confidence equals the accuracy plus, exactly and minus ``z`` standard errors. Under-confident
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.losses._auto_margin import (
+from cals_seg.losses.auto_margin import (
     IMAGE_SUM_KEYS,
     MARGIN_Z,
     NUM_BINS,

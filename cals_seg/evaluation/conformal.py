@@ -63,7 +63,7 @@ from cals_seg.evaluation.conformal_scores.aps import (  # noqa: F401 (re-exporte
     aps_scores,
     pixel_uniforms,
 )
-from cals_seg.metrics._functional import prepare_logits, sum_over_ranks
+from cals_seg.metrics.functional import prepare_logits, sum_over_ranks
 from cals_seg.metrics.regions import boundary_bands
 
 MODES = ("risk", "image", "class", "band")

@@ -21,42 +21,39 @@ from cals_seg.metrics.conformal import PredictionSetMeter
 from cals_seg.metrics.regions import boundary_bands
 
 
-def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
-                         progress: bool = False,
-                         maps_dir: Path | None = None, num_maps: int = 0,
-                         folder: Path | None = None, *, loader: Loader) -> dict[str, Any]:
-    """:func:`~cals_seg.evaluation.conformal_fit.fit_conformal` (fits saved in ``folder``,
-    default ``<run>/calibrators``), then the sets of every mode on ``test_set`` measured by
-    :class:`~cals_seg.metrics.conformal.PredictionSetMeter`; returns ``{MODE: dict}``: the
-    fit's ``alpha``, ``threshold``, ``calibration_images``, ``calibration_ids``,
-    ``guarantee``, ``needs_images`` (``warning`` when empty, also printed on stderr once),
-    ... and the meter's ``risk``, ``coverage``, ``set_size``, ``coverage_band``, ... With
-    ``maps_dir``, the set-size map of each mode for the first ``num_maps`` test images:
-    ``maps_dir/<id>_set_size_<mode>.png`` (:func:`write_size_map`)."""
-    if test_set is val_set:
-        print("warning: --conformal on the validation split: its calibration images are among "
-              "the evaluated ones, so the numbers are not those of new images.", file=sys.stderr)
-    fits, results, calibrator, _ = fit_conformal(run, spec, val_set, folder, loader=loader)
-    for m, r in results.items():
-        if not r["guarantee"]:
-            print(f"warning: --conformal {m}: {r['warning']}", file=sys.stderr, flush=True)
-    task, device = run.task, run.device
-    meters = {m: PredictionSetMeter(task.num_classes, num_groups=cs.num_groups, tau=cs.tau,
-                                    ignore_index=task.ignore_index).to(device)
-              for m, cs in fits.items()}
-    ids = getattr(test_set, "ids", None)
-    seen = 0
-    for logits, target, image in predict(run.model, loader(test_set), device, run.precision,
-                                         progress, desc="conformal", protocol=task.protocol,
-                                         with_inputs=True):
-        out = calibrated(calibrator, logits, image)
-        first, seen = seen, seen + len(logits)
-        for m, cs in fits.items():
-            if maps_dir is not None and first < num_maps:
+class ConformalSets:
+    """The test side of :func:`conformal_evaluation` as one consumer of a test pass:
+    ``update(logits, target, image)`` makes the sets of every fitted mode from the (calibrated)
+    logits and feeds each mode's :class:`~cals_seg.metrics.conformal.PredictionSetMeter` (and
+    writes the set-size maps of the first ``num_maps`` images); :meth:`results` returns
+    ``{MODE: fit numbers and measured ones}`` (:func:`conformal_evaluation`).
+
+    Build it with :func:`conformal_sets` (which fits on validation first) and hand it to the
+    test pass (:func:`cals_seg.evaluation.engine.calibrated_test`'s ``extra``), so that the
+    split is streamed once for the meters and the sets together.
+    """
+
+    def __init__(self, fits: dict[str, Any], results: dict[str, Any], calibrator: Any,
+                 task: Any, device: Any, ids: list[str] | None, maps_dir: Path | None,
+                 num_maps: int) -> None:
+        self.fits, self._results, self.calibrator = fits, results, calibrator
+        self.meters = {m: PredictionSetMeter(task.num_classes, num_groups=cs.num_groups,
+                                             tau=cs.tau, ignore_index=task.ignore_index
+                                             ).to(device) for m, cs in fits.items()}
+        self.ids, self.maps_dir, self.num_maps = ids, maps_dir, num_maps
+        self.seen = 0
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, target: torch.Tensor, image: torch.Tensor) -> None:
+        """One batch: logits ``(N, K, H, W)``, target ``(N, H, W)``, image ``(N, 3, H, W)``."""
+        out = calibrated(self.calibrator, logits, image)
+        first, self.seen = self.seen, self.seen + len(logits)
+        for m, cs in self.fits.items():
+            if self.maps_dir is not None and first < self.num_maps:
                 sets = cs.sets(out)
-                for i in range(min(len(logits), num_maps - first)):
-                    name = ids[first + i] if ids is not None else str(first + i)
-                    write_size_map(maps_dir / f"{name}_set_size_{m.replace(':', '-')}.png",
+                for i in range(min(len(logits), self.num_maps - first)):
+                    name = self.ids[first + i] if self.ids is not None else str(first + i)
+                    write_size_map(self.maps_dir / f"{name}_set_size_{m.replace(':', '-')}.png",
                                    sets[i], cs.num_classes)
             group = None
             if cs.kind == "class":
@@ -64,10 +61,54 @@ def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set:
             elif cs.kind == "band":
                 pred = out.argmax(dim=1).cpu().numpy().astype(np.int64)
                 group = torch.from_numpy(boundary_bands(pred, cs.bands))
-            meters[m].update(cs.sets(out), target, group)
-    for m in fits:
-        results[m].update(meters[m].compute())
-    return results
+            self.meters[m].update(cs.sets(out), target, group)
+
+    def results(self) -> dict[str, Any]:
+        """``{MODE: dict}``: the fit's numbers with the meter's (all-reduced) measurements."""
+        for m in self.fits:
+            self._results[m].update(self.meters[m].compute())
+        return self._results
+
+
+def conformal_sets(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
+                   maps_dir: Path | None = None, num_maps: int = 0,
+                   folder: Path | None = None, *, loader: Loader) -> ConformalSets:
+    """Fit (or reuse) the conformal sets of ``spec`` on ``val_set``
+    (:func:`~cals_seg.evaluation.conformal_fit.fit_conformal`, saved in ``folder``, default
+    ``<run>/calibrators``; a mode without a guarantee is said on stderr) and return the
+    consumer that measures them on ``test_set``'s pass (:class:`ConformalSets`)."""
+    if test_set is val_set:
+        print("warning: --conformal on the validation split: its calibration images are among "
+              "the evaluated ones, so the numbers are not those of new images.", file=sys.stderr)
+    fits, results, calibrator, _ = fit_conformal(run, spec, val_set, folder, loader=loader)
+    for m, r in results.items():
+        if not r["guarantee"]:
+            print(f"warning: --conformal {m}: {r['warning']}", file=sys.stderr, flush=True)
+    return ConformalSets(fits, results, calibrator, run.task, run.device,
+                         getattr(test_set, "ids", None), maps_dir, num_maps)
+
+
+def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
+                         progress: bool = False,
+                         maps_dir: Path | None = None, num_maps: int = 0,
+                         folder: Path | None = None, *, loader: Loader) -> dict[str, Any]:
+    """:func:`~cals_seg.evaluation.conformal_fit.fit_conformal` (fits saved in ``folder``,
+    default ``<run>/calibrators``), then the sets of every mode on ``test_set`` measured by
+    :class:`~cals_seg.metrics.conformal.PredictionSetMeter` in a pass of their own (inside an
+    evaluation that also measures the test meters, hand :func:`conformal_sets`' consumer to
+    that pass instead); returns ``{MODE: dict}``: the fit's ``alpha``, ``threshold``,
+    ``calibration_images``, ``calibration_ids``, ``guarantee``, ``needs_images`` (``warning``
+    when empty, also printed on stderr once), ... and the meter's ``risk``, ``coverage``,
+    ``set_size``, ``coverage_band``, ... With ``maps_dir``, the set-size map of each mode for
+    the first ``num_maps`` test images: ``maps_dir/<id>_set_size_<mode>.png``
+    (:func:`write_size_map`)."""
+    sets = conformal_sets(run, spec, val_set, test_set, maps_dir, num_maps, folder,
+                          loader=loader)
+    for logits, target, image in predict(run.model, loader(test_set), run.device, run.precision,
+                                         progress, desc="conformal", protocol=run.task.protocol,
+                                         with_inputs=True):
+        sets.update(logits, target, image)
+    return sets.results()
 
 
 def conformal_table(results: dict[str, Any]) -> str:
@@ -152,5 +193,5 @@ def write_size_map(path: Path, sets: torch.Tensor, num_classes: int) -> None:
     cv2.imwrite(str(path), cv2.applyColorMap(grey, cv2.COLORMAP_VIRIDIS))
 
 
-__all__ = ["conformal_evaluation", "conformal_table", "image_sets", "set_summary",
-           "write_set_outputs", "write_size_map"]
+__all__ = ["ConformalSets", "conformal_evaluation", "conformal_sets", "conformal_table",
+           "image_sets", "set_summary", "write_set_outputs", "write_size_map"]

@@ -144,8 +144,7 @@ def saved_fit_mismatch(run: Any, spec: dict[str, Any], mode: str, cs: ConformalS
 def fits_folder(run: Any, folder: Path | None = None) -> Path:
     """Where a run's fits live: ``folder`` (an ensemble's, in its --out), else
     ``<run>/calibrators``."""
-    return Path(folder) if folder is not None else \
-        run.checkpoint.resolve().parent / "calibrators"
+    return Path(folder) if folder is not None else run.run.calibrators
 
 
 def conformal_file(folder: Path, mode: str, score: str, alpha: float, seed: int) -> Path:

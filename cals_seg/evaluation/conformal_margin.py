@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from cals_seg.evaluation.conformal import guarantee_status, quantile_threshold
-from cals_seg.metrics._functional import sum_over_ranks
+from cals_seg.metrics.functional import sum_over_ranks
 from cals_seg.metrics.regions import squared_boundary_distance
 
 

@@ -1,6 +1,7 @@
 """The evaluation engine: calibrator fits on validation and THE test pass over a split, each
 split streamed through the network once.
 
+- :func:`calibrated_test`: the post-TS temperature fitted on validation, then the test pass.
 - :func:`run_test_pass`: the metrics of the raw logits, of ``logits / T`` and of every fitted
   calibrator (and of any other consumer of ``(logits, target, image)``, e.g. the conformal
   sets), all from ONE pass over the split.
@@ -36,6 +37,7 @@ from cals_seg.calibrators import (
     load_calibrator,
     save_calibrator,
 )
+from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.evaluation.stream import Inference, Scaled, compute, meter_group_key, predict
 from cals_seg.utils.distributed import is_main_process
 
@@ -170,6 +172,50 @@ def run_test_pass(
         "post_ts": compute(post) if post else None,
         "calibrators": {name: compute(s) for name, s in sets.items()},
     }
+
+
+def fit_post_temperature(infer: Inference, val_loader: DataLoader, ignore_index: int) -> float:
+    """The post-TS temperature: :func:`~cals_seg.calibrators.ts.fit_temperature` on the
+    validation logits of ``infer`` (its passes served from the logit cache after the first)."""
+    return fit_temperature(lambda: infer.predict(val_loader), ignore_index=ignore_index)
+
+
+def calibrated_test(
+    infer: Inference, task: Any, val_loader: DataLoader, test_loader: DataLoader,
+    n_bins: int = 15, temperature_scaling: bool = True, progress: bool = False,
+    calibrators: Mapping[str, Calibrator] | None = None, *,
+    temperature: float | None = None, extra: Sequence[Any] = (),
+) -> dict[str, Any]:
+    """Test metrics before and after temperature scaling fitted on ``val_loader``, from ONE
+    pass over ``test_loader`` (:func:`run_test_pass`; each of the fitted ``calibrators`` feeds
+    its own set of meters, and each of ``extra`` sees ``update(logits, target, image)``, in the
+    same pass). The trainer's final test and ``eval_seg`` call it.
+
+    Args:
+        infer: the model, device, precision and protocol
+            (:class:`~cals_seg.evaluation.stream.Inference`).
+        task: its ``meters(n_bins, test=True)`` are the test meters; ``ignore_index`` is used
+            when fitting T.
+        temperature: T already fitted (:func:`fit_post_temperature`, e.g. because a consumer in
+            ``extra`` needs it); None: fitted here when ``temperature_scaling``.
+        extra: more consumers of the test pass (the conformal sets, the entropy statistics).
+
+    Returns:
+        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}`` (and
+        ``"calibrators": {name: {...}}`` when calibrators are given), the metrics being the
+        merged outputs of ``task.meters(n_bins, test=True)``.
+    """
+    if not temperature_scaling:
+        temperature = None
+    elif temperature is None:
+        temperature = fit_post_temperature(infer, val_loader, task.ignore_index)
+    out = run_test_pass(infer, test_loader, lambda: task.meters(n_bins, test=True),
+                        temperature, calibrators, progress, extra=extra)
+    result = {"temperature": 1.0 if temperature is None else temperature,
+              "pre_ts": out["pre_ts"], "post_ts": out["post_ts"]}
+    if calibrators:
+        result["calibrators"] = out["calibrators"]
+    return result
 
 
 def evaluate_calibrators(

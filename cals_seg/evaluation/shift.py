@@ -170,17 +170,28 @@ def fixed_test(run: Any, loader: Any, temperature: float | None,
     return out
 
 
+def entropy_temperature(result: Mapping[str, Any]) -> float:
+    """The temperature the entropy flag reads the logits at: the clean evaluation's post-TS
+    ``T`` when it has one (``result``: :func:`~cals_seg.evaluation.engine.calibrated_test`'s),
+    else 1."""
+    return (result["temperature"] if result.get("post_ts") else None) or 1.0
+
+
 def shift_results(run: Any, corruptions: Sequence[Corruption], split_set: Any,
                   result: Mapping[str, Any], calibrators: Mapping[str, Any], *,
-                  loader: Callable[[Any], Any]) -> tuple[dict[str, dict[str, Any]],
-                                                         dict[str, Any]]:
+                  loader: Callable[[Any], Any], clean_entropies: Sequence[float] | None = None
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """``({NAME:SEVERITY: metrics}, flags)``: :func:`fixed_test` of every corruption on
     ``split_set`` at the clean evaluation's T (``result``) with the fitted ``calibrators``, and
     the entropy flag of :mod:`cals_seg.evaluation.ood`: ``{"quantile", "limit_nats"`` (on the
     validation images), ``"temperature", "clean_rate", "rates": {NAME:SEVERITY: fraction
-    flagged}}``. ``loader`` makes a dataset's evaluation loader, in order."""
+    flagged}}``. ``loader`` makes a dataset's evaluation loader, in order.
+
+    ``clean_entropies``: the mean entropies of ``split_set``'s images at
+    :func:`entropy_temperature`, when the clean test pass already collected them (a
+    :class:`~cals_seg.evaluation.ood.MeanEntropy` among its consumers); None: one more pass."""
     temperature = result["temperature"] if result.get("post_ts") else None
-    t = temperature or 1.0
+    t = entropy_temperature(result)
 
     def entropies(dataset: Any) -> list[float]:
         ref = MeanEntropy(t)
@@ -189,8 +200,9 @@ def shift_results(run: Any, corruptions: Sequence[Corruption], split_set: Any,
         return ref.values
 
     limit = entropy_limit(entropies(run.task.val_set), QUANTILE)
+    clean = entropies(split_set) if clean_entropies is None else list(clean_entropies)
     flags: dict[str, Any] = {"quantile": QUANTILE, "limit_nats": limit, "temperature": t,
-                             "clean_rate": flagged_rate(entropies(split_set), limit), "rates": {}}
+                             "clean_rate": flagged_rate(clean, limit), "rates": {}}
 
     def once(dataset: Any) -> dict[str, Any]:
         ref = MeanEntropy(t)
@@ -218,6 +230,6 @@ def shift_report(result: Mapping[str, Any]) -> str | None:
     return table
 
 
-__all__ = ["SHIFT_COLUMNS", "compare_table", "fixed_test", "metric", "rows_of",
-           "severity_curves", "severity_means", "shift_evaluation", "shift_report",
+__all__ = ["SHIFT_COLUMNS", "compare_table", "entropy_temperature", "fixed_test", "metric",
+           "rows_of", "severity_curves", "severity_means", "shift_evaluation", "shift_report",
            "shift_results", "shift_table"]

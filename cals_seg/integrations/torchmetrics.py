@@ -34,8 +34,7 @@ except ImportError:  # pragma: no cover - exercised by the missing-package test
         'pip install "cals_seg[lightning]" (or: pip install torchmetrics).'
     ) from None
 
-from cals_seg.metrics import CalibrationMeter, SegmentationMeter
-from cals_seg.metrics._base import Meter
+from cals_seg.metrics import CalibrationMeter, Meter, SegmentationMeter
 
 
 def _value(x: float | None) -> Tensor:

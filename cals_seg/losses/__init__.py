@@ -16,7 +16,7 @@ import typing
 from typing import Any
 
 from cals_seg.losses._adaptive import AdaptiveLoss
-from cals_seg.losses._base import SegLoss
+from cals_seg.losses._base import SegLoss, bad_labels_message
 from cals_seg.losses.penalties import PENALTIES, Penalty, get_penalty
 from cals_seg.losses.registry import LOSSES
 
@@ -97,6 +97,7 @@ def _check_number(value: Any, hint: Any, key: str) -> None:
 
 
 __all__ = [
+    "bad_labels_message",
     "LOSSES",
     "AdaptiveLoss",
     "BandCALSALMLoss",

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from cals_seg.losses._adaptive import AdaptiveLoss
 from cals_seg.losses._alm import ALMRules, ALMSettings
-from cals_seg.losses._auto_margin import (
+from cals_seg.losses._functional import ce_sum, class_penalty, class_sums
+from cals_seg.losses.auto_margin import (
     IMAGE_SUM_KEYS,
     NUM_BINS,
     EvidenceSettings,
@@ -38,7 +39,6 @@ from cals_seg.losses._auto_margin import (
     still_learning,
     temperature_interval,
 )
-from cals_seg.losses._functional import ce_sum, class_penalty, class_sums
 from cals_seg.losses.registry import LOSSES
 from cals_seg.utils.validation import check_finite
 
@@ -117,7 +117,7 @@ class _ClassAdaptiveLoss(AdaptiveLoss):
 
     def _update_margin(self, epoch: int, stats: dict[str, Tensor]) -> dict[str, Any]:
         """The ``margin: auto`` evidence rule after epoch ``epoch`` (0-based) from this
-        validation pass's statistics (:mod:`cals_seg.losses._auto_margin`): kept during the
+        validation pass's statistics (:mod:`cals_seg.losses.auto_margin`): kept during the
         first ``margin_warmup`` epochs, while the balanced skill is not clearly above chance,
         while the temperature interval ``[T_lo, T_hi]`` contains 1, and (down-moves) while the
         validation accuracy still rises beyond its noise; otherwise moved towards ``m / T_lo``
@@ -374,7 +374,7 @@ class CALSALMLoss(ALMRules, _ClassAdaptiveLoss):
         num_classes: K.
         margin: m; the constraint is ``d_ik <= m`` (paper: 10 vision, 6 text), or ``"auto"``:
             start at ``margin_init`` and after each validation pass move ``m`` only on evidence
-            (:mod:`cals_seg.losses._auto_margin`): not during the first ``margin_warmup``
+            (:mod:`cals_seg.losses.auto_margin`): not during the first ``margin_warmup``
             epochs, not while the balanced validation skill is not clearly above chance, not
             while the interval ``[T_lo, T_hi]`` of the temperature that would match the
             validation confidence to the accuracy (image-level standard error, ``margin_z``

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cals_seg.metrics._functional import check_inputs_arg, sum_over_ranks
+from cals_seg.metrics.functional import check_inputs_arg, sum_over_ranks
 from cals_seg.utils.validation import check_ignore_index, check_int
 
 REDUCTIONS = ("sum",)  # every state is a sum: counts (int64) and sums (float64)

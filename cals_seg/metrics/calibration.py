@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.metrics._base import Meter
-from cals_seg.metrics._functional import (
+from cals_seg.metrics.functional import (
     BLOCK_ELEMENTS,
     NUM_FINE_CELLS,
     _edge_thresholds,
@@ -136,7 +136,7 @@ def _calibration_update(
     block) the float32 probabilities and a float32 arg-max temporary.
 
     ``inputs="probs"``: ``logits`` holds probabilities, used as the logits ``log p``
-    (``cals_seg.metrics._functional.as_logits``).
+    (``cals_seg.metrics.functional.as_logits``).
 
     Shape:
         - logits: ``(N, K, *S)`` floating (float16 / bfloat16 are upcast to float32).

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from cals_seg.metrics._functional import sum_over_ranks
+from cals_seg.metrics.functional import sum_over_ranks
 from cals_seg.metrics.regions import boundary_bands, component_areas
 from cals_seg.utils.validation import check_ignore_index, check_int
 

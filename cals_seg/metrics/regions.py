@@ -24,15 +24,15 @@ import torch
 from torch import Tensor
 
 from cals_seg.metrics._base import Meter
-from cals_seg.metrics._distance import int_thresholds, label_map_bands
-from cals_seg.metrics._functional import (
+from cals_seg.metrics.calibration import ece_split, reliability_data
+from cals_seg.metrics.distance import int_thresholds, label_map_bands
+from cals_seg.metrics.functional import (
     BLOCK_ELEMENTS,
     bin_index,
     max_argmax,
     position_block,
     prepare_logits,
 )
-from cals_seg.metrics.calibration import ece_split, reliability_data
 from cals_seg.metrics.registry import register_meter
 from cals_seg.utils.validation import check_finite, check_int
 
@@ -424,7 +424,7 @@ class BoundaryCalibrationMeter(_RegionCalibrationMeter):
 
     def group_map(self, target: Tensor) -> Tensor:
         """The bands of ``target (N, H, W)``: OpenCV's exact transform on the CPU; off the CPU
-        the exact bounded torch transform of :mod:`cals_seg.metrics._distance` on the device
+        the exact bounded torch transform of :mod:`cals_seg.metrics.distance` on the device
         (no copy to the host), equal to it."""
         if target.device.type == "cpu":
             return super().group_map(target)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.metrics._base import Meter
-from cals_seg.metrics._functional import (
+from cals_seg.metrics.functional import (
     argmax_map,
     prepare_logits,
     prepare_predictions,

@@ -9,7 +9,7 @@ import timm
 from torch import nn
 
 from cals_seg.errors import MissingPathError, UserError
-from cals_seg.models import _hub
+from cals_seg.models import hub
 from cals_seg.models.segmentation import WeightsUnavailableError
 
 __all__ = ["WeightsUnavailableError", "build_classification_model"]
@@ -58,11 +58,11 @@ def build_classification_model(
         kwargs["pretrained"] = True
     offline = False
     if weights == "imagenet":  # fail at once offline, not after the download's retries
-        offline = not _hub.hub_reachable()
-        if offline and not _hub.is_cached(_hub.hub_repo(f"tu-{name}", weights)):
-            raise WeightsUnavailableError(_hub.unavailable_message(name, weights))
+        offline = not hub.hub_reachable()
+        if offline and not hub.is_cached(hub.hub_repo(f"tu-{name}", weights)):
+            raise WeightsUnavailableError(hub.unavailable_message(name, weights))
     try:
-        with _hub.cache_only(offline):
+        with hub.cache_only(offline):
             return timm.create_model(name, **kwargs)
     except (TypeError, KeyError) as err:
         raise UserError(f"model: cannot build timm model {name!r}"

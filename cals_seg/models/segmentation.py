@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from cals_seg.errors import MissingPathError, UserError, WeightsUnavailableError
-from cals_seg.models import _hub
+from cals_seg.models import hub
 
 
 def build_segmentation_model(
@@ -40,11 +40,11 @@ def build_segmentation_model(
     hub_weights = None if (encoder_weights is None or local) else encoder_weights
     offline = False
     if hub_weights is not None:  # fail at once offline, not after smp's retries
-        offline = not _hub.hub_reachable()
-        if offline and not _hub.is_cached(_hub.hub_repo(encoder_name, hub_weights)):
-            raise WeightsUnavailableError(_hub.unavailable_message(encoder_name, hub_weights))
+        offline = not hub.hub_reachable()
+        if offline and not hub.is_cached(hub.hub_repo(encoder_name, hub_weights)):
+            raise WeightsUnavailableError(hub.unavailable_message(encoder_name, hub_weights))
     try:
-        with _hub.cache_only(offline):
+        with hub.cache_only(offline):
             model = smp.create_model(
                 arch,
                 encoder_name=encoder_name,

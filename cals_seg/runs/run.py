@@ -43,13 +43,19 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
 
 from cals_seg.config.schema import Config, load_config
 from cals_seg.errors import CheckpointError, MissingPathError, RunExistsError, UserError
+from cals_seg.evaluation.engine import run_test_pass
+from cals_seg.evaluation.inference import EvalProtocol
+from cals_seg.evaluation.stream import Inference
 from cals_seg.models.consent import code_consent
 from cals_seg.utils.io import (
     atomic_write,
@@ -59,6 +65,9 @@ from cals_seg.utils.io import (
     save_checkpoint,
     write_json,
 )
+
+if TYPE_CHECKING:  # the tasks import the data and model libraries; the loader imports them
+    from cals_seg.tasks import Task
 
 # The names of a run's files: spelt here and nowhere else.
 CONFIG_FILE = "config.yaml"
@@ -314,10 +323,13 @@ def load_weights(model: Any, state: dict[str, Any], checkpoint: Path, config: Pa
 
 @dataclass
 class LoadedRun:
-    """A run folder loaded by :func:`load_run`.
+    """A run folder loaded by :func:`load_run`: the network ready to evaluate, its config and
+    task, and (:attr:`run`) the :class:`Run` of the folder its files are read from and written
+    to. Commands reach a run's files only through :attr:`run` (``loaded.run.calibrators``,
+    ``loaded.run.eval_dir("test")``), never by joining names themselves.
 
     Attributes:
-        path: the run folder; ``checkpoint``: the checkpoint file read.
+        path: the run folder as given; ``checkpoint``: the checkpoint file read.
         config: the run's resolved config (with the overrides given).
         model: the network with the checkpoint's weights, in eval mode, on ``device``.
         device, precision: where and in which precision (``none``/``bf16``/``fp16``) to run it.
@@ -326,37 +338,37 @@ class LoadedRun:
         class_names: K names. ``protocol``: the evaluation protocol (segmentation), else None.
         temperature: the temperature fitted on validation (``temperature.json``), None if none.
         epoch: the epoch the checkpoint holds. ``task``: the task (splits), with ``with_data``.
+        extra: what else the loader knows (an ensemble's members: ``extra["ensemble"]``).
     """
 
     path: Path
     checkpoint: Path
     config: Config
-    model: Any
-    device: Any
+    model: nn.Module
+    device: torch.device
     precision: str
     family: str
     score_metric: str
     class_names: list[str]
-    protocol: Any = None
+    protocol: EvalProtocol | None = None
     temperature: float | None = None
     epoch: int | None = None
-    task: Any = None
+    task: Task | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def run(self) -> Run:
-        """The run folder's files."""
-        return Run(self.path)
+        """The files of the folder holding the checkpoint read (symbolic links resolved, so
+        that nothing is written through a link): calibrators, evaluations, temperature."""
+        return Run(self.checkpoint.resolve().parent)
 
     @property
-    def inference(self) -> Any:
+    def inference(self) -> Inference:
         """The model, device, precision and protocol as one
         :class:`~cals_seg.evaluation.stream.Inference`."""
-        from cals_seg.evaluation.stream import Inference
-
         return Inference(self.model, self.device, self.precision, self.protocol)
 
-    def meters(self) -> Any:
+    def meters(self) -> Callable[[], dict[str, Any]]:
         """The factory of the task's test meter sets (``eval.n_bins`` bins)."""
         task, n_bins = self.task, self.config.eval.n_bins
         return lambda: task.meters(n_bins, test=True)
@@ -366,47 +378,10 @@ class LoadedRun:
              progress: bool | None = None) -> dict[str, Any]:
         """The one test pass (:func:`cals_seg.evaluation.engine.run_test_pass`) of this run's
         model over ``loader`` with the task's test meters."""
-        from cals_seg.evaluation.engine import run_test_pass
-
         if progress is None:
             progress = self.config.train.progress
         return run_test_pass(self.inference, loader, self.meters(), temperature, calibrators,
-                         progress)
-
-
-def calibrated_test(
-    infer: Any, task: Any, val_loader: Any, test_loader: Any, n_bins: int = 15,
-    temperature_scaling: bool = True, progress: bool = False,
-    calibrators: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Test metrics before and after temperature scaling fitted on ``val_loader``, from ONE
-    pass over ``test_loader`` (:func:`~cals_seg.evaluation.engine.run_test_pass`; each of the
-    fitted ``calibrators`` feeds its own set of meters in the same pass).
-
-    Args:
-        infer: the model, device, precision and protocol
-            (:class:`~cals_seg.evaluation.stream.Inference`).
-        task: its ``meters(n_bins, test=True)`` are the test meters; ``ignore_index`` is used
-            when fitting T.
-
-    Returns:
-        ``{"temperature": T, "pre_ts": {...}, "post_ts": {...} or None}`` (and
-        ``"calibrators": {name: {...}}`` when calibrators are given), the metrics being the
-        merged outputs of ``task.meters(n_bins, test=True)``.
-    """
-    from cals_seg.calibrators.temperature import fit_temperature
-    from cals_seg.evaluation.engine import run_test_pass
-
-    temperature = 1.0
-    if temperature_scaling:
-        temperature = fit_temperature(lambda: infer.predict(val_loader),
-                                      ignore_index=task.ignore_index)
-    out = run_test_pass(infer, test_loader, lambda: task.meters(n_bins, test=True),
-                    temperature if temperature_scaling else None, calibrators, progress)
-    result = {"temperature": temperature, "pre_ts": out["pre_ts"], "post_ts": out["post_ts"]}
-    if calibrators:
-        result["calibrators"] = out["calibrators"]
-    return result
+                             progress)
 
 
 def load_run(
@@ -537,7 +512,6 @@ __all__ = [
     "Run",
     "TEMPERATURE_FILE",
     "TEST_METRICS_FILE",
-    "calibrated_test",
     "load_run",
     "load_weights",
     "resolve_run",

@@ -24,7 +24,7 @@ from cals_seg.data.classification import (
 )
 from cals_seg.data.synthetic_cls import IMAGE_CLASSES, generate_synthetic_images
 from cals_seg.models.classification import build_classification_model
-from cals_seg.tasks import ClassificationTask, generate_embedded, register_dataset
+from cals_seg.tasks.base import ClassificationTask, generate_embedded, register_dataset
 
 
 def check_classification_config(cfg: Config, classes: Sequence[str]) -> None:

@@ -30,7 +30,7 @@ from cals_seg.errors import ConfigError
 from cals_seg.evaluation.inference import EvalProtocol, input_multiple
 from cals_seg.evaluation.stream import group_fns
 from cals_seg.models import build_segmentation_model
-from cals_seg.tasks import (
+from cals_seg.tasks.base import (
     DATASETS,
     SegmentationTask,
     class_names_or_default,

@@ -15,7 +15,7 @@ from cals_seg.data.text import (
 )
 from cals_seg.errors import ConfigError
 from cals_seg.models.text import GlobalPoolingCNN
-from cals_seg.tasks import ClassificationTask, generate_embedded, register_dataset
+from cals_seg.tasks.base import ClassificationTask, generate_embedded, register_dataset
 from cals_seg.tasks.classification import check_classification_config
 
 

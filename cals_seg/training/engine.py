@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from cals_seg.errors import NonFiniteLossError
 from cals_seg.evaluation.stream import eval_collate, unpack_batch
+from cals_seg.losses import bad_labels_message
 from cals_seg.utils.distributed import (
     ShardedBatchSampler,
     all_reduce_sum_,
@@ -129,8 +130,6 @@ class StepChecks:
         all_reduce_sum_([counts])
         non_finite, bad_labels = counts.tolist()
         if bad_labels:
-            from cals_seg.losses._base import bad_labels_message
-
             c = self.criterion
             raise ValueError(
                 f"{desc}: {bad_labels_message(bad_labels, c.num_classes, c.ignore_index)} "

@@ -11,7 +11,7 @@ Reads top to bottom like the run itself:
    ``criterion.observe``; ``criterion.update_multipliers``; the epoch's files (history line,
    last checkpoint, best checkpoint, in that order);
 4. the best checkpoint is tested once, before and after temperature scaling fitted on the
-   validation split (:func:`cals_seg.runs.run.calibrated_test`, the one test pass of every
+   validation split (:func:`cals_seg.evaluation.engine.calibrated_test`, the one test pass of every
    tool), and the plots are drawn; when its validation temperature's interval lies below 1
    (under-confident, where a margin penalty cannot help), one line says so and names the
    post-hoc command (:mod:`cals_seg.evaluation.confidence_regime`), also in
@@ -48,10 +48,11 @@ from cals_seg.data.crops import crop_warning, sample_sizes
 from cals_seg.data.extra_inputs import request_extra_inputs
 from cals_seg.errors import UserError
 from cals_seg.evaluation import confidence_regime
+from cals_seg.evaluation.engine import calibrated_test
 from cals_seg.evaluation.inference import NonFiniteLogitsError
 from cals_seg.evaluation.stream import Inference, compute, scalars
 from cals_seg.losses import AdaptiveLoss, build_loss
-from cals_seg.runs.run import Run, calibrated_test, load_weights
+from cals_seg.runs.run import Run, load_weights
 from cals_seg.tasks import Task
 from cals_seg.training.engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
 from cals_seg.training.loggers import RunLoggers
@@ -450,7 +451,7 @@ def _validate_and_update(epoch: int, infer: Inference, task: Task, loader: DataL
 def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
                test_loader: DataLoader, e: EvalConfig, t: TrainConfig) -> dict[str, Any]:
     """Test the best checkpoint before and after temperature scaling (the one test pass,
-    :func:`cals_seg.runs.run.calibrated_test`); rank 0 writes ``test_metrics.json``,
+    :func:`cals_seg.evaluation.engine.calibrated_test`); rank 0 writes ``test_metrics.json``,
     ``temperature.json`` and the plots.
 
     The test pass runs at the inference precision (``train.amp: auto`` is float32 on every CPU,

@@ -93,6 +93,16 @@ class Registry(Mapping[str, T], Generic[T]):
 
         return add if obj is None else add(obj)
 
+    def unregister(self, name: str) -> T:
+        """Remove ``name`` and return its entry (e.g. an entry a test registered for itself).
+
+        Raises:
+            UnknownNameError: ``name`` is not registered.
+        """
+        if name not in self._all:
+            raise UnknownNameError(self._unknown(name))
+        return self._entries.pop(name)
+
     def lookup(self, name: str) -> T:
         """The entry of ``name``; for an unknown one, :attr:`error` naming the valid names."""
         if name not in self._all:
