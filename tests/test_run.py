@@ -197,3 +197,27 @@ def test_calibrated_test_fits_t_on_validation_only():
     _same(out["post_ts"], _by_hand(k, test, lambda x: model(x) / t))
     off = calibrated_test(infer, Task, val, test, temperature_scaling=False)
     assert off["temperature"] == 1.0 and off["post_ts"] is None
+
+
+def test_the_ts_calibrator_at_the_post_ts_temperature_is_read_from_the_views():
+    """A ``ts`` calibrator whose T is the post-TS T, bit for bit, is not metered again: its
+    numbers are the post-TS view's (the raw view's for the argmax meters, as Calibrated feeds
+    them), equal to the same calibrator metered on its own; another T is metered on its own."""
+    from cals_seg.calibrators import TemperatureScaling
+
+    class Metered(TemperatureScaling):  # another type: never taken for the post-TS view
+        pass
+
+    k, t = 3, 1.7
+    model, _, test = _data(k)
+    infer = Inference(model, torch.device("cpu"))
+    same, own, other = (cls(k) for cls in (TemperatureScaling, Metered, TemperatureScaling))
+    for cal, value in ((same, t), (own, t), (other, 1.3)):
+        cal.temperature.fill_(value)
+    out = run_test_pass(infer, test, lambda: _meters(k), temperature=t,
+                        calibrators={"ts": same, "own": own, "other": other})
+    cals = out["calibrators"]
+    assert list(cals) == ["ts", "own", "other"]
+    assert json.dumps(cals["ts"]) == json.dumps(cals["own"])
+    _same(cals["other"], _by_hand(k, test, lambda x: model(x) / 1.3))
+    assert cals["ts"]["ece"] == out["post_ts"]["ece"]

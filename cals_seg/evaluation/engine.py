@@ -32,13 +32,14 @@ from cals_seg.calibrators import (
     Calibrator,
     CalibratorFileError,
     TemperatureScaler,
+    TemperatureScaling,
     build_calibrator,
     fit_problem,
     load_calibrator,
     save_calibrator,
 )
 from cals_seg.calibrators.ts import fit_temperature
-from cals_seg.evaluation.stream import Inference, Scaled, compute, meter_group_key, predict
+from cals_seg.evaluation.stream import Inference, Scaled, meter_group_key, predict
 from cals_seg.utils.distributed import is_main_process
 
 # Meters that only read the argmax: fed the raw logits when the calibrator cannot change it, so
@@ -159,19 +160,47 @@ def run_test_pass(
     pre = infer.meters(meters)
     consumers: list[Any] = list(pre.values())
     post: dict[str, Any] = {}
+    scaler = None
     if temperature is not None:
         post = infer.meters(meters)
-        consumers.append(Scaled(TemperatureScaler(temperature), post.values()))
-    sets = {name: infer.meters(meters) for name in calibrators or {}}
-    image_consumers = [Calibrated(cal.to(infer.device).eval(), sets[name])
-                       for name, cal in (calibrators or {}).items()]  # fmt: skip
+        scaler = TemperatureScaler(temperature)
+        consumers.append(Scaled(scaler, post.values()))
+    calibrators = dict(calibrators or {})
+    same_as_post = [name for name, cal in calibrators.items() if _is_post_ts(cal, scaler)]
+    sets = {name: infer.meters(meters) for name in calibrators if name not in same_as_post}
+    image_consumers = [Calibrated(calibrators[name].to(infer.device).eval(), sets[name])
+                       for name in sets]  # fmt: skip
     image_consumers += list(extra)  # more consumers of (logits, target, image) in the same pass
     infer.evaluate(loader, consumers, progress, desc, image_consumers)
+    pre_parts = {name: meter.compute() for name, meter in pre.items()}
+    post_parts = {name: meter.compute() for name, meter in post.items()}
+    out = {name: _merged(s.values()) for name, s in sets.items()}
+    for name in same_as_post:  # what Calibrated would feed: raw logits to the argmax meters
+        out[name] = _merged(pre_parts[m] if m in ARGMAX_METERS else post_parts[m] for m in pre)
     return {
-        "pre_ts": compute(pre),
-        "post_ts": compute(post) if post else None,
-        "calibrators": {name: compute(s) for name, s in sets.items()},
+        "pre_ts": _merged(pre_parts.values(), computed=True),
+        "post_ts": _merged(post_parts.values(), computed=True) if post else None,
+        "calibrators": {name: out[name] for name in calibrators},
     }
+
+
+def _is_post_ts(calibrator: Calibrator, scaler: TemperatureScaler | None) -> bool:
+    """Whether ``calibrator`` is the post-TS view itself: the ``ts`` calibrator with the same
+    temperature, bit for bit (its meters would see the same logits as the post-TS meters, the
+    argmax meters the raw ones): its metrics are then read from those views, not computed
+    again."""
+    return (scaler is not None and type(calibrator) is TemperatureScaling
+            and not calibrator.changes_argmax
+            and torch.equal(calibrator.temperature.cpu(), scaler.temperature.cpu()))
+
+
+def _merged(parts: Any, computed: bool = False) -> dict[str, Any]:
+    """One metrics dict from meters (``compute()`` each) or from their computed dicts, merged
+    in order, as :func:`~cals_seg.evaluation.stream.compute`."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        out.update(part if computed or isinstance(part, dict) else part.compute())
+    return out
 
 
 def fit_post_temperature(infer: Inference, val_loader: DataLoader, ignore_index: int) -> float:
