@@ -137,3 +137,33 @@ def test_digest_tells_images_apart():
     assert image_digest(x) != image_digest(x.double())
     assert image_digest(x) != image_digest(x.reshape(3, 4, 16))
     assert isinstance(LogitCache().stats, dict)
+
+
+def test_the_consumers_of_the_test_pass_equal_their_own_passes(run, tmp_path):
+    """The conformal sets and the clean entropy statistics measured inside the one test pass
+    equal the same measured in a pass of their own (as eval_seg measured them before the
+    engine): every number of ``metrics.json["conformal"]`` and the flag's clean rate."""
+    from cals_seg.commands._conformal import parse_conformal, run_loader
+    from cals_seg.evaluation.conformal_eval import conformal_evaluation
+    from cals_seg.evaluation.ood import MeanEntropy, flagged_rate
+    from cals_seg.evaluation.shift import entropy_temperature
+    from cals_seg.evaluation.stream import evaluate
+    from cals_seg.runs.run import load_run
+
+    metrics = _evaluate(run, tmp_path / "one")
+    loaded = load_run(run, with_data=True, trust_code=True)
+    spec = parse_conformal(OPTIONS[OPTIONS.index("--conformal") + 1:OPTIONS.index("--shift")])
+    task = loaded.task
+    own = conformal_evaluation(loaded, spec, task.val_set, task.test_set, loader=run_loader(loaded))
+    numbers = ("risk", "coverage", "set_size", "multi", "coverage_band", "threshold",
+               "calibration_images")
+    for mode, result in own.items():
+        for key in numbers:
+            if key in result:
+                assert metrics["conformal"][mode][key] == pytest.approx(result[key], rel=1e-12), \
+                    (mode, key)
+    ref = MeanEntropy(entropy_temperature(metrics))
+    evaluate(loaded.model, run_loader(loaded)(task.test_set), loaded.device, [],
+             loaded.precision, protocol=task.protocol, image_consumers=[ref])
+    flag = metrics["entropy_flag"]
+    assert flag["clean_rate"] == flagged_rate(ref.values, flag["limit_nats"])

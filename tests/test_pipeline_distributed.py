@@ -81,3 +81,41 @@ def test_train_seg_under_torchrun(single_run):
     assert test["pre_ts"]["count"] == valid_pixels(task.test_set)
     assert (run / "test_metrics.json").is_file() and (run / "checkpoint_best.pt").is_file()
     assert out.stdout.count("run directory:") == 1  # only rank 0 reports
+
+
+def test_eval_seg_with_fits_and_a_corruption_under_torchrun_equals_one_process(single_run):
+    """The engine under torchrun: calibrators fitted on the shards (their temperatures), the
+    test pass with their meters and the entropy statistics, and a corruption's pass equal one
+    process (the conformal sets are refused under torchrun, in one line)."""
+    tmp, cfg, _ = single_run
+    ckpt = str(cfg.run_dir / "checkpoint_best.pt")
+    conf = str(cfg.run_dir / "config.yaml")
+    opts = ["--calibrators", "ts", "boundary_ts", "--shift", "fog:1", "--num-maps", "0",
+            "--refit-calibrators"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(ROOT / "tools" / "eval_seg.py"), conf, "--checkpoint",
+                    ckpt, "--out", str(tmp / "one_all"), *opts], check=True, cwd=ROOT,
+                   capture_output=True, env=env)
+    _torchrun("eval_seg.py", conf, "--checkpoint", ckpt, "--out", str(tmp / "two_all"), *opts)
+    one = json.loads((tmp / "one_all" / "metrics.json").read_text())
+    two = json.loads((tmp / "two_all" / "metrics.json").read_text())
+
+    def close(a, b, where):
+        if isinstance(a, dict):
+            for k in a:
+                if k not in ("fit_seconds", "fitted_for", "file", "network_passes"):
+                    close(a[k], b[k], f"{where}.{k}")
+        elif isinstance(a, list):
+            assert len(a) == len(b), where
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                close(x, y, f"{where}[{i}]")
+        elif isinstance(a, float):
+            assert b == pytest.approx(a, rel=1e-7, abs=1e-10), where
+        else:
+            assert a == b, where
+
+    for key in ("temperature", "pre_ts", "post_ts", "calibrators", "shift", "entropy_flag"):
+        close(one[key], two[key], key)
+    for name in ("ts", "boundary_ts"):
+        close(one["calibrator_fits"][name].get("temperature"),
+              two["calibrator_fits"][name].get("temperature"), name)

@@ -366,7 +366,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
 
         try:
             result["shift"], result["entropy_flag"] = shift_results(
-                run, args, split_set, result, calibrators, clean_entropy.values)
+                run, args, split_set, result, calibrators, clean_entropy.all_values())
         except USER_ERRORS as err:
             return report(err)
     if sets is not None:

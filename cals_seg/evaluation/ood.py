@@ -35,6 +35,7 @@ from cals_seg.evaluation.fit_records import (
     record_mismatch,
 )
 from cals_seg.evaluation.inference import predict_image
+from cals_seg.utils.distributed import gather_lists
 from cals_seg.utils.fits import file_digest, ids_digest, plain_record
 from cals_seg.utils.io import write_json
 
@@ -62,6 +63,11 @@ class MeanEntropy:
     def update(self, logits: Tensor, target: Tensor | None = None, inputs: Tensor | None = None
                ) -> None:
         self.values.extend(image_mean_entropy(logits, self.temperature).tolist())
+
+    def all_values(self) -> list[float]:
+        """The values of every rank's images (under torch.distributed each rank saw a shard;
+        a collective call), else :attr:`values`."""
+        return gather_lists(self.values)
 
 
 def entropy_limit(values: Sequence[float], quantile: float = QUANTILE) -> float:

@@ -197,7 +197,7 @@ def shift_results(run: Any, corruptions: Sequence[Corruption], split_set: Any,
         ref = MeanEntropy(t)
         evaluate(run.model, loader(dataset), run.device, [], run.precision,
                  protocol=run.task.protocol, image_consumers=[ref])
-        return ref.values
+        return ref.all_values()
 
     limit = entropy_limit(entropies(run.task.val_set), QUANTILE)
     clean = entropies(split_set) if clean_entropies is None else list(clean_entropies)
@@ -207,7 +207,7 @@ def shift_results(run: Any, corruptions: Sequence[Corruption], split_set: Any,
     def once(dataset: Any) -> dict[str, Any]:
         ref = MeanEntropy(t)
         metrics = fixed_test(run, loader(dataset), temperature, calibrators, [ref])
-        flags["rates"][dataset.corruption.key] = flagged_rate(ref.values, limit)
+        flags["rates"][dataset.corruption.key] = flagged_rate(ref.all_values(), limit)
         return metrics
 
     shifted = shift_evaluation(once, split_set, corruptions)

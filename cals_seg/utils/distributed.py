@@ -47,6 +47,16 @@ def all_reduce_sum_(tensors: Iterable[torch.Tensor]) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
+def gather_lists(values: list) -> list:
+    """The concatenation, in rank order, of every rank's ``values`` (picklable items); the list
+    itself when not distributed. A collective call: every rank must make it."""
+    if not is_distributed():
+        return list(values)
+    parts: list[list] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(parts, list(values))
+    return [v for part in parts for v in part]
+
+
 def init_from_env() -> torch.device:
     """Join the process group when launched by ``torchrun`` (``WORLD_SIZE`` > 1 in the
     environment) and return this process' device.
