@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Where every shell command must be runnable or parsed (the others' bash blocks are too).
 COMMAND_DOCS = ("README.md", "training.md")
-EXPECTED_PYTHON_BLOCKS = 15
+EXPECTED_PYTHON_BLOCKS = 17
 MARKER = re.compile(r"<!--\s*doc-test:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 TINY = [  # the embedded data and DeepLabV3 at sizes that train in seconds on one core
@@ -88,7 +88,7 @@ class Block:
     @property
     def registers(self) -> tuple[str, str] | None:
         """``(kind, name)`` of an "Extending" block: the entry its file registers."""
-        m = re.match(r"registers (loss|dataset|corruption|meter) (\w+) \(.+\)$", self.marker)
+        m = re.match(r"registers (loss|dataset|corruption|meter|calibrator|score) (\w+) \(.+\)$", self.marker)
         return (m.group(1), m.group(2)) if m else None
 
 
@@ -249,10 +249,11 @@ def test_collects_every_block():
             assert block.context in CONTEXTS, f"{block.name}: unknown setup {block.marker!r}"
         for old, _ in block.replacements:
             assert old in block.code, f"{block.name}: {old!r} is not in the block"
-    assert sum(not b.compile_only for b in PYTHON) == 13
+    assert sum(not b.compile_only for b in PYTHON) == 15
     # every "Extending" section's code runs and registers (none is a fragment compiled only)
-    assert sorted(b.registers for b in PYTHON if b.registers) == [("dataset", "mydata"),
-                                                                  ("loss", "ce_squared")]
+    assert sorted(b.registers for b in PYTHON if b.registers) == [
+        ("calibrator", "shrunk_ts"), ("dataset", "mydata"), ("loss", "ce_squared"),
+        ("score", "top_ratio")]
     assert len([c for c in COMMANDS if c[0] in COMMAND_DOCS]) >= 15
 
 
@@ -270,13 +271,15 @@ def _exec(block: Block, code: str, namespace: dict) -> dict:
 
 
 def _registry(kind: str):
+    from cals_seg.calibrators import CALIBRATORS
     from cals_seg.data.corruptions import CORRUPTION_REGISTRY
     from cals_seg.data.registry import DATASETS
+    from cals_seg.evaluation.conformal_score import SCORES
     from cals_seg.losses import LOSSES
     from cals_seg.metrics import METERS
 
     return {"loss": LOSSES, "dataset": DATASETS, "corruption": CORRUPTION_REGISTRY,
-            "meter": METERS}[kind]
+            "meter": METERS, "calibrator": CALIBRATORS, "score": SCORES}[kind]
 
 
 def check_registered(kind: str, name: str) -> None:
@@ -304,6 +307,31 @@ def check_registered(kind: str, name: str) -> None:
                           [f"data.name={name}", "train.device=cpu"])
         check_config(cfg)
         assert task_family(cfg) == _registry(kind)[name].family
+    elif kind == "calibrator":
+        import tempfile
+
+        from cals_seg.calibrators import build_calibrator, load_calibrator, save_calibrator
+
+        gen = torch.Generator().manual_seed(0)
+        batches = [(3 * torch.randn(2, 3, 6, 6, generator=gen),
+                    torch.randint(0, 3, (2, 6, 6), generator=gen)) for _ in range(2)]
+        cal = build_calibrator(name, 3)
+        cal.fit(lambda: iter(batches), ignore_index=255)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_calibrator(cal, Path(tmp) / f"{name}.pt")
+            again = load_calibrator(Path(tmp) / f"{name}.pt", num_classes=3)
+        logits = batches[0][0]
+        torch.testing.assert_close(again(logits), cal(logits), rtol=0, atol=0)
+        assert again(logits).shape == logits.shape
+    elif kind == "score":
+        from cals_seg.commands._conformal import parse_conformal
+        from cals_seg.evaluation.conformal_score import SCORES, refuse_onnx
+
+        assert parse_conformal(["alpha=0.1", f"score={name}"])["score"] == name
+        probs = torch.softmax(torch.randn(2, 4, 5), dim=1)
+        scores = SCORES[name].scores(probs, 0)
+        assert scores.shape == probs.shape and bool(((scores >= 0) & (scores <= 1)).all())
+        refuse_onnx(name)  # an ONNX-holdable score is not refused
     elif kind == "corruption":
         (shift,) = parse_shifts([f"{name}:1"])
         image = np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)
