@@ -88,7 +88,8 @@ class Block:
     @property
     def registers(self) -> tuple[str, str] | None:
         """``(kind, name)`` of an "Extending" block: the entry its file registers."""
-        m = re.match(r"registers (loss|dataset|corruption|meter|calibrator|score) (\w+) \(.+\)$", self.marker)
+        m = re.match(r"registers (loss|dataset|corruption|meter|calibrator|score) (\w+) \(.+\)$",
+                     self.marker)
         return (m.group(1), m.group(2)) if m else None
 
 
