@@ -15,34 +15,22 @@ trainer only ever sees a ``Task``; it never reads ``data`` or ``model`` itself.
 
 from __future__ import annotations
 
-from cals_seg.tasks.base import (
-    DATASETS,
-    TASK_TYPES,
-    ClassificationTask,
-    DatasetEntry,
-    SegmentationTask,
-    Task,
-    build_task,
-    dataset_names,
-    register_dataset,
-    score_metric,
-    task_family,
+from cals_seg.tasks.base import (  # re-exported: the names are base's __all__
+    DATASETS as DATASETS,
+    TASK_TYPES as TASK_TYPES,
+    ClassificationTask as ClassificationTask,
+    DatasetEntry as DatasetEntry,
+    SegmentationTask as SegmentationTask,
+    Task as Task,
+    build_task as build_task,
+    dataset_names as dataset_names,
+    register_dataset as register_dataset,
+    score_metric as score_metric,
+    task_family as task_family,
 )
 
 # The built-in datasets register themselves in this order (that of a misspelt data.name's list);
 # a new file in this folder registers itself after them (DATASETS discovers it).
-from cals_seg.tasks import classification, segmentation, text  # noqa: E402, F401  # isort: skip
+from cals_seg.tasks import base, classification, segmentation, text  # noqa: E402, F401  # isort: skip
 
-__all__ = [
-    "DATASETS",
-    "ClassificationTask",
-    "DatasetEntry",
-    "SegmentationTask",
-    "Task",
-    "TASK_TYPES",
-    "build_task",
-    "dataset_names",
-    "register_dataset",
-    "score_metric",
-    "task_family",
-]
+__all__ = list(base.__all__)
