@@ -17,15 +17,35 @@ from __future__ import annotations
 
 from cals_seg.tasks.base import (  # re-exported: the names are base's __all__
     DATASETS as DATASETS,
+)
+from cals_seg.tasks.base import (
     TASK_TYPES as TASK_TYPES,
+)
+from cals_seg.tasks.base import (
     ClassificationTask as ClassificationTask,
+)
+from cals_seg.tasks.base import (
     DatasetEntry as DatasetEntry,
+)
+from cals_seg.tasks.base import (
     SegmentationTask as SegmentationTask,
+)
+from cals_seg.tasks.base import (
     Task as Task,
+)
+from cals_seg.tasks.base import (
     build_task as build_task,
+)
+from cals_seg.tasks.base import (
     dataset_names as dataset_names,
+)
+from cals_seg.tasks.base import (
     register_dataset as register_dataset,
+)
+from cals_seg.tasks.base import (
     score_metric as score_metric,
+)
+from cals_seg.tasks.base import (
     task_family as task_family,
 )
 
