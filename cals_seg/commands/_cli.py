@@ -11,6 +11,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from cals_seg.config.checks import check_config
+from cals_seg.config.schema import load_config
 from cals_seg.errors import USER_ERRORS, MissingPathError, UserError  # noqa: F401 (USER_ERRORS: for the commands)
 
 if TYPE_CHECKING:
@@ -172,7 +174,6 @@ def training_parser(doc: str | None) -> argparse.ArgumentParser:
 def run_config(args: argparse.Namespace) -> Config:
     """The config of a training command: the given file, or, with ``--resume``, the run's own
     resolved ``config.yaml``; ``--set`` overrides on top."""
-    from cals_seg.config.schema import load_config
     from cals_seg.runs.run import Run
 
     if args.resume:
@@ -240,7 +241,6 @@ def train_command(
 
     def main(argv: list[str] | None = None) -> int:
         args = training_parser(doc).parse_args(argv)
-        from cals_seg.config.checks import check_config
         from cals_seg.tasks import build_task
         from cals_seg.training.engine import seed_everything
         from cals_seg.training.trainer import fit

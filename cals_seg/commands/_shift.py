@@ -25,7 +25,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cals_seg.config.schema import config_to_dict
 from cals_seg.errors import UserError
+from cals_seg.utils.fits import members_digest
 
 
 def add_shift_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,9 +93,7 @@ def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
     members' data and protocols checked to match, and each network given once (by content:
     a byte copy of a checkpoint is the same network). Its fits go to :func:`ensemble_folder`
     (``args.calibrator_folder``); ``extra["ensemble"]["network"]`` is the members' digest."""
-    from cals_seg.config.schema import config_to_dict
     from cals_seg.evaluation.ensemble import Ensemble, check_members, protocol_of
-    from cals_seg.utils.fits import members_digest
 
     runs = []
     for folder in args.run:

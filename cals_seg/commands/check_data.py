@@ -20,6 +20,10 @@ import json
 import sys
 from pathlib import Path
 
+from cals_seg.config.rules import check_class_names
+from cals_seg.config.schema import ConfigError, load_config
+from cals_seg.data.crops import crop_warning
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -38,8 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported after parsing, so that --help answers without loading torch.
-    from cals_seg.config.rules import check_class_names
-    from cals_seg.config.schema import ConfigError, load_config
     from cals_seg.data.checks import check_splits
     from cals_seg.tasks.segmentation import class_names, segmentation_splits
 
@@ -67,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 def _setup_warnings(cfg, report) -> list[str]:
     """What would make training slow or stop although the data are right: crops much larger
     than the images, pretrained weights that cannot be downloaded here."""
-    from cals_seg.data.crops import crop_warning
     from cals_seg.models.hub import weights_problem
 
     found = []

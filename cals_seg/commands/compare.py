@@ -67,8 +67,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cals_seg.commands._cli import add_set_argument, add_trust_argument
+from cals_seg.commands._cli import (
+    USER_ERRORS,
+    add_set_argument,
+    add_trust_argument,
+    consent_of,
+    report,
+)
 from cals_seg.commands.eval_seg import calibrator_name
+from cals_seg.config.checks import check_config
+from cals_seg.config.rules import check_folder
+from cals_seg.config.schema import load_config, resolve_config_path
+from cals_seg.errors import MissingPathError, UntrustedCheckpointError, UserError
+from cals_seg.utils.fits import file_digest
+from cals_seg.utils.paths import OutputFolder
 
 SCORE_NAMES = {"miou": "mIoU", "acc": "Acc"}
 
@@ -130,8 +142,6 @@ def plan(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[tupl
     Raises:
         UserError: a config that does not load.
     """
-    from cals_seg.config.checks import check_config
-    from cals_seg.config.schema import load_config, resolve_config_path
     from cals_seg.tasks import build_task
 
     jobs, prepared, given = [], set(), {}
@@ -170,7 +180,6 @@ def given_run_identity(folder: Path) -> tuple[str, str]:
     that a folder spelt two ways (relative / absolute, through a link) or copied byte for byte
     is one run."""
     from cals_seg.runs.run import Run
-    from cals_seg.utils.fits import file_digest
 
     run = Run(folder)
     return file_digest(run.best), file_digest(run.config)
@@ -183,7 +192,6 @@ def given_run_row(folder: Path, rows: dict[str, dict[str, Any]]) -> str:
     Raises:
         UserError: not a run folder, or not a segmentation run (one line, naming the fix).
     """
-    from cals_seg.errors import MissingPathError, UserError
     from cals_seg.runs.run import Run
     from cals_seg.tasks import task_family
 
@@ -208,7 +216,6 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
     ``row["conformal"]``); returns the first run of each row and the headline metric's name,
     read from the runs' own files (a given run folder: from its evaluation by eval_seg)."""
 
-    from cals_seg.errors import UntrustedCheckpointError, UserError
     from cals_seg.runs.run import Run
     from cals_seg.tasks import score_metric, task_family
     from cals_seg.training.study import add_calibrators, backfill_test_metrics
@@ -302,7 +309,6 @@ def eval_seg_metrics(runs: list[Path], folder: Path, args: argparse.Namespace,
     import json
 
     from cals_seg.commands import eval_seg
-    from cals_seg.errors import UserError
     from cals_seg.runs.run import Run
     from cals_seg.utils.io import write_json
 
@@ -332,7 +338,6 @@ def conformal_metrics(run_dir: Path, folder: Path, args: argparse.Namespace
     A calibration that cannot be fitted is named on stderr and left out."""
     import json
 
-    from cals_seg.commands._cli import USER_ERRORS
     from cals_seg.commands._conformal import conformal_evaluation
     from cals_seg.runs.run import load_run
     from cals_seg.utils.io import write_json
@@ -404,7 +409,6 @@ def evaluate_ensembles(args: argparse.Namespace, rows: dict[str, dict[str, Any]]
     --shift as for its runs) into ``OUT/eval/<row>/ensemble`` and :func:`ensemble_cost`."""
     import json
 
-    from cals_seg.commands._cli import USER_ERRORS
     from cals_seg.runs.run import Run
     from cals_seg.tasks import task_family
     from cals_seg.utils.io import write_json
@@ -478,7 +482,6 @@ def check_extras(args: argparse.Namespace) -> None:
         UserError: one line naming the option and the fix.
     """
     from cals_seg.data.corruptions import parse_shifts
-    from cals_seg.errors import UserError
 
     if args.conformal is not None:
         from cals_seg.commands._conformal import parse_conformal
@@ -510,7 +513,6 @@ def write_extras(args: argparse.Namespace, rows: dict[str, dict[str, Any]],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import consent_of
 
     with consent_of(args):  # --trust-code: the run folders' factories may be imported
         return _main(args)
@@ -519,9 +521,6 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
-    from cals_seg.commands._cli import USER_ERRORS, report
-    from cals_seg.config.rules import check_folder
-    from cals_seg.errors import UntrustedCheckpointError
     from cals_seg.training.study import run_one
     from cals_seg.training.tables import write_results
 
@@ -533,12 +532,10 @@ def _main(args: argparse.Namespace) -> int:
         jobs = plan(args, rows)
         unknown = [r for r in args.ensemble or [] if r not in rows]
         if unknown:
-            from cals_seg.errors import UserError
 
             raise UserError(f"--ensemble {' '.join(unknown)}: no such row in this comparison "
                             f"(its rows: {', '.join(rows)}); name rows of --methods, or give "
                             "--ensemble alone for every row")
-        from cals_seg.utils.paths import OutputFolder
 
         # the tables and figures: never over a file compare did not write (runs/ is resumed)
         outputs = OutputFolder(args.out, "compare", inputs=[])

@@ -18,6 +18,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from cals_seg.commands._cli import report
+from cals_seg.errors import UserError
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
@@ -28,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="where to write the converted checkpoint (default: in place)")
     args = parser.parse_args(argv)
-    from cals_seg.commands._cli import report
-    from cals_seg.errors import UserError
 
     if not args.trust:
         return report(UserError(

@@ -58,15 +58,30 @@ from pathlib import Path
 from typing import Any
 
 from cals_seg.commands._cli import (
+    USER_ERRORS,
     add_method_argument,
     add_protocol_arguments,
     add_set_argument,
     add_trust_argument,
+    launch,
     protocol_overrides,
+    report,
+    run_folder_command,
 )
-from cals_seg.commands._shift import add_shift_arguments
+from cals_seg.commands._shift import (
+    add_shift_arguments,
+    check_shift_arguments,
+    drift_calibrators,
+    open_ensemble,
+    shift_results,
+    write_shift,
+)
+from cals_seg.config.checks import bounded_input
+from cals_seg.config.rules import check_folder
 from cals_seg.errors import MissingPathError, UserError
 from cals_seg.utils.background import Background
+from cals_seg.utils.lock import RunLock
+from cals_seg.utils.paths import OutputFolder
 
 
 def calibrator_name(value: str) -> str:
@@ -175,14 +190,11 @@ def open_run(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import run_folder_command
 
     return run_folder_command(args, _main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    from cals_seg.commands._cli import USER_ERRORS, report
-    from cals_seg.config.rules import check_folder
     from cals_seg.data.checks import check_voc_data
 
     try:
@@ -193,7 +205,6 @@ def _main(args: argparse.Namespace) -> int:
             from cals_seg.commands._conformal import parse_conformal
 
             args.conformal = parse_conformal(args.conformal)
-        from cals_seg.commands._shift import check_shift_arguments, open_ensemble
 
         check_shift_arguments(args)
         run = open_ensemble(args, open_run) if args.ensemble else open_run(args)
@@ -215,8 +226,6 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``).
     """
     from cals_seg.utils.distributed import is_main_process
-    from cals_seg.utils.lock import RunLock
-    from cals_seg.utils.paths import OutputFolder
 
     if not is_main_process():
         return
@@ -259,7 +268,6 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     """Test metrics before/after temperature scaling, plots and calibration maps of ``run``."""
     import copy
 
-    from cals_seg.config.checks import bounded_input
     from cals_seg.data.checks import warn_large_images
     from cals_seg.evaluation.engine import calibrated_test, fit_post_temperature
     from cals_seg.training.engine import make_loader
@@ -277,7 +285,6 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     names = getattr(args, "calibrators", [])
     if names:
         from cals_seg.calibrators import calibrator_record
-        from cals_seg.commands._cli import USER_ERRORS, report
         from cals_seg.evaluation.engine import load_or_fit_calibrators
         from cals_seg.evaluation.inference import NonFiniteLogitsError
         from cals_seg.utils.distributed import is_distributed
@@ -303,7 +310,6 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
             calibrators.update(one)
             fits.update(fit)
         if getattr(args, "calibrator_fit_shift", False) and calibrators:
-            from cals_seg.commands._shift import drift_calibrators
 
             try:
                 drifted = drift_calibrators(run, args, list(calibrators), cal_folder,
@@ -322,7 +328,6 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     extra: list[Any] = []
     sets = clean_entropy = None
     if getattr(args, "conformal", None):
-        from cals_seg.commands._cli import USER_ERRORS, report
         from cals_seg.commands._conformal import conformal_sets
 
         try:
@@ -361,8 +366,6 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     if run.extra.get("ensemble"):
         result["ensemble"] = run.extra["ensemble"]
     if getattr(args, "shift", None):
-        from cals_seg.commands._cli import USER_ERRORS, report
-        from cals_seg.commands._shift import shift_results
 
         try:
             result["shift"], result["entropy_flag"] = shift_results(
@@ -454,7 +457,6 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set,
         draw_clean_figures(result, out, cfg.name, args.split)
     write_calibrator_outputs(result, out, f"{cfg.name}, {args.split} split")
     if result.get("shift"):
-        from cals_seg.commands._shift import write_shift
 
         write_shift(result, out, f"{cfg.name}, {args.split} split")
     if result.get("conformal"):
@@ -510,7 +512,6 @@ def write_calibrator_outputs(result: dict, out: Path, title: str) -> None:
 
 def run() -> None:
     """Console entry point (joins the process group under torchrun)."""
-    from cals_seg.commands._cli import launch
 
     launch(main)
 

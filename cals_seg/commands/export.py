@@ -29,7 +29,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cals_seg.commands._cli import add_trust_argument
+from cals_seg.commands._cli import USER_ERRORS, add_trust_argument, consent_of, report
+from cals_seg.config.rules import check_folder
+from cals_seg.errors import UserError
+from cals_seg.utils.paths import OutputFolder, os_error
 
 # The library's names (cals_seg.runs.export imports torch; --help must not). --calibrator is
 # checked against the registry there (cals_seg.runs.export.calibrator_choices()), so that a
@@ -61,7 +64,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import consent_of
 
     with consent_of(args):  # --trust-code: the run folders' factories may be imported
         return _main(args)
@@ -70,12 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from cals_seg.commands._cli import USER_ERRORS, report
-    from cals_seg.config.rules import check_folder
-    from cals_seg.errors import UserError
     from cals_seg.runs.export import export_run
     from cals_seg.runs.run import TEMPERATURE_FILE
-    from cals_seg.utils.paths import OutputFolder, os_error
 
     try:  # FILE and FILE.json: never over a file that export did not write
         out = Path(args.out)

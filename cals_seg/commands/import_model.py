@@ -35,7 +35,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cals_seg.commands._cli import add_method_argument, add_set_argument
+from cals_seg.commands._cli import USER_ERRORS, add_method_argument, add_set_argument, report
+from cals_seg.config.checks import check_config
+from cals_seg.config.schema import config_to_dict, load_config, save_config
 from cals_seg.errors import ConfigError, RunExistsError
 
 
@@ -67,8 +69,6 @@ def import_model(config: str | Path, out: str | Path, overrides: list[str] | tup
     import torch.nn.functional as F
 
     from cals_seg.calibrators.ts import fit_temperature
-    from cals_seg.config.checks import check_config
-    from cals_seg.config.schema import config_to_dict, load_config, save_config
     from cals_seg.evaluation.stream import predict, unpack_batch
     from cals_seg.models.consent import remember
     from cals_seg.models.external import load_weights_file
@@ -136,7 +136,6 @@ def import_model(config: str | Path, out: str | Path, overrides: list[str] | tup
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import USER_ERRORS, report
 
     try:
         done = import_model(args.config, args.out, args.set, args.method)

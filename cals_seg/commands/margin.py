@@ -37,7 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cals_seg.commands._cli import add_set_argument, add_trust_argument
+from cals_seg.commands._cli import (
+    USER_ERRORS,
+    add_set_argument,
+    add_trust_argument,
+    consent_of,
+    report,
+)
+from cals_seg.config.checks import check_config
+from cals_seg.config.schema import load_config
 from cals_seg.errors import UserError
 
 PERCENTILES = (1.0, 5.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0)  # as cals_seg.runs.margin_choice
@@ -66,7 +74,6 @@ def _fmt_gap_table(stats: dict[str, Any]) -> str:
 
 
 def gaps_main(args: argparse.Namespace) -> int:
-    from cals_seg.commands._cli import USER_ERRORS, report
     from cals_seg.runs.margin_choice import gap_statistics
     from cals_seg.runs.run import load_run
     from cals_seg.training.engine import make_loader
@@ -170,9 +177,6 @@ def sweep_main(args: argparse.Namespace) -> int:
     import inspect
     from concurrent.futures import ThreadPoolExecutor
 
-    from cals_seg.commands._cli import USER_ERRORS, report
-    from cals_seg.config.checks import check_config
-    from cals_seg.config.schema import load_config
     from cals_seg.losses import LOSSES
     from cals_seg.runs.margin_choice import run_summary
     from cals_seg.tasks import build_task
@@ -266,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
         for q in args.percentiles:
             if not 0 <= q <= 100:
                 parser.error(f"percentiles must lie in [0, 100], got {q}")
-        from cals_seg.commands._cli import consent_of
 
         with consent_of(args):  # --trust-code: the run folder's factory may be imported
             return gaps_main(args)

@@ -56,13 +56,19 @@ import warnings
 from pathlib import Path
 
 from cals_seg.commands._cli import (
+    USER_ERRORS,
     add_protocol_arguments,
     add_set_argument,
     add_trust_argument,
     protocol_overrides,
+    report,
+    run_folder_command,
 )
+from cals_seg.commands._shift import entropy_reference
 from cals_seg.commands.eval_seg import calibrator_name
+from cals_seg.config.rules import check_folder
 from cals_seg.errors import MissingPathError, UserError
+from cals_seg.utils.paths import OutputFolder, os_error
 
 
 def open_run(args: argparse.Namespace):
@@ -136,7 +142,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cals_seg.commands._cli import run_folder_command
 
     return run_folder_command(args, _main)
 
@@ -144,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from cals_seg.commands._cli import USER_ERRORS, report
-    from cals_seg.config.rules import check_folder
     from cals_seg.evaluation.inference import predict_image
     from cals_seg.evaluation.predict import (
         IMAGE_SUFFIXES,
@@ -157,7 +160,6 @@ def _main(args: argparse.Namespace) -> int:
         summary,
         write_outputs,
     )
-    from cals_seg.utils.paths import OutputFolder, os_error
 
     try:
         missing = [item for item in args.inputs if not os.path.lexists(item)]
@@ -189,7 +191,6 @@ def _main(args: argparse.Namespace) -> int:
         out_folder.claim([*planned, "predictions.jsonl"])
         reference = None
         if args.ood_check:
-            from cals_seg.commands._shift import entropy_reference
 
             reference = entropy_reference(run, temperature, args.calibrator,
                                           args.calibrator_module)
