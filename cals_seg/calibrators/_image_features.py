@@ -14,6 +14,10 @@ from torch import Tensor
 FEATURES = ("brightness", "log_contrast", "log_sharpness", "log_noise", "saturation",
             "entropy_mean", "entropy_std", "margin_mean", "margin_std")
 IMAGE_FEATURES = 5  # the first five come from the image
+PIXEL_FEATURES = ("pixel_entropy", "local_entropy", "pixel_margin", "local_margin")
+GATE = "log_margin"  # the pixel statistic the interaction weights multiply
+LOCAL = 9  # the side of the window of the local means (pixels)
+GATE_EPS = 1e-2
 LOG_T_MAX = math.log(100.0)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -75,6 +79,33 @@ def logit_statistics(logits: Tensor) -> Tensor:
                         margin.mean(dim=1), margin.std(dim=1, correction=0)], dim=1)
 
 
+def local_mean(x: Tensor, side: int = LOCAL) -> Tensor:
+    """The mean of ``x (N, C, H, W)`` over the ``side x side`` window around each pixel,
+    replicate-padded (same size; ``side`` odd)."""
+    r = side // 2
+    return F.avg_pool2d(F.pad(x, (r, r, r, r), mode="replicate"), side, stride=1)
+
+
+def pixel_statistics(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """The four pixel statistics of :data:`PIXEL_FEATURES` and the gate of every pixel:
+    the predictive entropy ``H(p)`` (nats) and the top-1 minus top-2 logit margin ``m(p)``, each
+    also as its mean over the ``9 x 9`` window around the pixel (replicate-padded), and the gate
+    ``log(m(p) + 0.01)``.
+
+    Shape:
+        - logits: ``(N, K, H, W)``, K >= 2; returns ``(N, 4, H, W)`` and ``(N, H, W)``
+          (float64 for float64 logits, else float32).
+    """
+    x = logits.to(work_dtype(logits))
+    logp = torch.log_softmax(x, dim=1)
+    entropy = -(logp.exp() * logp).sum(dim=1, keepdim=True)
+    top = x.topk(2, dim=1).values
+    margin = top[:, :1] - top[:, 1:2]
+    near = local_mean(torch.cat([entropy, margin], dim=1))
+    stats = torch.cat([entropy, near[:, :1], margin, near[:, 1:]], dim=1)
+    return stats, torch.log(margin[:, 0] + GATE_EPS)
+
+
 def band_map(logits: Tensor, thresholds: Sequence[int]) -> Tensor:
     """Band of every pixel from the boundaries of ``argmax(logits)``, the bands of
     :func:`cals_seg.calibrators.boundary_ts.predicted_bands` (equal to them, tested), written
@@ -123,4 +154,5 @@ def band_map(logits: Tensor, thresholds: Sequence[int]) -> Tensor:
     return band
 
 
-__all__ = ["FEATURES", "band_map", "image_statistics", "logit_statistics", "work_dtype"]
+__all__ = ["FEATURES", "GATE", "PIXEL_FEATURES", "band_map", "image_statistics", "local_mean",
+           "logit_statistics", "pixel_statistics", "work_dtype"]

@@ -1,6 +1,5 @@
-"""``image_ts``: a temperature per image and predicted-boundary band, a regularised linear
-function of what the image and the logits show, fitted on clean and corrupted validation images
-with its clean behaviour protected.
+"""``image_ts``: a temperature per pixel, a regularised function of what the image and the
+logits show, fitted on clean and corrupted validation images with its clean behaviour protected.
 
 A temperature fitted on clean validation images is one number for a clean image and a fogged
 one; on a low-contrast image the network is confidently wrong and that temperature cannot
@@ -8,34 +7,42 @@ know it (docs/shift.md). Following parameterized / sample-dependent temperature 
 (Tomani et al., WACV 2022; Joy et al., AAAI 2023) and perturbation-fitted scaling (Tomani et
 al., CVPR 2021), the temperature here depends on the input::
 
-    log T(i, p) = c[band(p)] + max(0, w . z_i + b),       forward(l)(p) = l(p) / T(i, p)
+    log T(i, p) = c[band(p)] + sum_f z_f(i, p) (w_f + g(i, p) u_f) + b
+    forward(l)(p) = l(p) / T(i, p)
 
-``c`` are the clean-fitted band temperatures (``boundary_ts`` on the clean validation images),
-and the image's offset is never negative: an image that does not look shifted (``w . z + b <=
-0``) gets exactly the clean-fitted temperatures, one that does gets warmer ones. With corrupted
-copies in the fit, ``z`` is centred on the mean clean fit image and ``b <= 0``, so the mean
-clean image gets no offset by construction. (Why only warmer: on the embedded runs the best
-temperature of an image, per image, is far above the clean images' under fog and contrast and
-within about 0.1 of it in log T under the other corruptions; docs/shift.md.)
+``c`` are the clean-fitted band temperatures (``boundary_ts`` on the clean validation images).
+The offset is linear in the standardised statistics ``z`` of the image and of the pixel, and
+the gate ``g`` (the pixel's standardised log margin) lets a shift change how confident pixels
+are warmed or cooled relative to unsure ones: a veil that makes the network confidently wrong
+needs its confident pixels warmed most. With corrupted copies in the fit, every statistic is
+centred on the mean clean fit pixel and ``b = 0``: the mean clean pixel gets exactly the
+clean-fitted temperature, and an image that looks shifted gets a warmer one *or a colder one*
+(on the over-confident embedded runs the network is under-confident on noisy images;
+docs/shift.md).
 
-with ``band(p)`` the pixel's distance band from the *predicted* boundaries (the bands of
+``band(p)`` is the pixel's distance band from the *predicted* boundaries (the bands of
 ``boundary_ts``: a pixel is a boundary pixel when one of its 8 neighbours inside the image has
 another arg-max, ``D`` the exact squared Euclidean distance to the nearest one, band ``b`` where
-``ceil(bands[b-1]^2) <= D < ceil(bands[b]^2)``), and ``z_i`` the standardised statistics of
-image ``i`` (:data:`FEATURES`), clipped to the range seen in the fit:
+``ceil(bands[b-1]^2) <= D < ceil(bands[b]^2)``). ``z`` holds, standardised and clipped to the
+range seen in the fit (:data:`FEATURES` then :data:`PIXEL_FEATURES`):
 
-- of the image, de-normalised to ``[0, 1]`` RGB (``image_mean``, ``image_std``: the
-  evaluation's normalisation), on its luma ``Y = .299 R + .587 G + .114 B``: mean brightness,
-  log RMS contrast ``log(std Y + 1e-3)``, log sharpness ``log(var(lap Y) + 1e-6)`` (the 4-
-  neighbour Laplacian, replicate-padded), log noise ``log(sigma + 1e-4)`` with Immerkaer's
-  estimator ``sigma = sqrt(pi / 2) / 6 mean |Y * M|``, ``M = [[1, -2, 1], [-2, 4, -2], [1, -2,
-  1]]`` (replicate-padded), and the mean HSV saturation ``(max - min) / (max + 1e-3)``;
-- of the logits: the mean and the spread (population standard deviation over the pixels) of the
-  predictive entropy and of the top-1 minus top-2 logit margin.
+- of the image, the same for all its pixels, de-normalised to ``[0, 1]`` RGB (``image_mean``,
+  ``image_std``: the evaluation's normalisation), on its luma ``Y = .299 R + .587 G + .114 B``:
+  mean brightness, log RMS contrast ``log(std Y + 1e-3)``, log sharpness ``log(var(lap Y) +
+  1e-6)`` (the 4-neighbour Laplacian, replicate-padded), log noise ``log(sigma + 1e-4)`` with
+  Immerkaer's estimator ``sigma = sqrt(pi / 2) / 6 mean |Y * M|``, ``M = [[1, -2, 1], [-2, 4,
+  -2], [1, -2, 1]]`` (replicate-padded), and the mean HSV saturation ``(max - min) / (max +
+  1e-3)``;
+- of the image's logits: the mean and the spread (population standard deviation over the
+  pixels) of the predictive entropy and of the top-1 minus top-2 logit margin;
+- of the pixel: its entropy and margin, and their means over the ``9 x 9`` window around it
+  (replicate-padded).
 
-``T > 0`` everywhere (``log T`` is clamped to ``[-log 100, log 100]``), so the arg-max is the
-network's. ``use_image=False`` keeps the logit statistics only. The forward pass is tensor
-operations only (no numpy, no loop over a data-dependent size): it goes into ``torch.export``.
+``g = (log(m(p) + 0.01) - mean) / scale``, clipped the same way. ``T > 0`` everywhere (``log T``
+is clamped to ``[-log 100, log 100]``) and each pixel's logits are divided by one number, so
+the arg-max is the network's. ``use_image=False`` drops the five image statistics. The forward
+pass is tensor operations only (no numpy, no loop over a data-dependent size): it goes into
+``torch.export``.
 
 Fit (:meth:`ImageTemperatureScaling.fit`) on a stream that holds each validation image
 followed by ``copies`` corrupted copies (:class:`cals_seg.data.drift_mixtures.CorruptedCopies`:
@@ -46,19 +53,20 @@ them the benchmark's; ``eval_seg`` builds it through
 1. validation image ``v`` (with its copies) is held out when ``v % holdout_every ==
    holdout_every - 1``; the others fit;
 2. ``c``: the clean-fitted band temperatures (``boundary_ts``'s fit on the clean fit images),
-   kept; the reference is ``c`` with no offset (``w = 0``), scored first;
-3. then, from ``w`` of length 0.05 towards the copies' mean statistics and ``b = -0.049``
-   (``b = -softplus(beta)``; without copies: ``w = 0``, ``b = 0.05``, unconstrained; the hinge
-   needs a start where some images have a gradient), full-batch L-BFGS (float64, streamed) of
-   ``(w, b)`` on ``0.5 mean NLL(clean fit pixels) + 0.5 mean NLL(corrupted fit pixels) + lam
-   |w|^2`` for each ``lam`` of ``lams`` in turn, each stage started where the last ended; every
-   objective pass also scores the held-out images;
+   kept; the standardisation: mean over the pixels of the clean fit images (of all fit images
+   without copies), scale the standard deviation over the pixels of all fit images;
+3. from ``w = u = 0`` (and ``b = 0``): the reference, ``c`` alone, scored first), full-batch
+   L-BFGS (float64, streamed) of ``(w, u)`` (and ``b`` without copies) on ``0.5 mean NLL(clean
+   fit pixels) + 0.5 mean NLL(corrupted fit pixels) + lam (|w|^2 + |u|^2)`` for each ``lam``
+   of ``lams`` in turn, each stage started where the last ended; every objective pass also
+   scores the held-out images;
 4. the clean rule: an iterate is admissible when, on the held-out *clean* images, its mean
    per-image NLL exceeds the reference's by at most ``tolerance`` standard errors of the paired
    per-image differences (not worse beyond noise). Of the admissible iterates, the reference
-   included (the first pass scores it), the one with the lowest held-out objective is kept; when
-   that is the reference, the calibrator *fell back* to the clean-fitted band temperatures, and
-   ``fit_info["fell_back"]`` says so. The stages stop after one that did not improve it.
+   included, the one with the lowest held-out objective (step 3's two means, on the held-out
+   images) is kept; when that is the reference, the calibrator *fell back* to the clean-fitted
+   band temperatures, and ``fit_info["fell_back"]`` says so. The stages stop after one that
+   did not improve it.
 """
 
 from __future__ import annotations
@@ -81,13 +89,16 @@ from cals_seg.calibrators._base import (
 )
 from cals_seg.calibrators._image_features import (
     FEATURES,
+    GATE,
     IMAGE_FEATURES,
     IMAGENET_MEAN,
     IMAGENET_STD,
     LOG_T_MAX,
+    PIXEL_FEATURES,
     band_map,
     image_statistics,
     logit_statistics,
+    pixel_statistics,
     work_dtype,
 )
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
@@ -103,32 +114,29 @@ from cals_seg.metrics.distance import int_thresholds
 from cals_seg.utils.distributed import is_distributed
 from cals_seg.utils.validation import check_int, check_positive_float
 
-LAMS = (0.1, 0.01, 0.001)
-B_START = 0.05  # the offset's bias at the start of a fit without copies (at 0: no gradient)
-B_ANCHOR = 3.0  # with copies, b = -softplus(beta) starts at -softplus(-3) = -0.049
-W_START = 0.05  # and w at this length towards the copies' mean features
+LAMS = (1.0, 0.1)
 
 
 @CALIBRATORS.register("image_ts")
 class ImageTemperatureScaling(Calibrator):
-    """A temperature per image and predicted band from image and logit statistics (module
-    docstring).
+    """A temperature per pixel from image, logit and pixel statistics (module docstring).
 
-    Buffers: ``log_temperatures`` ``(B,)`` (``c``, B = ``len(bands) + 1``), ``weight`` ``(F,)``
-    (``w``), ``bias`` ``()`` (``b``), ``feature_mean`` / ``feature_scale`` ``(F,)`` (the
-    standardisation), ``feature_low`` / ``feature_high`` ``(F,)`` (the clip, in standard
-    units); zeros (scale 1) until fitted, the identity. With ``use_image=False`` only the four
-    logit statistics enter (F = 4).
+    Buffers: ``log_temperatures`` ``(B,)`` (``c``, B = ``len(bands) + 1``), ``weight`` and
+    ``interaction`` ``(F,)`` (``w``, ``u``), ``bias`` ``()`` (``b``), ``feature_mean`` /
+    ``feature_scale`` ``(F + 1,)`` (the standardisation of the F statistics, then of the gate),
+    ``feature_low`` / ``feature_high`` ``(F + 1,)`` (the clip, in standard units); zeros (scale
+    1) until fitted, the identity. F = 13, or 8 with ``use_image=False``.
 
     Args:
         num_classes: K >= 2.
-        bands: the band distances in pixels (``boundary_ts``'s); ``[]``: one temperature per
-            image.
+        bands: the band distances in pixels (``boundary_ts``'s); ``[]``: no bands.
         use_image: use the image statistics (then ``forward`` needs the image).
+        use_pixel: use the four pixel statistics (else ``z`` is the same for every pixel of an
+            image and only the gate varies within it).
         copies: corrupted copies of each validation image that :meth:`fit_data` adds.
         corruptions, seed: the held-out mixture of those copies
             (:class:`cals_seg.data.drift_mixtures.HeldOutMixture`).
-        lams: the L2 strengths on ``w``, tried in turn (each >= 0).
+        lams: the L2 strengths on ``(w, u)``, tried in turn (each >= 0).
         max_iter: L-BFGS iterations per stage.
         holdout_every: one validation image (with its copies) in ``holdout_every`` is held out
             (>= 2; 0: none, no clean check, the last iterate kept).
@@ -145,6 +153,7 @@ class ImageTemperatureScaling(Calibrator):
 
     log_temperatures: Tensor
     weight: Tensor
+    interaction: Tensor
     bias: Tensor
     feature_mean: Tensor
     feature_scale: Tensor
@@ -152,9 +161,9 @@ class ImageTemperatureScaling(Calibrator):
     feature_high: Tensor
 
     def __init__(self, num_classes: int, bands: Sequence[float] = (3.0, 8.0),
-                 use_image: bool = True, copies: int = 3,
+                 use_image: bool = True, use_pixel: bool = True, copies: int = 3,
                  corruptions: Sequence[str] | None = None, seed: int = 0,
-                 lams: Sequence[float] = LAMS, max_iter: int = 20, holdout_every: int = 5,
+                 lams: Sequence[float] = LAMS, max_iter: int = 30, holdout_every: int = 5,
                  tolerance: float = 1.0, image_mean: Sequence[float] = IMAGENET_MEAN,
                  image_std: Sequence[float] = IMAGENET_STD) -> None:
         bands = [float(b) for b in bands] if isinstance(bands, list | tuple) else bands
@@ -187,48 +196,64 @@ class ImageTemperatureScaling(Calibrator):
             for v in value:
                 (check_positive_float if key == "image_std" else _check_float)(key, v)
             stats.append([float(v) for v in value])
-        super().__init__(num_classes, bands=bands, use_image=bool(use_image), copies=copies,
+        super().__init__(num_classes, bands=bands, use_image=bool(use_image),
+                         use_pixel=bool(use_pixel), copies=copies,
                          corruptions=corruptions, seed=seed, lams=lams, max_iter=max_iter,
                          holdout_every=holdout_every, tolerance=float(tolerance),
                          image_mean=stats[0], image_std=stats[1])
         self.needs_image = bool(use_image)
         self.thresholds = int_thresholds(bands)
-        nf = len(FEATURES) - (0 if use_image else IMAGE_FEATURES)
+        nf = len(self.feature_names)
         self.register_buffer("log_temperatures", torch.zeros(len(bands) + 1))
         self.register_buffer("weight", torch.zeros(nf))
+        self.register_buffer("interaction", torch.zeros(nf))
         self.register_buffer("bias", torch.zeros(()))
-        self.register_buffer("feature_mean", torch.zeros(nf))
-        self.register_buffer("feature_scale", torch.ones(nf))
-        self.register_buffer("feature_low", torch.zeros(nf))
-        self.register_buffer("feature_high", torch.zeros(nf))
+        self.register_buffer("feature_mean", torch.zeros(nf + 1))
+        self.register_buffer("feature_scale", torch.ones(nf + 1))
+        self.register_buffer("feature_low", torch.zeros(nf + 1))
+        self.register_buffer("feature_high", torch.zeros(nf + 1))
 
     @property
     def feature_names(self) -> tuple[str, ...]:
-        return FEATURES if self.needs_image else FEATURES[IMAGE_FEATURES:]
+        """The F statistics of ``z``, in the order of ``weight`` (the gate is not among them)."""
+        per_image = FEATURES if self.needs_image else FEATURES[IMAGE_FEATURES:]
+        return per_image + (PIXEL_FEATURES if self.params["use_pixel"] else ())
 
     # ------------------------------------------------------------------------- the map
     def features(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
-        """The raw statistics of every image (before standardisation).
+        """The raw statistics of every pixel (before standardisation): the F of
+        :attr:`feature_names`, then the gate ``log(m + 0.01)``.
 
         Shape:
-            - logits: ``(N, K, H, W)``; image: ``(N, 3, H, W)``; returns ``(N, F)``.
+            - logits: ``(N, K, H, W)``; image: ``(N, 3, H, W)``; returns ``(N, F + 1, H, W)``.
         """
-        stats = logit_statistics(logits)
-        if not self.needs_image:
-            return stats
-        img = image_statistics(image, self.params["image_mean"], self.params["image_std"])
-        return torch.cat([img.to(stats.dtype), stats], dim=1)
+        per_image = logit_statistics(logits)
+        if self.needs_image:
+            img = image_statistics(image, self.params["image_mean"], self.params["image_std"])
+            per_image = torch.cat([img.to(per_image.dtype), per_image], dim=1)
+        pixel, gate = pixel_statistics(logits)
+        n, _, h, w = pixel.shape
+        wide = per_image[:, :, None, None].expand(n, per_image.shape[1], h, w)
+        parts = [wide, pixel] if self.params["use_pixel"] else [wide]
+        return torch.cat([*parts, gate.unsqueeze(1)], dim=1)
+
+    def _standardised(self, raw: Tensor, mean: Tensor, scale: Tensor, low: Tensor,
+                      high: Tensor) -> Tensor:
+        dt, shape = raw.dtype, (1, -1, 1, 1)
+        z = (raw - mean.to(raw.device, dt).view(shape)) / scale.to(raw.device, dt).view(shape)
+        return torch.minimum(torch.maximum(z, low.to(raw.device, dt).view(shape)),
+                             high.to(raw.device, dt).view(shape))
 
     def log_temperature(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
         """``log T`` of every pixel, ``(N, H, W)`` (float64 for float64 logits, else float32)."""
-        raw = self.features(logits, image)
-        dt = raw.dtype
-        z = (raw - self.feature_mean.to(dt)) / self.feature_scale.to(dt)
-        z = torch.minimum(torch.maximum(z, self.feature_low.to(dt)), self.feature_high.to(dt))
-        per_image = ((z * self.weight.to(dt)).sum(dim=1) + self.bias.to(dt)).clamp(min=0.0)
+        z = self._standardised(self.features(logits, image), self.feature_mean,
+                               self.feature_scale, self.feature_low, self.feature_high)
+        dt = z.dtype
+        offset = _offset(z, self.weight.to(z.device, dt), self.interaction.to(z.device, dt),
+                         self.bias.to(z.device, dt))
         band = band_map(logits, self.thresholds)
-        log_t = self.log_temperatures.to(dt)[band] + per_image[:, None, None]
-        return log_t.clamp(-LOG_T_MAX, LOG_T_MAX)
+        return (self.log_temperatures.to(z.device, dt)[band] + offset).clamp(-LOG_T_MAX,
+                                                                           LOG_T_MAX)
 
     def _check(self, logits: Tensor, image: Tensor | None) -> None:
         self.check_input(logits, image)
@@ -295,28 +320,48 @@ class ImageTemperatureScaling(Calibrator):
         return ref.temperatures.tolist()
 
     def _scan(self, batches: Batches, ignore_index: int, copies: int) -> dict[str, Tensor]:
-        """One pass: the raw features, the flags and the valid pixels of every stream image."""
-        feats, counts, seen = [], [], 0
+        """One pass: the flags and valid pixels of every stream image, and the pixel sums,
+        sums of squares and ranges of the raw statistics over the clean fit images and over
+        all fit images (float64)."""
+        counts, seen, sums = [], 0, {}
         for logits, target, image in iterate(batches):
             self._check(logits, image)
             n = logits.shape[0]
+            j = torch.arange(seen, seen + n)
             seen += n
-            feats.append(self.features(logits.double(), None if image is None
-                                       else image.double()).cpu())
             counts.append((target != ignore_index).flatten(1).sum(dim=1).cpu())
+            clean, held = self._layout(j, copies)
+            if not bool((~held).any()):
+                continue
+            raw = self.features(logits.double(), None if image is None else image.double())
+            raw = raw[(~held).to(raw.device)].transpose(0, 1).flatten(1).cpu()
+            is_clean = clean[~held]
+            pixels = raw.shape[1] // int(is_clean.numel())
+            clean_cols = is_clean.repeat_interleave(pixels)
+            for key, cols in (("all", raw), ("clean", raw[:, clean_cols])):
+                part = {"n": cols.shape[1], "sum": cols.sum(dim=1),
+                        "sq": cols.pow(2).sum(dim=1)}
+                if key == "all":
+                    part.update(low=cols.amin(dim=1), high=cols.amax(dim=1))
+                old = sums.setdefault(key, part) if cols.shape[1] else part
+                if old is not part:
+                    old["n"] += part["n"]
+                    old["sum"] += part["sum"]
+                    old["sq"] += part["sq"]
+                    if key == "all":
+                        old["low"] = torch.minimum(old["low"], part["low"])
+                        old["high"] = torch.maximum(old["high"], part["high"])
         if not seen:
             raise ValueError("Expected validation batches, but got none.")
-        j = torch.arange(seen)
-        clean, held = self._layout(j, copies)
-        return {"features": torch.cat(feats), "count": torch.cat(counts), "clean": clean,
-                "held": held}
+        clean, held = self._layout(torch.arange(seen), copies)
+        return {"count": torch.cat(counts), "clean": clean, "held": held, "sums": sums}
 
     # Not split (over 80 lines): one algorithm, most of it the closure of the L-BFGS passes.
     def fit(self, batches: Batches, ignore_index: int = -100, copies: int = 0
             ) -> dict[str, Any]:
-        """Fit ``c`` and ``w`` on the stream of ``batches`` (module docstring). ``copies``: the
-        stream holds each validation image followed by that many corrupted copies (0: a plain
-        validation stream, every image clean)."""
+        """Fit ``c``, ``w`` and ``u`` on the stream of ``batches`` (module docstring).
+        ``copies``: the stream holds each validation image followed by that many corrupted
+        copies (0: a plain validation stream, every image clean)."""
         if is_distributed():
             raise UserError("image_ts: fit it in one process (its held-out images are counted "
                             "in loader order).")
@@ -333,14 +378,14 @@ class ImageTemperatureScaling(Calibrator):
             raise ValueError(f"Expected at least {every} validation images (one in {every} is "
                              "held out for the clean check), but the held-out ones have no "
                              "valid pixel; lower `holdout_every`.")
-        raw = scan["features"]
-        anchored = bool((fitting & ~clean).any())  # corrupted copies: offset 0 at clean
-        mean = raw[fitting & clean].mean(dim=0) if anchored else raw[fitting].mean(dim=0)
-        scale = raw[fitting].std(dim=0, correction=0)
+        anchored = bool((fitting & ~clean).any())  # corrupted copies: no offset at clean
+        every_pixel = scan["sums"]["all"]
+        centre = scan["sums"]["clean"] if anchored else every_pixel
+        mean = centre["sum"] / centre["n"]
+        all_mean = every_pixel["sum"] / every_pixel["n"]
+        scale = (every_pixel["sq"] / every_pixel["n"] - all_mean.pow(2)).clamp(min=0).sqrt()
         scale = torch.where(scale > 1e-6, scale, torch.ones_like(scale))
-        z_all = (raw - mean) / scale
-        low, high = z_all[fitting].amin(dim=0), z_all[fitting].amax(dim=0)
-        z_all = torch.minimum(torch.maximum(z_all, low), high)
+        low, high = (every_pixel["low"] - mean) / scale, (every_pixel["high"] - mean) / scale
         ref_t = self._reference(batches, ignore_index, copies)
         n_clean = float(count[fitting & clean].sum())
         n_corrupt = float(count[fitting & ~clean].sum())
@@ -349,21 +394,25 @@ class ImageTemperatureScaling(Calibrator):
         held_clean = held & clean & (count > 0)
         f64 = dict(dtype=torch.float64)
         c = torch.tensor([math.log(t) for t in ref_t], **f64)
-        w = torch.zeros(z_all.shape[1], **f64).requires_grad_(True)
-        beta = torch.zeros((), **f64).requires_grad_(True)
-
-        def bias() -> Tensor:
-            """``b``: ``-softplus(beta) <= 0`` when anchored (the mean clean image, at ``z =
-            0``, gets no offset), else ``beta`` itself."""
-            return -torch.nn.functional.softplus(beta) if anchored else beta
+        nf = len(self.feature_names)
+        w = torch.zeros(nf, **f64).requires_grad_(True)
+        u = torch.zeros(nf, **f64).requires_grad_(True)
+        b = torch.zeros((), **f64).requires_grad_(not anchored)
         state: dict[str, Any] = {"passes": 0, "trace": [], "best": None, "ref": None}
 
-        def image_nll(logits: Tensor, target: Tensor, z: Tensor) -> Tensor:
-            """Summed NLL of every image of the batch (float64, with the graph)."""
+        def image_nll(logits: Tensor, target: Tensor, image: Tensor | None
+                      ) -> tuple[Tensor, Tensor]:
+            """Summed NLL and mean offset of every image of the batch (float64, the NLL with
+            the graph)."""
             x = logits.double()
-            band = band_map(x, self.thresholds)
-            offset = (z.to(x.device) @ w.to(x.device) + bias().to(x.device)).clamp(min=0.0)
-            log_t = (c.to(x.device)[band] + offset[:, None, None]).clamp(-LOG_T_MAX, LOG_T_MAX)
+            dev = x.device
+            with torch.no_grad():
+                z = self._standardised(self.features(x, None if image is None
+                                                     else image.double()),
+                                       mean, scale, low, high)
+                band = band_map(x, self.thresholds)
+            offset = _offset(z, w.to(dev), u.to(dev), b.to(dev))
+            log_t = (c.to(dev)[band] + offset).clamp(-LOG_T_MAX, LOG_T_MAX)
             scaled = x / log_t.exp().unsqueeze(1)
             valid = target != ignore_index
             labels = torch.where(valid, target, torch.zeros_like(target)).long()
@@ -372,22 +421,25 @@ class ImageTemperatureScaling(Calibrator):
                                  f"in [{int(labels.min())}, {int(labels.max())}] "
                                  f"(ignore_index={ignore_index}).")
             nll = torch.logsumexp(scaled, dim=1) - scaled.gather(1, labels[:, None])[:, 0]
-            return torch.where(valid, nll, torch.zeros_like(nll)).flatten(1).sum(dim=1)
+            nll = torch.where(valid, nll, torch.zeros_like(nll)).flatten(1).sum(dim=1)
+            return nll, offset.detach().flatten(1).mean(dim=1)
 
         def closure(lam: float) -> Tensor:
-            w.grad = beta.grad = None
+            w.grad = u.grad = b.grad = None
             total = torch.zeros((), **f64)
             held_sum = torch.zeros(len(count), **f64)
+            offsets = torch.zeros(len(count), **f64)
             seen = 0
-            for logits, target, _ in iterate(batches):
+            for logits, target, image in iterate(batches):
                 n = logits.shape[0]
                 idx = torch.arange(seen, seen + n)
                 seen += n
                 live = count[idx] > 0
                 if not bool(live.any()):
                     continue
-                nll = image_nll(logits, target.to(logits.device), z_all[idx])
+                nll, offset = image_nll(logits, target.to(logits.device), image)
                 nll = nll.cpu()
+                offsets[idx] = offset.cpu()
                 is_held = held[idx] & live
                 held_sum[idx[is_held]] = nll[is_held].detach()
                 weights = torch.where(clean[idx], torch.tensor(w_clean, **f64),
@@ -397,7 +449,7 @@ class ImageTemperatureScaling(Calibrator):
                     loss.backward()
                     total += loss.detach()
             check_same_data(len(count), seen, "images")
-            reg = lam * w.pow(2).sum()
+            reg = lam * (w.pow(2).sum() + u.pow(2).sum())
             reg.backward()
             objective = total + reg.detach()
             check_finite_nll(float(objective))
@@ -417,27 +469,22 @@ class ImageTemperatureScaling(Calibrator):
                 score, admissible = -state["passes"], True  # none held out: the last iterate
             if admissible and (state["best"] is None or score < state["best"]["score"]):
                 state["best"] = {"score": score, "lam": lam, "evaluation": state["passes"],
-                                 "w": w.detach().clone(), "b": bias().detach().clone(),
+                                 "w": w.detach().clone(), "u": u.detach().clone(),
+                                 "b": b.detach().clone(), "offsets": offsets,
                                  "fit_objective": float(objective)}
             return objective
 
         with torch.enable_grad():  # the caller may be under no_grad (an evaluation)
-            with torch.no_grad():
-                beta.fill_(-B_ANCHOR if anchored else 0.0)
             closure(0.0)  # evaluation 1: the reference, the clean-fitted band temperatures
-            with torch.no_grad():  # a start where the hinge has a gradient
-                if anchored:  # towards what tells the copies from the clean images
-                    d = z_all[fitting & ~clean].mean(dim=0) - z_all[fitting & clean].mean(dim=0)
-                    w.copy_(W_START * d / d.norm().clamp(min=1e-12))
-                else:
-                    beta.fill_(B_START)
-            stages = lbfgs_stages([w, beta], closure, p["lams"], p["max_iter"],
+            params = [w, u] if anchored else [w, u, b]
+            stages = lbfgs_stages(params, closure, p["lams"], p["max_iter"],
                                   lambda: state["best"]["score"], early_stop=bool(every))
         best = state["best"]
         fell_back = bool(every) and best["evaluation"] == 1
         with torch.no_grad():
             self.log_temperatures.copy_(c)
             self.weight.copy_(best["w"])
+            self.interaction.copy_(best["u"])
             self.bias.copy_(best["b"])
             self.feature_mean.copy_(mean)
             self.feature_scale.copy_(scale)
@@ -446,10 +493,12 @@ class ImageTemperatureScaling(Calibrator):
         period = copies + 1
         info = {
             "features": list(self.feature_names),
+            "gate": GATE,
             "weight": best["w"].tolist(),
+            "interaction": best["u"].tolist(),
             "bias": float(best["b"]),
             "band_temperatures": ref_t,
-            "offset": _offset_summary(z_all, best["w"], best["b"], fitting, clean),
+            "offset": _offset_summary(best["offsets"], fitting, clean),
             "fell_back": fell_back,
             "lam": None if fell_back else best["lam"],
             "evaluation": best["evaluation"],
@@ -477,17 +526,24 @@ class ImageTemperatureScaling(Calibrator):
         return info
 
 
-def _offset_summary(z: Tensor, w: Tensor, b: Tensor, fitting: Tensor, clean: Tensor
-                    ) -> dict[str, float]:
-    """How the fitted offset ``max(0, w . z + b)`` treats the fit images: its mean on the clean
-    ones and on the corrupted ones, and the fraction of clean ones it moves at all."""
-    offset = (z @ w + b).clamp(min=0.0)
+def _offset(z: Tensor, w: Tensor, u: Tensor, b: Tensor) -> Tensor:
+    """``sum_f z_f (w_f + g u_f) + b`` per pixel, ``z (N, F + 1, H, W)`` standardised (the gate
+    last); returns ``(N, H, W)``."""
+    stats, gate = z[:, :-1], z[:, -1]
+    return ((stats * w.view(1, -1, 1, 1)).sum(dim=1)
+            + gate * (stats * u.view(1, -1, 1, 1)).sum(dim=1) + b)
+
+
+def _offset_summary(offsets: Tensor, fitting: Tensor, clean: Tensor) -> dict[str, float]:
+    """How the fitted offset treats the fit images: the mean over their pixels of the offset in
+    ``log T``, averaged over the clean ones and over the corrupted ones, and the mean absolute
+    one of the clean ones."""
     out = {}
     for key, group in (("clean", fitting & clean), ("corrupted", fitting & ~clean)):
         if bool(group.any()):
-            out[f"mean_{key}"] = float(offset[group].mean())
+            out[f"mean_{key}"] = float(offsets[group].mean())
     if bool((fitting & clean).any()):
-        out["moved_clean_fraction"] = float((offset[fitting & clean] > 0).double().mean())
+        out["mean_abs_clean"] = float(offsets[fitting & clean].abs().mean())
     return out
 
 
@@ -507,5 +563,5 @@ def _check_float(name: str, value: object) -> None:
         raise UserError(f"Expected `{name}` to hold finite numbers, but got {value!r}.")
 
 
-__all__ = ["FEATURES", "ImageTemperatureScaling", "band_map", "image_statistics",
-           "logit_statistics"]
+__all__ = ["FEATURES", "PIXEL_FEATURES", "ImageTemperatureScaling", "band_map",
+           "image_statistics", "logit_statistics", "pixel_statistics"]
