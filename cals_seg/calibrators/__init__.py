@@ -374,7 +374,7 @@ def _check_state(state: Any, cal: Calibrator, params: Mapping[str, Any], refuse:
         raise refuse("holds a state that is not a mapping of tensors")
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise refuse(f"lacks the state {missing[:3]} of a {cal.name} calibrator")
+        raise refuse(f"lacks the state {missing[:3]} of the calibrator {cal.name!r}")
     unknown = sorted(set(state) - set(expected))
     if unknown:
         raise refuse(f"holds state {unknown[:3]} that a {cal.name} calibrator does not have")
