@@ -18,7 +18,7 @@ network's; ``needs_image`` whether ``forward`` needs the image.
     boundary_ts_conf a temperature per (band, confidence bin) cell  no             no
     cms_ap     per-argmax-class affine map on gaps to the top      no             no
     cms_op     per-argmax-class affine map on consecutive gaps     no (no order)  no
-    image_ts   a temperature per image and band from its statistics no             yes
+    image_ts   a temperature per pixel from image and logit stats  no             yes
     ========== =================================================== ============== ===========
 
 Example::
