@@ -334,23 +334,12 @@ class ImageTemperatureScaling(Calibrator):
             if not bool((~held).any()):
                 continue
             raw = self.features(logits.double(), None if image is None else image.double())
-            raw = raw[(~held).to(raw.device)].transpose(0, 1).flatten(1).cpu()
-            is_clean = clean[~held]
-            pixels = raw.shape[1] // int(is_clean.numel())
-            clean_cols = is_clean.repeat_interleave(pixels)
+            raw = raw[(~held).to(raw.device)].transpose(0, 1).flatten(1).cpu()  # (F + 1, P)
+            pixels = raw.shape[1] // int((~held).sum())
+            clean_cols = clean[~held].repeat_interleave(pixels)
             for key, cols in (("all", raw), ("clean", raw[:, clean_cols])):
-                part = {"n": cols.shape[1], "sum": cols.sum(dim=1),
-                        "sq": cols.pow(2).sum(dim=1)}
-                if key == "all":
-                    part.update(low=cols.amin(dim=1), high=cols.amax(dim=1))
-                old = sums.setdefault(key, part) if cols.shape[1] else part
-                if old is not part:
-                    old["n"] += part["n"]
-                    old["sum"] += part["sum"]
-                    old["sq"] += part["sq"]
-                    if key == "all":
-                        old["low"] = torch.minimum(old["low"], part["low"])
-                        old["high"] = torch.maximum(old["high"], part["high"])
+                if cols.shape[1]:
+                    _accumulate(sums, key, cols)
         if not seen:
             raise ValueError("Expected validation batches, but got none.")
         clean, held = self._layout(torch.arange(seen), copies)
@@ -406,7 +395,8 @@ class ImageTemperatureScaling(Calibrator):
             the graph)."""
             x = logits.double()
             dev = x.device
-            with torch.no_grad():
+            with torch.no_grad():  # recomputed each pass: kept, they would take (F + 1) x 8
+                # bytes per pixel of every stream image
                 z = self._standardised(self.features(x, None if image is None
                                                      else image.double()),
                                        mean, scale, low, high)
@@ -524,6 +514,22 @@ class ImageTemperatureScaling(Calibrator):
                         heldout_trace=[t["score"] for t in state["trace"]])
         self.fit_info = info
         return info
+
+
+def _accumulate(sums: dict[str, dict[str, Any]], key: str, cols: Tensor) -> None:
+    """Add the pixel count, sums, sums of squares and range of ``cols (F + 1, P)`` to
+    ``sums[key]``."""
+    low, high = cols.amin(dim=1), cols.amax(dim=1)
+    part = sums.get(key)
+    if part is None:
+        sums[key] = {"n": cols.shape[1], "sum": cols.sum(dim=1), "sq": cols.pow(2).sum(dim=1),
+                     "low": low, "high": high}
+        return
+    part["n"] += cols.shape[1]
+    part["sum"] += cols.sum(dim=1)
+    part["sq"] += cols.pow(2).sum(dim=1)
+    part["low"] = torch.minimum(part["low"], low)
+    part["high"] = torch.maximum(part["high"], high)
 
 
 def _offset(z: Tensor, w: Tensor, u: Tensor, b: Tensor) -> Tensor:
