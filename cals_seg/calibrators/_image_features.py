@@ -62,19 +62,30 @@ def image_statistics(image: Tensor, mean: Sequence[float] = IMAGENET_MEAN,
     return torch.stack([brightness, contrast, sharpness, noise, saturation], dim=1)
 
 
-def logit_statistics(logits: Tensor) -> Tensor:
+def entropy_margin(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """The predictive entropy (nats) and the top-1 minus top-2 logit margin of every pixel.
+
+    Shape:
+        - logits: ``(N, K, H, W)``, K >= 2; returns two ``(N, H, W)`` (float64 for float64
+          logits, else float32).
+    """
+    x = logits.to(work_dtype(logits))
+    logp = torch.log_softmax(x, dim=1)
+    top = x.topk(2, dim=1).values
+    return -(logp.exp() * logp).sum(dim=1), top[:, 0] - top[:, 1]
+
+
+def logit_statistics(logits: Tensor, maps: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The four logit statistics of :data:`FEATURES`: mean and spread of the predictive entropy
-    (nats) and of the top-1 minus top-2 logit margin, per image.
+    (nats) and of the top-1 minus top-2 logit margin, per image. ``maps``: the
+    :func:`entropy_margin` of ``logits`` when already computed.
 
     Shape:
         - logits: ``(N, K, H, W)``, K >= 2; returns ``(N, 4)`` (float64 for float64 logits,
           else float32).
     """
-    x = logits.to(work_dtype(logits))
-    logp = torch.log_softmax(x, dim=1)
-    entropy = -(logp.exp() * logp).sum(dim=1).flatten(1)
-    top = x.topk(2, dim=1).values
-    margin = (top[:, 0] - top[:, 1]).flatten(1)
+    entropy, margin = entropy_margin(logits) if maps is None else maps
+    entropy, margin = entropy.flatten(1), margin.flatten(1)
     return torch.stack([entropy.mean(dim=1), entropy.std(dim=1, correction=0),
                         margin.mean(dim=1), margin.std(dim=1, correction=0)], dim=1)
 
@@ -86,21 +97,20 @@ def local_mean(x: Tensor, side: int = LOCAL) -> Tensor:
     return F.avg_pool2d(F.pad(x, (r, r, r, r), mode="replicate"), side, stride=1)
 
 
-def pixel_statistics(logits: Tensor) -> tuple[Tensor, Tensor]:
+def pixel_statistics(logits: Tensor, maps: tuple[Tensor, Tensor] | None = None
+                     ) -> tuple[Tensor, Tensor]:
     """The four pixel statistics of :data:`PIXEL_FEATURES` and the gate of every pixel:
     the predictive entropy ``H(p)`` (nats) and the top-1 minus top-2 logit margin ``m(p)``, each
     also as its mean over the ``9 x 9`` window around the pixel (replicate-padded), and the gate
-    ``log(m(p) + 0.01)``.
+    ``log(m(p) + 0.01)``. ``maps``: the :func:`entropy_margin` of ``logits`` when already
+    computed.
 
     Shape:
         - logits: ``(N, K, H, W)``, K >= 2; returns ``(N, 4, H, W)`` and ``(N, H, W)``
           (float64 for float64 logits, else float32).
     """
-    x = logits.to(work_dtype(logits))
-    logp = torch.log_softmax(x, dim=1)
-    entropy = -(logp.exp() * logp).sum(dim=1, keepdim=True)
-    top = x.topk(2, dim=1).values
-    margin = top[:, :1] - top[:, 1:2]
+    entropy, margin = entropy_margin(logits) if maps is None else maps
+    entropy, margin = entropy.unsqueeze(1), margin.unsqueeze(1)
     near = local_mean(torch.cat([entropy, margin], dim=1))
     stats = torch.cat([entropy, near[:, :1], margin, near[:, 1:]], dim=1)
     return stats, torch.log(margin[:, 0] + GATE_EPS)
@@ -154,5 +164,6 @@ def band_map(logits: Tensor, thresholds: Sequence[int]) -> Tensor:
     return band
 
 
-__all__ = ["FEATURES", "GATE", "PIXEL_FEATURES", "band_map", "image_statistics", "local_mean",
-           "logit_statistics", "pixel_statistics", "work_dtype"]
+__all__ = ["FEATURES", "GATE", "PIXEL_FEATURES", "band_map", "entropy_margin",
+           "image_statistics", "local_mean", "logit_statistics", "pixel_statistics",
+           "work_dtype"]

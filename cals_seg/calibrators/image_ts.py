@@ -96,6 +96,7 @@ from cals_seg.calibrators._image_features import (
     LOG_T_MAX,
     PIXEL_FEATURES,
     band_map,
+    entropy_margin,
     image_statistics,
     logit_statistics,
     pixel_statistics,
@@ -227,11 +228,12 @@ class ImageTemperatureScaling(Calibrator):
         Shape:
             - logits: ``(N, K, H, W)``; image: ``(N, 3, H, W)``; returns ``(N, F + 1, H, W)``.
         """
-        per_image = logit_statistics(logits)
+        maps = entropy_margin(logits)  # once for the per-image and the per-pixel statistics
+        per_image = logit_statistics(logits, maps)
         if self.needs_image:
             img = image_statistics(image, self.params["image_mean"], self.params["image_std"])
             per_image = torch.cat([img.to(per_image.dtype), per_image], dim=1)
-        pixel, gate = pixel_statistics(logits)
+        pixel, gate = pixel_statistics(logits, maps)
         n, _, h, w = pixel.shape
         wide = per_image[:, :, None, None].expand(n, per_image.shape[1], h, w)
         parts = [wide, pixel] if self.params["use_pixel"] else [wide]
