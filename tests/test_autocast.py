@@ -348,3 +348,87 @@ def test_calibration_is_float32_after_a_bf16_forward_pass(precision_run):
                         return_probs=True, calibrator=Spy())
     assert seen == [torch.float32]
     assert out.probs.dtype == out.confidence.dtype == torch.float32
+
+
+# ------------------------------------------------ autocast's nesting count left off by a trace
+def _leak_by_a_failed_trace() -> int:
+    """What left the count one too high in the suite (torch 2.14): ``torch._dynamo.explain`` of
+    a criterion whose label assertion fails inside the graph. Returns how much it moved."""
+    before = _nesting()
+    logits = torch.randn(2, 5, 6, 7)
+    target = torch.randint(0, 5, (2, 6, 7))
+    target[1, 2, 3] = 9  # outside [0, 5): the assertion inside the traced graph raises
+    with pytest.raises(RuntimeError):
+        torch._dynamo.explain(build_loss("ce", 5, ignore_index=IGN))(logits, target)
+    torch._dynamo.reset()
+    return _nesting() - before
+
+
+def _nesting() -> int:
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return depth - 1
+
+
+@pytest.fixture(params=["trace", "one", "two"])
+def leaked_nesting(request):
+    """Autocast's nesting count left too high, by a failed trace or by hand; restored after."""
+    before = _nesting()
+    if request.param == "trace":
+        _leak_by_a_failed_trace()
+    else:
+        for _ in range({"one": 1, "two": 2}[request.param]):
+            torch.autocast_increment_nesting()
+    yield _nesting() - before
+    while _nesting() > before:
+        torch.autocast_decrement_nesting()
+    torch.clear_autocast_cache()
+
+
+def _train_bf16(steps: int = 4) -> torch.Tensor:
+    """``steps`` SGD steps of a small conv net under bf16 autocast (``train_one_epoch``);
+    its weights after them, flattened."""
+    from cals_seg.training.engine import train_one_epoch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU(), torch.nn.Dropout2d(0.3), torch.nn.Conv2d(8, 4, 1))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 3, 8, 8, generator=g), torch.randint(0, 4, (2, 8, 8), generator=g))
+               for _ in range(steps)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    train_one_epoch(model, build_loss("ce", 4, ignore_index=IGN), batches, optimizer,
+                    torch.device("cpu"), "bf16", progress=False)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_training_casts_the_current_weights_whatever_the_nesting_count(leaked_nesting):
+    """With autocast's count left too high, ``torch.autocast`` never empties its cache of cast
+    weights, and every forward pass after the first would use the first step's weights. Each
+    training step here casts the weights the optimizer just wrote: the same weights, to the
+    bit, as with a correct count."""
+    leaked = _train_bf16()
+    while _nesting() > 0:
+        torch.autocast_decrement_nesting()
+    torch.clear_autocast_cache()
+    clean = _train_bf16()
+    assert torch.equal(leaked, clean)
+
+
+def test_inference_casts_the_current_weights_whatever_the_nesting_count(leaked_nesting):
+    """The evaluation's forward pass (``autocast_context``) after the weights changed in place
+    (a checkpoint loaded into the same module, a training step) uses the new weights."""
+    from cals_seg.utils.precision import autocast_context
+
+    layer = torch.nn.Linear(6, 3)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        with autocast_context(torch.device("cpu"), "bf16"):
+            first = layer(x)
+        layer.weight.mul_(-2.0)
+        with autocast_context(torch.device("cpu"), "bf16"):
+            second = layer(x)
+        want = torch.nn.functional.linear(x.bfloat16(), layer.weight.bfloat16(),
+                                          layer.bias.bfloat16())
+    assert not torch.equal(first, second)
+    torch.testing.assert_close(second, want, rtol=0, atol=0)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import platform
 import warnings
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 
@@ -108,7 +109,28 @@ def autocast_context(device: torch.device, amp: str) -> AbstractContextManager:
     if amp not in AMP_DTYPES:
         raise ValueError(f"autocast_context: expected a resolved precision none/bf16/fp16, got "
                          f"{amp!r} (call resolve_amp first).")
-    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
+    return _autocast(device.type, AMP_DTYPES[amp])
+
+
+@contextmanager
+def _autocast(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    """``torch.autocast`` that empties autocast's cache of cast weights when it ends.
+
+    Autocast keeps the low-precision copy of each weight it casts and drops these copies when
+    its outermost context ends, found by a nesting count. That count is process state: an
+    exception inside a ``torch._dynamo`` trace (e.g. ``torch._dynamo.explain`` of a function
+    that raises) leaves it one too high, after which no context is outermost, the copies are
+    never dropped, and every later forward pass uses the weights of the first one while the
+    optimizer updates the float32 ones (silently: the loss still moves through the layers
+    autocast leaves in float32). Emptying the cache here makes each forward pass cast the
+    current weights whatever the count says; where the count is right it is what
+    ``torch.autocast`` does anyway.
+    """
+    try:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            yield
+    finally:
+        torch.clear_autocast_cache()
 
 
 def precision_name(amp: str) -> str:
