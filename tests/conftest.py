@@ -30,6 +30,16 @@ def pytest_configure(config) -> None:
         os.environ["CALS_SEG_CONSENT_FILE"] = os.path.join(folder, "consent.json")
 
 
+def autocast_nesting() -> int:
+    """Autocast's nesting count in this thread (a torch 2.14 dynamo trace that raises leaves it
+    one too high; tests/test_autocast.py)."""
+    import torch
+
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return depth - 1
+
+
 def load_tool(name: str) -> ModuleType:
     """The command behind ``tools/<name>.py``: ``cals_seg.commands.<name>``."""
     return importlib.import_module(f"cals_seg.commands.{name}")

@@ -10,6 +10,8 @@ import torch
 
 from cals_seg.losses import LOSSES, build_loss
 
+from .conftest import autocast_nesting
+
 K = 21
 IGN = 255
 MARGIN = 3.0  # logit gaps of randn * 4 logits often exceed it: the penalties are active
@@ -354,33 +356,27 @@ def test_calibration_is_float32_after_a_bf16_forward_pass(precision_run):
 def _leak_by_a_failed_trace() -> int:
     """What left the count one too high in the suite (torch 2.14): ``torch._dynamo.explain`` of
     a criterion whose label assertion fails inside the graph. Returns how much it moved."""
-    before = _nesting()
+    before = autocast_nesting()
     logits = torch.randn(2, 5, 6, 7)
     target = torch.randint(0, 5, (2, 6, 7))
     target[1, 2, 3] = 9  # outside [0, 5): the assertion inside the traced graph raises
     with pytest.raises(RuntimeError):
         torch._dynamo.explain(build_loss("ce", 5, ignore_index=IGN))(logits, target)
     torch._dynamo.reset()
-    return _nesting() - before
-
-
-def _nesting() -> int:
-    depth = torch.autocast_increment_nesting()
-    torch.autocast_decrement_nesting()
-    return depth - 1
+    return autocast_nesting() - before
 
 
 @pytest.fixture(params=["trace", "one", "two"])
 def leaked_nesting(request):
     """Autocast's nesting count left too high, by a failed trace or by hand; restored after."""
-    before = _nesting()
+    before = autocast_nesting()
     if request.param == "trace":
         _leak_by_a_failed_trace()
     else:
         for _ in range({"one": 1, "two": 2}[request.param]):
             torch.autocast_increment_nesting()
-    yield _nesting() - before
-    while _nesting() > before:
+    yield autocast_nesting() - before
+    while autocast_nesting() > before:
         torch.autocast_decrement_nesting()
     torch.clear_autocast_cache()
 
@@ -408,7 +404,7 @@ def test_training_casts_the_current_weights_whatever_the_nesting_count(leaked_ne
     training step here casts the weights the optimizer just wrote: the same weights, to the
     bit, as with a correct count."""
     leaked = _train_bf16()
-    while _nesting() > 0:
+    while autocast_nesting() > 0:
         torch.autocast_decrement_nesting()
     torch.clear_autocast_cache()
     clean = _train_bf16()

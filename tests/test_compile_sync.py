@@ -33,6 +33,8 @@ from cals_seg.losses import LOSSES, build_loss
 from cals_seg.training import engine
 from cals_seg.training.engine import NonFiniteLossError, train_one_epoch
 
+from .conftest import autocast_nesting
+
 K, VOID = 5, 255
 ADAPTIVE = ("cals_alm", "cals_hr")
 # The criteria of issue 28. The losses that arrived later (svls, nacl, crac, cals_alm_bands)
@@ -70,22 +72,16 @@ def _value_and_grad(fn, logits, target):
     return value.detach(), x.grad
 
 
-def _autocast_nesting() -> int:
-    depth = torch.autocast_increment_nesting()
-    torch.autocast_decrement_nesting()
-    return depth - 1
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """A fresh dynamo for each test, and autocast's nesting count put back: a trace that raises
     (the bad-label tests below) leaves it one too high in torch 2.14, which made every later
     ``torch.autocast`` in this process keep stale cast weights (tests/test_autocast.py)."""
     torch._dynamo.reset()
-    nesting = _autocast_nesting()
+    nesting = autocast_nesting()
     yield
     torch._dynamo.reset()
-    while _autocast_nesting() > nesting:
+    while autocast_nesting() > nesting:
         torch.autocast_decrement_nesting()
     torch.clear_autocast_cache()
 
