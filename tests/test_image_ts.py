@@ -413,6 +413,48 @@ def test_falls_back_when_the_fit_would_hurt_held_out_clean_images():
     assert loose["heldout_objective"] < info["heldout_objective"]
 
 
+def test_outside_fit_flags_exactly_the_images_beyond_the_fit_range(contrast_fit):
+    """An image is flagged when one of its per-image statistics (image and logits) lies outside
+    the range over the fit's images (each clean image and its copies, the held-out ones left
+    out), checked against that range computed here by the loop references, on generated images
+    inside, at and beyond the edges; the fit images themselves are never flagged, and an
+    unfitted calibrator flags nothing."""
+    cal, _, _ = contrast_fit
+    x, _, im, _ = _contrast_set(20, seed=1, copies=3)  # the fixture's fit stream
+    fitting = [j for j in range(len(x)) if (j // 4) % 5 != 4]
+
+    def ref_stats(logits: torch.Tensor, image: torch.Tensor) -> list[float]:
+        return (_ref_image_stats(image.double().numpy())
+                + _ref_logit_stats(logits.double().numpy()))
+
+    seen = np.array([ref_stats(x[j], im[j]) for j in fitting])
+    low, high = seen.min(axis=0), seen.max(axis=0)
+    with torch.no_grad():
+        assert not bool(cal.outside_fit(x[fitting], im[fitting]).any())
+    g = torch.Generator().manual_seed(21)
+    logits, images = [], []
+    for i in range(40):  # contrast from far below to above the fit's; logits sharper or flatter
+        z = _logits(4, 24, g) * (0.3 + 1.7 * float(torch.rand(1, generator=g)))
+        logits.append(z)
+        images.append(_image(0.02 + 1.4 * i / 39, 24, g))
+    logits, images = torch.stack(logits), torch.stack(images)
+    with torch.no_grad():
+        flags = cal.outside_fit(logits, images)
+    scale = cal.feature_scale[:len(low)].double().numpy()
+    checked = 0
+    for j in range(len(logits)):
+        v = np.array(ref_stats(logits[j], images[j]))
+        margin = np.minimum(np.abs(v - low), np.abs(v - high)) / scale
+        if margin.min() < 1e-3:  # too close to an edge for float32 to decide
+            continue
+        assert bool(flags[j]) == bool(((v < low) | (v > high)).any()), j
+        checked += 1
+    assert checked >= 30 and 0 < int(flags.sum()) < len(flags)  # both kinds were generated
+    fresh = ImageTemperatureScaling(4)
+    assert not bool(fresh.outside_fit(logits, images).any())
+    assert cal.outside_fit(logits, images).shape == (40,)
+
+
 def test_save_load_round_trip(contrast_fit, tmp_path):
     cal, _, _ = contrast_fit
     path = save_calibrator(cal, tmp_path / "calibrators" / "image_ts.pt")
@@ -483,9 +525,16 @@ def test_eval_seg_and_predict_seg_give_the_same_calibrated_confidence(tmp_path):
     loaded = load_run(run, overrides=sets, family="segmentation", with_data=True)
     path = run / "calibrators" / "image_ts.pt"
     cal = load_calibrator(path)
+    test = loaded.task.test_set
+    flags = []
+    for logits, _, image in loaded.inference.predict(make_loader(test, 2, False, 0),
+                                                     with_inputs=True):
+        flags.append(cal.outside_fit(logits, image))
+    flags = torch.cat(flags)
+    assert metrics["calibrators"]["image_ts"]["outside_fit"] == pytest.approx(
+        float(flags.double().mean()), abs=1e-12)
     _planted_state(cal)  # image statistics that matter, kept with the fit's record
     save_calibrator(cal, path, fitted_for=cal.fitted_for)
-    test = loaded.task.test_set
     sets_made: list[list[torch.Tensor]] = []
 
     class Capture:
@@ -520,3 +569,17 @@ def test_eval_seg_and_predict_seg_give_the_same_calibrated_confidence(tmp_path):
     line = json.loads((out / "predictions.jsonl").read_text().splitlines()[0])
     assert line["calibrator"] == "image_ts"
     assert line["mean_confidence"] == pytest.approx(float(want.mean()), abs=1e-6)
+    with torch.no_grad():  # the planted range (+-1.5 standard units) flags this image
+        logits, _, image = next(iter(loaded.inference.predict(make_loader(test, 1, False, 0),
+                                                               with_inputs=True)))
+        assert bool(cal.outside_fit(logits, image)[0])
+    assert line["outside_calibrator_fit"] is True
+    with torch.no_grad():  # a range that holds every image: not flagged
+        cal.feature_low.fill_(-1e9)
+        cal.feature_high.fill_(1e9)
+    save_calibrator(cal, path, fitted_for=cal.fitted_for)
+    assert load_tool("predict_seg").main([str(run), str(test.image_path(image_id)), "--out",
+                                          str(tmp_path / "pred2"), "--calibrator", "image_ts",
+                                          "--no-progress", "--no-ood-check"]) == 0
+    line = json.loads((tmp_path / "pred2" / "predictions.jsonl").read_text().splitlines()[0])
+    assert line["outside_calibrator_fit"] is False

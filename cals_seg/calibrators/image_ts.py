@@ -116,6 +116,10 @@ from cals_seg.utils.distributed import is_distributed
 from cals_seg.utils.validation import check_int, check_positive_float
 
 LAMS = (1.0, 0.1)
+# Standard units by which a per-image statistic must leave the fit's range to be flagged
+# (:meth:`ImageTemperatureScaling.outside_fit`): float32 evaluation of a fit image's statistics
+# differs from the fit's float64 in the 7th digit.
+OUTSIDE_TOLERANCE = 1e-4
 
 
 @CALIBRATORS.register("image_ts")
@@ -229,15 +233,44 @@ class ImageTemperatureScaling(Calibrator):
             - logits: ``(N, K, H, W)``; image: ``(N, 3, H, W)``; returns ``(N, F + 1, H, W)``.
         """
         maps = entropy_margin(logits)  # once for the per-image and the per-pixel statistics
-        per_image = logit_statistics(logits, maps)
-        if self.needs_image:
-            img = image_statistics(image, self.params["image_mean"], self.params["image_std"])
-            per_image = torch.cat([img.to(per_image.dtype), per_image], dim=1)
+        per_image = self._per_image(logits, image, maps)
         pixel, gate = pixel_statistics(logits, maps)
         n, _, h, w = pixel.shape
         wide = per_image[:, :, None, None].expand(n, per_image.shape[1], h, w)
         parts = [wide, pixel] if self.params["use_pixel"] else [wide]
         return torch.cat([*parts, gate.unsqueeze(1)], dim=1)
+
+    def _per_image(self, logits: Tensor, image: Tensor | None, maps: Tensor) -> Tensor:
+        """The per-image statistics ``(N, F_image)``: the image's (with ``use_image``), then
+        its logits'."""
+        per_image = logit_statistics(logits, maps)
+        if self.needs_image:
+            img = image_statistics(image, self.params["image_mean"], self.params["image_std"])
+            per_image = torch.cat([img.to(per_image.dtype), per_image], dim=1)
+        return per_image
+
+    def outside_fit(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
+        """Whether each image lies outside what the fit saw: one of its per-image statistics
+        (of the image and of its logits, the first ``F_image`` of :attr:`feature_names`) is
+        below the lowest or above the highest value among the fit's images (the clean ones and
+        their corrupted copies, held-out ones excluded). There :meth:`forward` clips the
+        statistic to that range, so the temperature is the edge's, not one the fit could check.
+        All False before fitting.
+
+        Shape:
+            - logits: ``(N, K, H, W)``; image: ``(N, 3, H, W)``; returns ``(N,)`` bool.
+        """
+        self._check(logits, image)
+        if not bool((self.feature_high > self.feature_low).any()):  # not fitted: the identity
+            return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        x = logits.to(work_dtype(logits))
+        raw = self._per_image(x, None if image is None else image.to(x.dtype),
+                              entropy_margin(x))
+        f = raw.shape[1]
+        dt, dev = raw.dtype, raw.device
+        z = (raw - self.feature_mean[:f].to(dev, dt)) / self.feature_scale[:f].to(dev, dt)
+        return ((z < self.feature_low[:f].to(dev, dt) - OUTSIDE_TOLERANCE)
+                | (z > self.feature_high[:f].to(dev, dt) + OUTSIDE_TOLERANCE)).any(dim=1)
 
     def _standardised(self, raw: Tensor, mean: Tensor, scale: Tensor, low: Tensor,
                       high: Tensor) -> Tensor:

@@ -40,6 +40,9 @@ Far from the validation data: an image whose mean predictive entropy is above th
 percentile of the validation images' (computed once with the same calibration and kept in
 <run>/calibrators/entropy_p99_<T or calibrator>.json) gets a warning and
 ``"far_from_validation": true`` in its JSON line (docs/shift.md); --no-ood-check skips it.
+With ``--calibrator image_ts``, every line also says ``"outside_calibrator_fit"``: true (and a
+warning) when one of the image's statistics lies outside the range of the images the calibrator
+was fitted on, where its temperature is the edge of the fit's (docs/shift.md).
 
 Exit status: 0, or 1 when some inputs could not be read (each is named, the rest are written),
 or 2 on a usage error or, with --strict, at the first unreadable input.
@@ -234,6 +237,14 @@ def _main(args: argparse.Namespace) -> int:
                                f"images' 99th percentile ({reference['limit_nats']:.4f}); the "
                                "image may be far from the training data and its confidences "
                                "less reliable.", file=sys.stderr)
+            if pred.outside_fit is not None:
+                outside = bool(pred.outside_fit.any())
+                record["outside_calibrator_fit"] = outside
+                if outside:
+                    tqdm.write(f"warning: {path}: the image's statistics lie outside the range "
+                               f"of the images calibrator {args.calibrator} was fitted on; its "
+                               "temperature there is the edge of the fit's, not one the fit "
+                               "could check.", file=sys.stderr)
             if conformal is not None:
                 from cals_seg.commands._conformal import image_sets, set_summary, write_set_outputs
 

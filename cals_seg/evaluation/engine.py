@@ -40,6 +40,7 @@ from cals_seg.calibrators import (
 )
 from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.evaluation.stream import Inference, Scaled, meter_group_key, predict
+from cals_seg.metrics.functional import sum_over_ranks
 from cals_seg.utils.distributed import is_main_process
 
 # Meters that only read the argmax: fed the raw logits when the calibrator cannot change it, so
@@ -52,6 +53,10 @@ class Calibrated:
     ``calibrator(logits, image)`` once and feeds every meter; when the calibrator cannot change
     the argmax, the meters named in ``argmax_meters`` get the raw logits instead.
 
+    A calibrator that can tell whether an image lies outside what it was fitted on
+    (``outside_fit(logits, image) -> (N,) bool``, e.g. ``image_ts``) also has its flagged images
+    counted: :meth:`extra` gives ``{"outside_fit": flagged images / images}``, summed over ranks.
+
     Args:
         calibrator: a fitted calibrator (in eval mode).
         meters: ``{name: meter}`` with ``update(logits, target)``.
@@ -63,6 +68,8 @@ class Calibrated:
         self.calibrator = calibrator
         self.meters = dict(meters)
         self.raw = set() if calibrator.changes_argmax else set(argmax_meters)
+        # (flagged images, images), on the device of the logits once the first batch came
+        self.outside: Tensor | None = None
 
     accepts_groups = True  # the evaluation passes the loader's region maps (``groups=``)
 
@@ -71,7 +78,12 @@ class Calibrated:
                groups: Mapping[str, Tensor] | None = None) -> None:
         """Feed every meter; a region meter whose maps are in ``groups`` (``{key: (N, H, W)}``,
         :func:`cals_seg.evaluation.stream.meter_group_key`) gets them."""
-        calibrated = self.calibrator(logits, image if self.calibrator.needs_image else None)
+        image = image if self.calibrator.needs_image else None
+        if hasattr(self.calibrator, "outside_fit"):
+            flags = self.calibrator.outside_fit(logits, image)
+            counts = torch.stack([flags.sum(), torch.tensor(flags.numel(), device=flags.device)])
+            self.outside = counts if self.outside is None else self.outside + counts
+        calibrated = self.calibrator(logits, image)
         for name, meter in self.meters.items():
             x = logits if name in self.raw else calibrated
             key = meter_group_key(meter) if groups else None
@@ -79,6 +91,19 @@ class Calibrated:
                 meter.update(x, target, groups=groups[key])
             else:
                 meter.update(x, target)
+
+
+    def extra(self) -> dict[str, float]:
+        """``{"outside_fit": share of the images flagged}`` when the calibrator flags images
+        (0 when none came), else ``{}``; call it on every rank (a collective under DDP)."""
+        if not hasattr(self.calibrator, "outside_fit"):
+            return {}
+        counts = self.outside
+        if counts is None:  # no batch on this rank: zeros where the calibrator lives
+            device = next(iter(self.calibrator.buffers()), torch.zeros(())).device
+            counts = torch.zeros(2, dtype=torch.int64, device=device)
+        flagged, images = (int(v) for v in sum_over_ranks([counts.long()])[0].cpu())
+        return {"outside_fit": flagged / images if images else 0.0}
 
 
 def fit_calibrators(
@@ -168,13 +193,14 @@ def run_test_pass(
     calibrators = dict(calibrators or {})
     same_as_post = [name for name, cal in calibrators.items() if _is_post_ts(cal, scaler)]
     sets = {name: infer.meters(meters) for name in calibrators if name not in same_as_post}
-    image_consumers = [Calibrated(calibrators[name].to(infer.device).eval(), sets[name])
-                       for name in sets]  # fmt: skip
-    image_consumers += list(extra)  # more consumers of (logits, target, image) in the same pass
+    calibrated = {name: Calibrated(calibrators[name].to(infer.device).eval(), sets[name])
+                  for name in sets}  # fmt: skip
+    # more consumers of (logits, target, image) in the same pass
+    image_consumers = [*calibrated.values(), *extra]
     infer.evaluate(loader, consumers, progress, desc, image_consumers)
     pre_parts = {name: meter.compute() for name, meter in pre.items()}
     post_parts = {name: meter.compute() for name, meter in post.items()}
-    out = {name: _merged(s.values()) for name, s in sets.items()}
+    out = {name: {**_merged(s.values()), **calibrated[name].extra()} for name, s in sets.items()}
     for name in same_as_post:  # what Calibrated would feed: raw logits to the argmax meters
         out[name] = _merged(pre_parts[m] if m in ARGMAX_METERS else post_parts[m] for m in pre)
     return {

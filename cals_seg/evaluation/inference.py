@@ -299,13 +299,17 @@ class Prediction:
     Shape:
         ``label (N, H, W)`` int64, the arg-max class; ``confidence (N, H, W)`` float32, the top
         softmax probability of ``logits / T``; ``entropy (N, H, W)`` float32, in nats,
-        ``-sum_k p_k log p_k``; ``probs (N, K, H, W)`` float32 when asked for, else None.
+        ``-sum_k p_k log p_k``; ``probs (N, K, H, W)`` float32 when asked for, else None;
+        ``outside_fit (N,)`` bool when the calibrator can tell whether an image lies outside
+        what it was fitted on (``image_ts``: :meth:`~cals_seg.calibrators.image_ts.
+        ImageTemperatureScaling.outside_fit`), else None.
     """
 
     label: Tensor
     confidence: Tensor
     entropy: Tensor
     probs: Tensor | None = None
+    outside_fit: Tensor | None = None
 
 
 def calibrated_outputs(logits: Tensor, temperature: float = 1.0,
@@ -393,11 +397,17 @@ def predict_image(
     x = images if isinstance(images, Tensor) else normalise(images, protocol)
     x = x.to(device)
     logits = segment_logits(model, x, protocol, amp)
+    outside = None
     if calibrator is not None:
+        image = x if calibrator.needs_image else None
         with torch.no_grad():
-            logits = calibrator(logits, x if calibrator.needs_image else None)
+            if hasattr(calibrator, "outside_fit"):
+                outside = calibrator.outside_fit(logits, image)
+            logits = calibrator(logits, image)
         temperature = 1.0
-    return calibrated_outputs(logits, temperature, return_probs)
+    out = calibrated_outputs(logits, temperature, return_probs)
+    out.outside_fit = outside
+    return out
 
 
 __all__ = [
