@@ -92,7 +92,6 @@ class Calibrated:
             else:
                 meter.update(x, target)
 
-
     def extra(self) -> dict[str, float]:
         """``{"outside_fit": share of the images flagged}`` when the calibrator flags images
         (0 when none came), else ``{}``; call it on every rank (a collective under DDP)."""
