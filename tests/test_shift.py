@@ -473,13 +473,8 @@ def _metrics(ece: float) -> dict:
 
 
 def test_severity_means_tables_and_curves(tmp_path):
-    from cals_seg.evaluation.shift import (
-        compare_table,
-        severity_curves,
-        severity_means,
-        shift_table,
-    )
-    from cals_seg.visualization.shift import plot_severity_curves
+    from cals_seg.evaluation.shift import severity_means, shift_table
+    from cals_seg.training.tables import shift_records, write_shift_results
 
     result = {"pre_ts": _metrics(0.1), "post_ts": _metrics(0.05), "temperature": 1.2,
               "shift": {"fog:1": {"pre_ts": _metrics(0.2), "post_ts": _metrics(0.1)},
@@ -494,11 +489,14 @@ def test_severity_means_tables_and_curves(tmp_path):
     table = shift_table(result["shift"], clean=result)
     assert "| mean at severity 1 | uncalibrated | 30.00 | 60.00 | 90.00 | 15.00 |" in table
     assert "| clean | uncalibrated | 10.00 |" in table
-    curves = severity_curves({"ce": result}, "ece")
-    assert curves["ce, uncalibrated"] == [(0, 0.1), (1, pytest.approx(0.3)), (5, 0.6)]
-    line = [x for x in compare_table({"ce": result}, ["ece"]).splitlines()
-            if "uncalibrated" in x][0]
-    assert line == "| ce | uncalibrated | 10.00 | 30.00 | 60.00 |"
-    plot_severity_curves({k: [(s, 100 * v) for s, v in p] for k, p in curves.items()},
-                         tmp_path / "curves.png")
-    assert (tmp_path / "curves.png").stat().st_size > 0
+    # compare's curves and summary (OUT/shift.md, shift_ece_severity.png): clean, then the
+    # mean over the corruptions at each severity
+    curve = {r["severity"]: r["ece_mean"] for r in shift_records({"ce": [result]})
+             if r["calibration"] == "uncalibrated" and (
+                 r["corruption"] == "clean" or r["corruption"].startswith("mean at"))}
+    assert curve == {0: 0.1, 1: pytest.approx(0.3), 5: 0.6}
+    write_shift_results(tmp_path, {"ce": [result]})
+    line = [x for x in (tmp_path / "shift.md").read_text().splitlines()
+            if x.startswith("| ce | uncalibrated | clean |")][0]
+    assert line == "| ce | uncalibrated | clean | 20.00 | 60.00 | 120.00 | 10.00 | 30.00 | 60.00 |"
+    assert (tmp_path / "shift_ece_severity.png").stat().st_size > 0

@@ -109,48 +109,6 @@ def shift_table(shift: Mapping[str, Mapping[str, Any]],
     return "\n".join(lines) + "\n"
 
 
-def severity_curves(evaluations: Mapping[str, Mapping[str, Any]], key: str = "ece_band_weighted",
-                    rows: Sequence[str] | None = None) -> dict[str, list[tuple[int, float]]]:
-    """``{"METHOD, ROW": [(0, clean), (s, mean over corruptions at s), ...]}`` of ``key`` for
-    each evaluation (a ``metrics.json`` with ``"shift"``, keyed by method) and each of its rows
-    (``rows``: only these)."""
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for method, result in evaluations.items():
-        means = severity_means(result.get("shift") or {})
-        for row, metrics in rows_of(result).items():
-            if rows is not None and row not in rows or metric(metrics, key) is None:
-                continue
-            points = [(0, metric(metrics, key))]
-            points += [(s, m[row][key]) for s, m in means.items() if key in m.get(row, {})]
-            curves[f"{method}, {row}"] = points
-    return curves
-
-
-def compare_table(evaluations: Mapping[str, Mapping[str, Any]],
-                  keys: Sequence[str] = ("ece", "ece_band_weighted", "nll", "miou")) -> str:
-    """Markdown: one line per method and row (calibrator), the clean value and the mean over
-    corruptions at each severity evaluated, for each of ``keys`` (% except NLL)."""
-    percent = {k: p for k, _, p in SHIFT_COLUMNS}
-    titles = {k: t for k, t, _ in SHIFT_COLUMNS}
-    severities = sorted({int(k.rpartition(":")[2]) for r in evaluations.values()
-                         for k in (r.get("shift") or {})})
-    head = ["method", "calibrator"] + [f"{titles.get(k, k)} {s}" for k in keys
-                                       for s in ("clean", *severities)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for method, result in evaluations.items():
-        means = severity_means(result.get("shift") or {})
-        for row, clean in rows_of(result).items():
-            cells = [method, row]
-            for k in keys:
-                values = [metric(clean, k)] + [means.get(s, {}).get(row, {}).get(k)
-                                           for s in severities]
-                scale = 100 if percent.get(k, False) else 1
-                cells += ["-" if v is None else f"{scale * v:.2f}" if scale == 100
-                          else f"{v:.4f}" for v in values]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 # --------------------------------------------------------------------------------------------
 # A run's evaluation under the corruptions (eval_seg --shift).
 # --------------------------------------------------------------------------------------------
@@ -230,6 +188,5 @@ def shift_report(result: Mapping[str, Any]) -> str | None:
     return table
 
 
-__all__ = ["SHIFT_COLUMNS", "compare_table", "entropy_temperature", "fixed_test", "metric",
-           "rows_of", "severity_curves", "severity_means", "shift_evaluation", "shift_report",
-           "shift_results", "shift_table"]
+__all__ = ["SHIFT_COLUMNS", "entropy_temperature", "fixed_test", "metric", "rows_of",
+           "severity_means", "shift_evaluation", "shift_report", "shift_results", "shift_table"]
