@@ -21,7 +21,8 @@ from cals_seg.calibrators import (
 )
 from cals_seg.calibrators.boundary_ts import predicted_bands
 from cals_seg.calibrators.ts import fit_temperature
-from cals_seg.evaluation.engine import evaluate_calibrators, fit_calibrators
+from cals_seg.evaluation.engine import fit_calibrators, run_test_pass
+from cals_seg.evaluation.stream import Inference
 from cals_seg.metrics import BoundaryCalibrationMeter, CalibrationMeter, SegmentationMeter
 
 VOID = 255
@@ -291,7 +292,7 @@ def test_load_rejects_other_files(tmp_path):
 
 # ----------------------------------------------------------------------------- one pass
 @pytest.mark.filterwarnings("ignore:boundary_ts")
-def test_evaluate_calibrators_one_pass():
+def test_test_pass_evaluates_every_calibrator_in_one_pass():
     """Fit every calibrator on a validation loader, evaluate all on a test loader in one pass:
     each calibrator's metrics equal meters fed its output directly; the argmax-keeping ones
     leave mIoU bit-identical."""
@@ -320,7 +321,9 @@ def test_evaluate_calibrators_one_pass():
                 "segmentation": SegmentationMeter(k, VOID),
                 "boundary": BoundaryCalibrationMeter(k, ignore_index=VOID)}
 
-    out = evaluate_calibrators(model, test, torch.device("cpu"), cals, meters)
+    passed = run_test_pass(Inference(model, torch.device("cpu")), test, meters, calibrators=cals)
+    assert passed["post_ts"] is None
+    out = {"uncalibrated": passed["pre_ts"], **passed["calibrators"]}
     assert set(out) == {"uncalibrated", *CALIBRATORS}
     for name, cal in cals.items():
         ref = meters()

@@ -14,12 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from cals_seg.calibrators import build_calibrator
 from cals_seg.errors import RunExistsError
-from cals_seg.evaluation.engine import (
-    calibrated_test,
-    evaluate_calibrators,
-    fit_calibrators,
-    run_test_pass,
-)
+from cals_seg.evaluation.engine import calibrated_test, fit_calibrators, run_test_pass
 from cals_seg.evaluation.stream import Inference
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter
 from cals_seg.runs import run as run_mod
@@ -169,11 +164,6 @@ def test_one_test_pass_equals_each_view_fed_by_hand():
     bare = run_test_pass(infer, test, lambda: _meters(k))
     assert bare["post_ts"] is None and bare["calibrators"] == {}
     assert json.dumps(bare["pre_ts"]) == json.dumps(out["pre_ts"])
-    # evaluate_calibrators is the same pass under its former keys
-    again = evaluate_calibrators(model, test, torch.device("cpu"), {"vector": cal},
-                                 lambda: _meters(k))
-    assert json.dumps(again) == json.dumps({"uncalibrated": out["pre_ts"],
-                                            "vector": out["calibrators"]["vector"]})
 
 
 def test_calibrated_test_fits_t_on_validation_only():

@@ -163,7 +163,7 @@ def run_test_pass(
     every fitted calibrator, all from ONE pass of the network over ``loader``.
 
     Every evaluation of a split goes through here (the trainer's final test, ``eval_seg``,
-    compare's backfill and calibrators, :func:`evaluate_calibrators`), so their numbers agree.
+    compare's backfill and calibrators), so their numbers agree.
 
     Args:
         infer: the model, device, precision and protocol (:class:`~cals_seg.evaluation.stream.
@@ -270,37 +270,6 @@ def calibrated_test(
     if calibrators:
         result["calibrators"] = out["calibrators"]
     return result
-
-
-def evaluate_calibrators(
-    model: nn.Module,
-    loader: DataLoader,
-    device: torch.device,
-    calibrators: Mapping[str, Calibrator],
-    meters: Callable[[], Mapping[str, Any]],
-    amp: str = "none",
-    protocol: Any = None,
-    progress: bool = False,
-) -> dict[str, dict[str, Any]]:
-    """Metrics of the raw logits and of every calibrator, from ONE pass over ``loader``
-    (:func:`run_test_pass` without the temperature view).
-
-    Args:
-        model: the network.
-        loader: the split to evaluate (the test split).
-        device: where the model and meters run.
-        calibrators: ``{name: fitted calibrator}``.
-        meters: returns a fresh ``{name: meter}`` set (e.g. ``lambda: task.meters(15,
-            test=True)``: pooled, per-band and per-size metrics); one set per calibrator.
-        amp, protocol, progress: as :func:`cals_seg.evaluation.predict`.
-
-    Returns:
-        ``{"uncalibrated": metrics, name: metrics, ...}``, each the merged ``compute()`` dicts
-        of one meter set.
-    """
-    out = run_test_pass(Inference(model, device, amp, protocol), loader, meters,
-                    calibrators=calibrators, progress=progress)
-    return {"uncalibrated": out["pre_ts"], **out["calibrators"]}
 
 
 def load_or_fit_calibrators(
