@@ -6,6 +6,7 @@ means the evidence rule. The demo runs the paper's method."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -120,21 +121,24 @@ def test_the_demo_runs_the_papers_method(long):
 
 
 def test_the_demos_reference_column_quotes_the_docs():
-    # every 3-seed number the demo prints next to its rows is one the docs published
+    # every 3-seed number the demo prints next to its rows is one the docs published, in the
+    # study its reference file names
     from cals_seg.commands import demo
+    from cals_seg.training.study import read_reference
 
-    docs = "".join((ROOT / "docs" / f).read_text() for f in ("margin.md", "calibrators.md"))
-    section = demo.STUDY.split('"')[1]  # the section of margin.md the demo names
-    assert f"## {section}\n" in (ROOT / "docs" / "margin.md").read_text()
-    for setup, rows in demo.REFERENCE.items():
-        assert setup in demo.SETUPS.values()
-        assert set(rows) == {(m, c) for m in demo.METHODS for c in ("raw", *demo.CALIBRATORS)}
-        for value in rows.values():
-            if value[0].isdigit():
-                number = value.split(" ")[0]
-                assert number in docs, (setup, value)
-                if "±" in value:
-                    assert value in docs, (setup, value)
+    reference = read_reference(demo.REFERENCE_FILE)["setups"]
+    assert set(reference) == set(demo.SETUPS.values())
+    for setup, entry in reference.items():
+        docs = "".join((ROOT / path).read_text() for path in
+                       sorted(set(re.findall(r"docs/[\w/]+\.md", entry["source"]))))
+        for method, cells in entry["ece"].items():
+            assert method in demo.METHODS and set(cells) <= {"raw", *demo.CALIBRATORS}
+            for name in cells:
+                shown = demo.reference_cell(entry, method, name)
+                assert shown.split(" ")[0] in docs, (setup, method, shown)
+                if "±" in shown:
+                    assert shown in docs, (setup, method, shown)
+        assert {"raw", "ts"} <= set(entry["ece"]["ce"]) and "raw" in entry["ece"]["cals_alm"]
 
 
 def _metrics(ece: float, calibrated: dict[str, float]) -> dict:
@@ -150,8 +154,11 @@ def test_the_demo_picks_the_calibrator_on_validation_only():
     test = _metrics(0.03, {"ts": 0.005, "boundary_ts": 0.020})
     assert demo.pick_calibrator(val) == ("boundary_ts", 0.010)
     assert demo.pick_calibrator(_metrics(0.03, {"ts": 0.01, "boundary_ts": 0.01}))[0] == "ts"
+    from cals_seg.training.study import read_reference
+
+    entry = read_reference(demo.REFERENCE_FILE)["setups"][demo.SETUP]
     lines = demo.table({"ce": (test, val, {}), "cals_alm": (test, _metrics(0.03, {"ts": 0.01}),
-                                                           {})}, demo.SETUP)
+                                                           {})}, entry)
     assert len(lines) == 2 + 4  # header, rule, two rows per method
     assert lines[2].startswith("| ce | raw | 3.00 | 3.00 |") and "| 2.97 ± 0.31 |" in lines[2]
     assert lines[3].startswith("| ce | boundary_ts | 1.00 | 2.00 |")

@@ -28,6 +28,9 @@ configs are trained with ``tools/train_seg.py``, others with ``tools/train_cls.p
     OUT/ece_vs_score.png              ECE against mIoU / accuracy (the paper's Figure 1)
     OUT/reliability_grid.png          one reliability diagram per method (first seed)
     OUT/lambda_curves_<method>.png    learned class-wise multipliers of the CALS runs (first seed)
+    FILE (--reference-out FILE)       the test ECE per method and calibration (mean, std over
+                                      seeds) with the machine, date and command, as the setup's
+                                      entry of the JSON reference file tools/demo.py reads
 
 Runs made elsewhere: a folder given instead of a config (a run of tools/import_model.py, or a
 trained run of another study) is one row of its own, named after the folder; it is not trained
@@ -129,6 +132,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the ensemble of each method's seeds, clean and under --shift, with "
                         "its cost: OUT/ensemble.md and .csv; with row names (--ensemble ce), "
                         "of those rows only")
+    parser.add_argument("--reference-out", type=Path, default=None, metavar="FILE",
+                        help="also write the test ECE per method and calibration (mean, std over "
+                        "seeds), with this machine, the date and this command, as the entry of "
+                        "the setup file given in the JSON reference FILE that tools/demo.py "
+                        "reads (other setups in FILE are kept); one setup file only")
     add_set_argument(parser)
     add_trust_argument(parser)
     return parser.parse_args(argv)
@@ -492,6 +500,10 @@ def check_extras(args: argparse.Namespace) -> None:
     if args.calibrator_fit_shift and not (args.shift and args.calibrators):
         raise UserError("--calibrator-fit-shift: give --shift NAME:SEVERITY ... and the "
                         "calibrators to fit with --calibrators, e.g. --calibrators ts.")
+    if args.reference_out is not None and (len(args.configs) != 1 or args.configs[0].is_dir()):
+        raise UserError("--reference-out: give one setup file (the reference numbers are per "
+                        "setup), e.g. configs/synthetic_deeplabv3_short.yaml --methods ce "
+                        "cals_alm.")
 
 
 def write_extras(args: argparse.Namespace, rows: dict[str, dict[str, Any]],
@@ -511,8 +523,30 @@ def write_extras(args: argparse.Namespace, rows: dict[str, dict[str, Any]],
         tables.write_ensemble_results(args.out, ensembles, rows)
 
 
+def write_reference_out(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> None:
+    """``--reference-out FILE``: this study's entry of the demo's reference file
+    (:func:`cals_seg.training.study.reference_entry`), under the setup file's path as given
+    (relative to the working folder when inside it), naming this command."""
+    import shlex
+
+    from cals_seg.training.study import reference_entry, write_reference
+
+    config = args.configs[0]
+    try:
+        setup = config.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        setup = config.as_posix()
+    precision = next((m.get("precision") for row in rows.values()
+                      for _, m in row.get("metrics", [])[:1]), None)
+    command = "python tools/compare.py " + shlex.join(args.argv)
+    write_reference(args.reference_out, setup, reference_entry(
+        rows, list(args.calibrators), command=command, seeds=args.seeds, precision=precision))
+    print(f"wrote the reference numbers of {setup} into {args.reference_out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
 
     with consent_of(args):  # --trust-code: the run folders' factories may be imported
         return _main(args)
@@ -566,6 +600,11 @@ def _main(args: argparse.Namespace) -> int:
 
         write_calibrator_results(args.out, rows)
     write_extras(args, rows, ensembles)
+    if args.reference_out is not None:
+        try:
+            write_reference_out(args, rows)
+        except USER_ERRORS as err:
+            return report(err)
     plot_study(args.out, rows, first_run, score_name)
     print(
         f"wrote {args.out / 'results.md'}, results.csv and the figures in {args.out} "

@@ -12,9 +12,12 @@ Generates the embedded synthetic dataset (VOC layout) if missing, then, for CE a
 3. ``tools/eval_seg.py RUN --calibrators ts boundary_ts``: the test split, raw and calibrated;
 
 and prints one table: each method raw and with the calibrator of lower validation ECE (chosen on
-validation, never on test), beside the 3-seed mean ± std of the same setup measured earlier
-(2-core AMD EPYC, AVX2 only, float32, 2026-11-27; docs/margin.md and docs/calibrators.md). A
-finished run found in the output folder is reused (delete the folder to retrain).
+validation, never on test), beside the 3-seed mean ± std of the same setup measured earlier. Those
+reference numbers, with the machine, date and command that made them, are read from
+``demo_reference.json`` beside this module (``--reference FILE`` for another), which
+``tools/compare.py SETUP --methods ce cals_alm --seeds 0 1 2 --calibrators ts boundary_ts
+--reference-out FILE`` writes; a missing or malformed file is refused in one line before any
+training. A finished run found in the output folder is reused (delete the folder to retrain).
 
 The setup is ``configs/synthetic_deeplabv3_short.yaml`` (20 epochs, the regime where CE ends
 under-confident on the test split), chosen so that the demo fits in 10 minutes on 2 AVX2-only
@@ -42,24 +45,9 @@ SETUPS = {  # --long: False / True
     True: "configs/synthetic_deeplabv3.yaml",
 }
 SETUP = SETUPS[False]
-STUDY = ("3 seeds, 2-core AMD EPYC (AVX2 only, float32), 2026-11-27: docs/margin.md, "
-         "\"Segmentation, both regimes\"; boundary_ts: docs/calibrators.md")
-# The test ECE (%) of the 3-seed study each demo row belongs to: mean ± std over seeds 0, 1, 2
-# (the demo's runs are seed 0), or the mean where only the per-seed values were published.
-REFERENCE: dict[str, dict[tuple[str, str], str]] = {
-    "configs/synthetic_deeplabv3_short.yaml": {
-        ("ce", "raw"): "2.97 ± 0.31", ("ce", "ts"): "1.29 ± 0.47",
-        ("ce", "boundary_ts"): "1.06 (mean)",
-        ("cals_alm", "raw"): "3.02 ± 0.37", ("cals_alm", "ts"): "1.21 ± 0.36",
-        ("cals_alm", "boundary_ts"): "not measured",
-    },
-    "configs/synthetic_deeplabv3.yaml": {
-        ("ce", "raw"): "1.85 ± 0.25", ("ce", "ts"): "1.15 ± 0.20",
-        ("ce", "boundary_ts"): "0.89 (mean)",
-        ("cals_alm", "raw"): "1.63 ± 0.37", ("cals_alm", "ts"): "0.93 ± 0.33",
-        ("cals_alm", "boundary_ts"): "not measured",
-    },
-}
+# The 3-seed test ECE of each row's setup, method and calibration, with its provenance: written by
+# ``tools/compare.py ... --reference-out`` (cals_seg.training.study.write_reference).
+REFERENCE_FILE = Path(__file__).with_name("demo_reference.json")
 
 
 def run_command(cmd: list[str]) -> None:
@@ -105,10 +93,33 @@ def pick_calibrator(val_metrics: dict) -> tuple[str, float]:
     return name, ece
 
 
-def table(rows: dict[str, tuple[dict, dict, dict]], setup: str) -> list[str]:
+def reference_cell(entry: dict | None, method: str, calibration: str) -> str:
+    """``mean ± std`` (or ``mean (mean of n)`` where only the mean was published) of the test ECE,
+    in %, of ``method`` after ``calibration`` in a setup's reference ``entry``; ``-`` where the
+    study did not measure it."""
+    cell = ((entry or {}).get("ece", {}).get(method) or {}).get(calibration)
+    if cell is None:
+        return "-"
+    if cell.get("std") is None:
+        return f"{cell['mean']:.2f}" + (f" (mean of {cell['n']})" if cell["n"] > 1 else "")
+    return f"{cell['mean']:.2f} ± {cell['std']:.2f}"
+
+
+def provenance(entry: dict) -> str:
+    """Where a reference entry comes from, in words: seeds, machine, precision, date, and the
+    command that measured it (or the doc section it was taken from)."""
+    seeds = ", ".join(map(str, entry["seeds"]))
+    precision = f", {entry['precision']}" if entry.get("precision") else ""
+    how = " ".join(x for x in (entry.get("command"), entry.get("source") and
+                               f"(published in {entry['source']})") if x)
+    return f"{len(entry['seeds'])} seeds ({seeds}), {entry['machine']}{precision}, " \
+           f"{entry['date']}: {how}"
+
+
+def table(rows: dict[str, tuple[dict, dict, dict]], reference: dict | None) -> list[str]:
     """The demo's table: per method ``(test metrics, validation metrics, test_metrics.json of the
-    training)``, one raw row and one with the calibrator picked on validation."""
-    ref = REFERENCE.get(setup, {})
+    training)``, one raw row and one with the calibrator picked on validation, beside the same
+    row of the setup's ``reference`` entry (:func:`reference_cell`)."""
     out = [
         "| method | calibration (picked on validation) | val ECE | ECE | band-weighted ECE | NLL | "
         "mIoU | 3-seed ECE, same setup |",
@@ -122,11 +133,10 @@ def table(rows: dict[str, tuple[dict, dict, dict]], setup: str) -> list[str]:
         best, val_ece = pick_calibrator(val)
         for label, m, v in (("raw", test["pre_ts"], val["pre_ts"]),
                             (best, test["calibrators"][best], val["calibrators"][best])):
-            key = "raw" if label == "raw" else best
             out.append(
                 f"| {method} | {label} | {cell(v.get('ece'))} | {cell(m.get('ece'))} | "
                 f"{cell(m.get('ece_band_weighted'))} | {cell(m.get('nll'), 1.0, 3)} | "
-                f"{cell(m.get('miou'))} | {ref.get((method, key), '-')} |")
+                f"{cell(m.get('miou'))} | {reference_cell(reference, method, label)} |")
     return out
 
 
@@ -143,13 +153,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="override train.epochs (the table's 3-seed column is then not the "
                         "same setup)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--reference", type=Path, default=REFERENCE_FILE, metavar="FILE",
+                        help="the 3-seed reference numbers (JSON written by tools/compare.py "
+                        "--reference-out; default: the one shipped beside this module)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="extra overrides for both runs (may be repeated)")
     args = parser.parse_args(argv)
     setup = SETUPS[args.long]
     out = Path(args.out or ("runs/demo_long" if args.long else "runs/demo"))
     py = sys.executable
+    from cals_seg.commands._cli import USER_ERRORS, report
     from cals_seg.runs.run import Run
+    from cals_seg.training.study import read_reference
+
+    try:  # before any training: a broken reference file is refused in one line
+        reference = read_reference(args.reference)["setups"].get(setup)
+    except USER_ERRORS as err:
+        return report(err)
 
     start = time.perf_counter()
     trainings, run_dirs = {}, {}
@@ -190,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                      read(Run(d).test_metrics))
             for method, d in run_dirs.items()}
     seconds = time.perf_counter() - start
+    last = (f"the same row over {provenance(reference)}" if reference is not None else
+            f"none ({args.reference} holds no study of {setup})")
     print(f"\n{setup}, seed 0, test split (pooled over pixels, %; NLL in nats), {seconds:.0f} s "
           "in all. Calibration: raw, and the post-hoc calibrator (of "
           f"{' and '.join(CALIBRATORS)}, fitted on validation) with the lower validation ECE. "
-          f"Last column: the same row over {STUDY}.\n")
-    for line in table(rows, setup):
+          f"Last column: {last}.\n")
+    for line in table(rows, reference):
         print(line)
     if args.epochs is not None or args.set:
         print("\n(--epochs / --set given: the 3-seed column is of the setup as shipped, not of "

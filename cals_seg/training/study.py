@@ -4,7 +4,9 @@ The library behind ``tools/compare.py`` (and the margin sweep of ``tools/margin.
 trained in its own process (``python -m cals_seg.commands.train_seg`` or ``train_cls``), reused
 when its ``test_metrics.json`` exists and its saved config matches, given the test metrics or
 calibrators it lacks. The tables of a study (one row per method, mean and standard deviation
-over seeds) are written by :mod:`cals_seg.training.tables`.
+over seeds) are written by :mod:`cals_seg.training.tables`; the demo's reference numbers (the test
+ECE per method and calibration, with the machine, date and command) by :func:`write_reference`
+(``tools/compare.py --reference-out FILE``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from cals_seg.calibrators import calibrator_record
 from cals_seg.config.rules import changed_keys, keys_of
 from cals_seg.config.schema import Config, config_to_dict, load_config
-from cals_seg.errors import MissingPathError
+from cals_seg.errors import MissingPathError, UserError
 from cals_seg.evaluation.engine import load_or_fit_calibrators
 from cals_seg.evaluation.stream import compute
 from cals_seg.runs.run import Run, load_run
@@ -182,3 +184,172 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     metrics.setdefault("calibrator_fits", {}).update(fits)
     folder.write_test_metrics(metrics)
     return missing
+
+
+# ----------------------------------------------------------------------------- reference data
+# The demo's reference numbers (tools/demo.py prints them beside its one-seed rows): per setup
+# file, the test ECE of each (method, calibration) over the seeds of a study, with where, when
+# and by which command it was measured. ``tools/compare.py --reference-out FILE`` writes it.
+REFERENCE_SCHEMA = 1
+REFERENCE_HOW = ("regenerate it with: python tools/compare.py SETUP --methods ce cals_alm "
+                 "--seeds 0 1 2 --calibrators ts boundary_ts --out OUT --reference-out FILE")
+
+
+def describe_machine() -> str:
+    """Where a study ran, in words: the CPU's model name and visible cores (and whether its
+    bf16 kernels are native), or the GPU's name, and torch's version."""
+    import os
+    import platform
+
+    import torch
+
+    from cals_seg.utils.precision import cpu_has_native_bf16
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}; torch {torch.__version__}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    bf16 = "native bf16" if cpu_has_native_bf16() else "no native bf16"
+    return f"{cpu}, {os.cpu_count()} cores visible, {bf16}; torch {torch.__version__}"
+
+
+def _ece_cell(values: list[float | None]) -> dict[str, Any] | None:
+    """``{"mean", "std", "n"}`` of per-seed ECEs (fractions) in %, std None for one seed."""
+    import statistics
+
+    found = [100.0 * v for v in values if v is not None]
+    if not found:
+        return None
+    std = round(statistics.stdev(found), 4) if len(found) > 1 else None
+    return {"mean": round(statistics.fmean(found), 4), "std": std, "n": len(found)}
+
+
+def reference_entry(
+    rows: dict[str, dict[str, Any]], calibrators: list[str], *, command: str, seeds: list[int],
+    precision: str | None = None, machine: str | None = None, date: str | None = None,
+) -> dict[str, Any]:
+    """One setup's entry of the reference file, from ``tools/compare.py``'s rows: per row
+    (method) the test ECE in % before calibration (``raw``) and after each of ``calibrators``
+    (fitted on each run's validation split): mean, standard deviation over the seeds (None for
+    one seed) and the number of seeds; with the command, the seeds, the machine
+    (:func:`describe_machine` unless given), the runs' precision (``test_metrics.json``'s
+    ``precision``: ``none`` is written ``float32``) and the date (today, UTC, unless given). A calibration no run of a row has is left out of that row."""
+    import datetime
+
+    ece: dict[str, dict[str, Any]] = {}
+    for method, row in rows.items():
+        cells = {"raw": _ece_cell([s.get("ece") for s in row.get("summaries", [])])}
+        per_seed = row.get("calibrators") or []
+        for name in calibrators:
+            cells[name] = _ece_cell([s[name].get("ece") for s in per_seed if name in s])
+        cells = {k: v for k, v in cells.items() if v is not None}
+        if cells:
+            ece[method] = cells
+    entry: dict[str, Any] = {
+        "machine": machine or describe_machine(),
+        "date": date or datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "command": command,
+        "seeds": list(seeds),
+        "ece": ece,
+    }
+    if precision:
+        entry["precision"] = {"none": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
+            precision, precision)
+    return entry
+
+
+def check_reference(data: Any, where: str) -> dict[str, Any]:
+    """The reference file's content, checked against :data:`REFERENCE_SCHEMA`: ``{"schema": 1,
+    "setups": {SETUP: entry}}``, each entry with ``machine``, ``date`` (YYYY-MM-DD),
+    ``command`` (or ``source``, the doc section it was taken from), ``seeds`` and ``ece``:
+    ``{method: {calibration: {"mean": %, "std": % or None, "n": seeds}}}``.
+
+    Raises:
+        UserError: one line naming ``where``, what is wrong and how to regenerate the file.
+    """
+    import re
+
+    def bad(what: str) -> UserError:
+        return UserError(f"{where}: {what}; {REFERENCE_HOW}")
+
+    def number(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool) and x == x and x >= 0
+
+    if not isinstance(data, dict) or data.get("schema") != REFERENCE_SCHEMA:
+        raise bad(f"not a reference file of schema {REFERENCE_SCHEMA}")
+    setups = data.get("setups")
+    if not isinstance(setups, dict) or not setups:
+        raise bad("'setups' must map setup files to their entries")
+    for setup, entry in setups.items():
+        if not isinstance(entry, dict):
+            raise bad(f"setups[{setup!r}] is not an object")
+        for key in ("machine", "date"):
+            if not isinstance(entry.get(key), str) or not entry[key].strip():
+                raise bad(f"setups[{setup!r}] lacks '{key}'")
+        if not re.fullmatch(r"\d{4}-\d\d-\d\d", entry["date"]):
+            raise bad(f"setups[{setup!r}].date {entry['date']!r} is not YYYY-MM-DD")
+        if not any(isinstance(entry.get(k), str) and entry[k].strip()
+                   for k in ("command", "source")):
+            raise bad(f"setups[{setup!r}] names neither the 'command' nor the 'source'")
+        seeds = entry.get("seeds")
+        if not isinstance(seeds, list) or not seeds or not all(
+                isinstance(s, int) and not isinstance(s, bool) for s in seeds):
+            raise bad(f"setups[{setup!r}].seeds must be a list of integers")
+        ece = entry.get("ece")
+        if not isinstance(ece, dict) or not ece:
+            raise bad(f"setups[{setup!r}].ece must map methods to calibrations")
+        for method, cells in ece.items():
+            if not isinstance(cells, dict) or not cells:
+                raise bad(f"setups[{setup!r}].ece[{method!r}] must map calibrations to values")
+            for name, cell in cells.items():
+                at = f"setups[{setup!r}].ece[{method!r}][{name!r}]"
+                if not isinstance(cell, dict) or not number(cell.get("mean")):
+                    raise bad(f"{at} needs a 'mean' (a number >= 0, in %)")
+                if cell.get("std") is not None and not number(cell["std"]):
+                    raise bad(f"{at}.std must be a number >= 0 or null")
+                n = cell.get("n")
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise bad(f"{at}.n must be the number of seeds (>= 1)")
+    return data
+
+
+def read_reference(path: str | Path) -> dict[str, Any]:
+    """The reference file at ``path``, checked (:func:`check_reference`).
+
+    Raises:
+        UserError: the file is missing, not JSON or not of the schema (one line).
+    """
+    import json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MissingPathError(f"{path}: no such reference file; {REFERENCE_HOW}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"{path}: not readable as JSON ({first}); {REFERENCE_HOW}") from None
+    return check_reference(data, str(path))
+
+
+def write_reference(path: str | Path, setup: str, entry: dict[str, Any]) -> None:
+    """Write ``entry`` as ``setup``'s in the reference file at ``path`` (atomically), keeping the
+    other setups of an existing, valid file; an existing file that is not valid is refused.
+
+    Raises:
+        UserError: the existing file is not a reference file, or the entry is not valid.
+    """
+    from cals_seg.utils.io import write_json
+
+    path = Path(path)
+    data: dict[str, Any] = {"schema": REFERENCE_SCHEMA, "setups": {}}
+    if path.exists():
+        data = read_reference(path)
+    data["setups"][setup] = entry
+    check_reference(data, f"the reference entry of {setup}")
+    write_json(path, data)
