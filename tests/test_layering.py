@@ -20,6 +20,7 @@ LAYERS = [
     {"runs"},
     {"training"},
     {"integrations", "commands"},
+    {"contrib"},  # experiments beside the core: they may use it all; nothing imports them
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -71,6 +72,16 @@ def test_no_import_runs_up_a_layer(path):
                 for part, line in _imported_parts(path)
                 if part != _part(path) and LAYER.get(part, len(LAYERS)) > mine)
     assert not up, f"{path.relative_to(PACKAGE)} (layer {mine}) imports upward: {up}"
+
+
+def test_the_core_never_imports_contrib():
+    """``cals_seg/contrib/`` is opt-in: no module outside it imports it, at the top or inside a
+    function (the one loader, :func:`cals_seg.utils.registry.enable_contrib`, imports the modules
+    a user names, by a name it checks against the folder)."""
+    core = [p for p in MODULES if _part(p) != "contrib"]
+    found = sorted(f"{p.relative_to(PACKAGE)}:{line}" for p in core
+                   for part, line in _imported_parts(p) if part == "contrib")
+    assert not found
 
 
 # ----------------------------------------------------------------------------- module graph

@@ -181,6 +181,7 @@ RULES: dict[str, Rule | None] = {
     "model.output_key": optional(Rule("an entry name (not empty)", lambda v: v != "")),
     "model.align_corners": TYPE_ONLY,
     "loss.name": TYPE_ONLY,  # a registered loss: cross rule
+    "contrib": TYPE_ONLY,  # modules of cals_seg/contrib/, checked when the config is built
     "loss.params": TYPE_ONLY,  # the loss's own checks (build_loss), named loss.params.<key>
     "optim.name": choices("adamw", "sgd"),
     "optim.lr": nums(0, lo_open=True, example=0.001),
@@ -280,6 +281,7 @@ KEY_GROUPS: dict[str, tuple[str, ...]] = {
         "train.debug_checks", "eval.batch_size", "eval.n_bins", "eval.temperature_scaling",
         "eval.num_maps", "eval.mode", "eval.resize", "eval.pad", "eval.window", "eval.stride",
         "data.class_names",  # display names only
+        "contrib",  # which experiments are registered, not what a run computes
     ),
 }
 

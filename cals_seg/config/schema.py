@@ -30,7 +30,8 @@ from typing import Any
 
 import yaml
 
-from cals_seg.errors import ConfigError
+from cals_seg.errors import ConfigError, UserError
+from cals_seg.utils.registry import enable_contrib
 
 
 @dataclass
@@ -231,6 +232,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    contrib: list[str] = field(default_factory=list)
 
     @property
     def run_dir(self) -> Path:
@@ -357,8 +359,14 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
 
 def config_from_dict(data: dict[str, Any]) -> Config:
     """Build a :class:`Config`, rejecting unknown keys (the valid ones are listed) and values
-    of the wrong type."""
-    return _build(Config, data, "")
+    of the wrong type. The modules of ``cals_seg/contrib/`` that ``contrib`` names are imported
+    (their losses, calibrators and margin rules registered) before anything checks a name."""
+    cfg = _build(Config, data, "")
+    try:
+        enable_contrib(cfg.contrib)
+    except UserError as err:
+        raise ConfigError(str(err)) from None
+    return cfg
 
 
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -432,7 +440,16 @@ def _apply_method(data: dict[str, Any], method: str | None, where: Path) -> dict
         )
     if "loss" in data:
         raise ConfigError(f"{where}: a setup file with `methods` must not also set `loss`.")
-    data["loss"] = methods[chosen]
+    entry = methods[chosen]
+    if isinstance(entry, dict) and "contrib" in entry:  # the method's opt-in experiments
+        entry = dict(entry)
+        extra = entry.pop("contrib")
+        if not isinstance(extra, list):
+            raise ConfigError(f"{where}: methods.{chosen}.contrib: expected a list of module "
+                              f"names, got {extra!r}.")
+        given = data.get("contrib", [])
+        data["contrib"] = [*given, *extra] if isinstance(given, list) else given
+    data["loss"] = entry
     data["name"] = f"{data.get('name', where.stem)}_{chosen}"
     return data
 

@@ -18,6 +18,7 @@ which lists the registered ones::
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar, overload
@@ -143,3 +144,47 @@ def import_submodules(package: str) -> list[str]:
     for name in names:
         importlib.import_module(f"{package}.{name}")
     return names
+
+
+# The package of experiments kept beside the core (docs/studies/): the core never imports it;
+# a user opts in with ``import cals_seg.contrib.NAME`` or ``contrib: [NAME]`` in a config, which
+# :func:`enable_contrib` imports (its modules register into the core's registries).
+CONTRIB_PACKAGE = "cals_seg.contrib"
+
+
+def contrib_modules() -> list[str]:
+    """The names of the modules in ``cals_seg/contrib/`` (read from the folder; nothing is
+    imported)."""
+    spec = importlib.util.find_spec(CONTRIB_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted(info.name for info in pkgutil.iter_modules(spec.submodule_search_locations)
+                  if not info.name.startswith("_"))
+
+
+def enable_contrib(names: list[str] | tuple[str, ...], where: str = "contrib") -> list[str]:
+    """Opt in to experiments of ``cals_seg/contrib/``: import each named module, which
+    registers its entries (a loss, a calibrator, a margin rule) into the core's registries.
+
+    Only modules of that folder can be named (a name is checked against the folder's listing
+    before anything is imported), so a config cannot import code of its own choosing.
+
+    Args:
+        names: module names, e.g. ``["auto_margin"]``.
+        where: the key that named them, for the message.
+
+    Returns:
+        The names imported.
+
+    Raises:
+        UserError: a name that is not a module of ``cals_seg/contrib/`` (the valid ones are
+            listed).
+    """
+    available = contrib_modules()
+    for name in names:
+        if not isinstance(name, str) or name not in available:
+            raise UserError(f"{where}: unknown contrib module {name!r}; valid names are "
+                            f"{available}.")
+    for name in names:
+        importlib.import_module(f"{CONTRIB_PACKAGE}.{name}")
+    return list(names)
