@@ -32,7 +32,6 @@ from cals_seg.evaluation.conformal import (
     quantile_threshold,
     score_cells,
 )
-from cals_seg.evaluation.conformal_margin import DilationMargin
 from cals_seg.metrics.conformal import PredictionSetMeter
 from cals_seg.metrics.regions import boundary_bands
 
@@ -289,39 +288,6 @@ def test_group_conditional_risk_over_random_splits(pool, mode, score):
         for g in range(cs.num_groups):
             assert (totals[:, g] > 0).float().mean() > 0.9  # every group is populated
             _check_mean(np.array(per_group[g]), alpha, alpha - 2 / (0.9 * N_CAL + 1))
-
-
-def test_dilation_margin_over_random_splits():
-    g = torch.Generator().manual_seed(5)
-    n = 400
-    logits = torch.zeros(n, 2, 16, 16)
-    for i in range(n):  # a square object, predicted shifted by a random offset
-        r, c = torch.randint(3, 9, (2,), generator=g).tolist()
-        logits[i, 1, r:r + 5, c:c + 5] = 1
-    y = torch.zeros(n, 16, 16, dtype=torch.int64)
-    shift = torch.randint(-2, 3, (n, 2), generator=g)
-    for i in range(n):
-        y[i] = torch.roll(logits[i, 1], tuple(shift[i].tolist()), (0, 1)).long()
-    dm = DilationMargin(2, 0.1)
-    radii = dm.image_radii(logits, y).numpy()
-    for i in range(5):  # brute force: the smallest integer r with T inside dilate(M, r)
-        m = np.argwhere(logits[i, 1].numpy() > 0)
-        t = np.argwhere(y[i].numpy() == 1)
-        d = np.sqrt(((t[:, None, :] - m[None, :, :]) ** 2).sum(-1)).min(axis=1).max()
-        assert radii[i] == math.ceil(d - 1e-9)
-    for alpha in (0.05, 0.1):
-        bad = []
-        for perm in np.random.default_rng(0).permutation(np.tile(np.arange(n), (SPLITS, 1)).T,
-                                                         axis=0).T[:SPLITS]:
-            r = quantile_threshold(np.bincount(radii[perm[:200]], minlength=1026).tolist(),
-                                   alpha)
-            bad.append((radii[perm[200:]] > r).mean())
-        _check_mean(np.array(bad), alpha)
-    dm.update(logits, y)
-    r = dm.fit()["radius"]
-    inside = dm.dilate(logits)
-    assert ((y == 1) & ~inside).flatten(1).any(dim=1).float().mean() <= 0.1 + 1e-9
-    assert r is not None
 
 
 # --------------------------------------------------------------------------------------------

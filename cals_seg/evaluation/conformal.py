@@ -34,11 +34,6 @@ upper bound of ``L_i`` by less than ``2^-32`` (the guarantee holds for the round
 for the true one), summed in int64. The state is therefore integers of a fixed size (one risk
 curve per group, or one histogram of image scores), whatever the number of pixels, and its
 DDP sum is exact: N processes give bit for bit the threshold of one.
-
-Binary masks: :class:`cals_seg.evaluation.conformal_margin.DilationMargin` chooses a radius
-``r`` such that the true mask lies in the prediction dilated by ``r`` with probability
-``>= 1 - alpha`` (split conformal on the per-image score
-``max_{p in true mask} dist(p, predicted mask)``).
 """
 
 from __future__ import annotations
@@ -129,10 +124,10 @@ def guarantee_images(alpha: float) -> int:
     """The fewest calibration images ``n`` for which a threshold at level ``alpha`` can be
     anything but "every class": ``ceil(1 / alpha) - 1`` (exact, :func:`rational`).
 
-    Both rules need ``alpha (n + 1) >= 1``. Split conformal (``image:TAU``, the dilation
-    margin) takes the ``k``-th smallest score, ``k = ceil((n + 1)(1 - alpha))``, which exists
-    iff ``k <= n``, i.e. ``(n + 1)(1 - alpha) <= n``. Risk control (``risk``, and per group
-    ``class`` / ``band``) accepts ``g`` when ``(n R_n(g) + 1) / (n + 1) <= alpha``: with
+    Both rules need ``alpha (n + 1) >= 1``. Split conformal (``image:TAU``) takes the
+    ``k``-th smallest score, ``k = ceil((n + 1)(1 - alpha))``, which exists iff ``k <= n``,
+    i.e. ``(n + 1)(1 - alpha) <= n``. Risk control (``risk``, and per group ``class`` /
+    ``band``) accepts ``g`` when ``(n R_n(g) + 1) / (n + 1) <= alpha``: with
     ``R_n >= 0`` some ``g`` below the last qualifies only if ``1 / (n + 1) <= alpha``. Below
     that ``n`` each set holds every class: coverage 1, a guarantee that says nothing.
     For ``class`` / ``band`` the ``n`` is per group (the images holding the class / having
@@ -150,7 +145,7 @@ def guarantee_status(alpha: float, kind: str, per_group: Sequence[int],
 
     Args:
         alpha: the level.
-        kind: ``risk``, ``image``, ``class`` or ``band`` (``dilation`` for the margin).
+        kind: ``risk``, ``image``, ``class`` or ``band``.
         per_group: calibration images per group (one entry for ``risk`` / ``image``).
         group_names: names of the groups for the warning (default: their indices).
 
@@ -184,10 +179,8 @@ def guarantee_status(alpha: float, kind: str, per_group: Sequence[int],
                           f"{what} ({listed}): each needs {need} calibration images holding "
                           f"it, the fewest have {fewest} ({every}); {fix}")
     else:
-        empty = ("the margin is the whole image" if kind == "dilation"
-                 else "every set holds every class")
         out["warning"] = (f"no guarantee at alpha={alpha:g}: {counts[0]} calibration image(s), "
-                          f"it needs {need} ({empty}); {fix}")
+                          f"it needs {need} (every set holds every class); {fix}")
     return out
 
 
