@@ -14,6 +14,14 @@ from cals_seg.data.transforms import train_transform
 from cals_seg.losses import BandCALSALMLoss, CALSALMLoss, build_loss, get_penalty
 from cals_seg.losses._band_penalty import band_penalty
 from cals_seg.losses._bands import BandMap, distance_bands
+from cals_seg.losses.margin_rules import MARGIN_RATE, MARGIN_SKILL, beyond_chance, next_margin
+from cals_seg.losses.temperature_stats import (
+    NUM_BINS,
+    class_counts,
+    effective_margin_sums,
+    largest_gap_bound,
+    solve_temperature,
+)
 from cals_seg.metrics import BoundaryCalibrationMeter
 
 K = 4
@@ -259,30 +267,39 @@ def _only_band(y, b, bands):
 
 class _PreviousRuleALM(CALSALMLoss):
     """CALS-ALM with the ``margin: auto`` rule the bands keep (chance gate on the majority
-    class, ``m <- next_margin(m, T_hat, G)``); CALS-ALM itself now moves only on evidence."""
+    class, ``m <- next_margin(m, T_hat, G)``, put in force by ``set_margin``) run after its
+    update; CALS-ALM's own ``margin: auto`` (cals_seg.contrib.auto_margin) moves only on
+    evidence."""
 
-    def _update_margin(self, epoch, stats):
-        from cals_seg.losses.auto_margin import (
-            beyond_chance,
-            largest_gap_bound,
-            next_margin,
-            solve_temperature,
-        )
+    log_keys = (*CALSALMLoss.log_keys, "margin", "margin_temperature")
 
-        if not self.auto_margin:
-            return {}
+    def __init__(self, num_classes, margin=10.0, margin_min=1.0, **kwargs):
+        self.auto = margin == "auto"
+        super().__init__(num_classes, margin=10.0 if self.auto else margin, **kwargs)
+        self.margin_min = margin_min
+        for name, shape in (("_meff_hist", NUM_BINS), ("_gap_hist", NUM_BINS), ("_correct", ()),
+                            ("_class_count", num_classes)):
+            self.add_statistic(name, shape)
+
+    def _observe(self, logits, target, valid):
+        out = super()._observe(logits, target, valid)
+        if self.auto:
+            hist, gap_hist, correct = effective_margin_sums(logits, target, valid)
+            out.update(_meff_hist=hist, _gap_hist=gap_hist, _correct=correct,
+                       _class_count=class_counts(target, valid, self.num_classes))
+        return out
+
+    def _update(self, epoch, stats, n):
+        logs = super()._update(epoch, stats, n)
+        if not self.auto:
+            return logs
         correct = float(stats["_correct"])
         t_hat = solve_temperature(stats["_meff_hist"], correct, self.num_classes)
         ceiling = largest_gap_bound(stats["_gap_hist"])
-        if epoch + 1 > self.margin_warmup and beyond_chance(correct, stats["_class_count"],
-                                                            self.margin_skill)[0]:
-            old = self.margin
-            self.margin_value.fill_(next_margin(old, t_hat, ceiling, self.margin_min,
-                                                self.margin_max, self.margin_rate))
-            self.margin = float(self.margin_value)
-            if self.margin != old:
-                self._margin_changed(old, self.margin)
-        return {"margin": self.margin, "margin_temperature": t_hat}
+        if beyond_chance(correct, stats["_class_count"], MARGIN_SKILL)[0]:
+            self.set_margin(next_margin(self.margin, t_hat, ceiling, self.margin_min, 20.0,
+                                        MARGIN_RATE))
+        return {**logs, **self.multipliers(), "margin": self.margin, "margin_temperature": t_hat}
 
 
 @pytest.mark.parametrize("margin", [3.0, "auto"])
@@ -326,8 +343,6 @@ def test_margin_steering_reads_the_right_pixels(steer):
     observes bands b-1..b+1 only. ``pooled_gate``: band b's own T_hat while all the pixels
     together are over-confident (T_all >= 1), T_all otherwise. The margin then follows
     next_margin from the band's own ceiling; the multipliers follow the margin."""
-    from cals_seg.losses.auto_margin import MARGIN_RATE, MARGIN_SKILL, beyond_chance, next_margin
-
     epochs = _epochs()
     def onehot(y):
         return F.one_hot(y.clamp(max=K - 1), K).permute(0, 3, 1, 2).to(torch.float64)
@@ -339,8 +354,8 @@ def test_margin_steering_reads_the_right_pixels(steer):
     nb = ours.num_bands
     groups = ([set(range(max(b - 1, 0), min(b + 2, nb))) for b in range(nb)]
               if steer == "adjacent" else [{b} for b in range(nb)])
-    refs = [CALSALMLoss(K, ignore_index=IGN, **common) for _ in groups]
-    pooled = CALSALMLoss(K, ignore_index=IGN, **common)
+    refs = [_PreviousRuleALM(K, ignore_index=IGN, **common) for _ in groups]
+    pooled = _PreviousRuleALM(K, ignore_index=IGN, **common)
     seen_gate = set()
     for e, batches in enumerate(epochs):
         before = ours.margins.clone()

@@ -5,9 +5,9 @@
   graphs AOTAutograd hands to a compiler, in the default suite; inductor's C++ backend: slow).
 - The compiled analytic backward keeps its memory bound: what the compiled CALS-ALM / CALS-HR /
   MbLS graph saves beyond the compiled cross-entropy's is per-position maps, nothing K-sized.
-- ``margin: auto`` changes the margin without recompiling; a compiled model + loss step gives
-  eager's gradients; training with the compiled criterion gives eager's weights and
-  multipliers, to float32 rounding.
+- ``set_margin`` (what ``margin: auto`` calls) changes the margin without recompiling; a
+  compiled model + loss step gives eager's gradients; training with the compiled criterion
+  gives eager's weights and multipliers, to float32 rounding.
 - A training step (``train_one_epoch``) converts no tensor to a Python value (``item``,
   ``bool``, ``float``, ``int``, ``index``, ``tolist`` counted by patching ``torch.Tensor``): the
   label check is ``torch._assert_async`` at the call (checked at once on the CPU, device-side
@@ -131,23 +131,25 @@ def test_every_loss_compiles_with_inductor(name):
     _check_compiled_equals_eager(name, "inductor", [(2, 6, 7), (3, 4, 9)])
 
 
-def test_auto_margin_changes_without_recompiling():
-    """margin: auto under compile reads the margin from its buffer, not a graph constant."""
-    eager = _make("cals_alm", margin="auto", margin_init=3.0)
-    loss = _make("cals_alm", margin="auto", margin_init=3.0)
+@pytest.mark.parametrize("name", ADAPTIVE)
+def test_set_margin_changes_the_margin_without_recompiling(name):
+    """Under compile the margin is read from a 0-dim buffer, not a graph constant: a margin
+    rule (``margin: auto``) moves it with ``set_margin`` between epochs, one graph throughout."""
+    eager = _make(name)
+    loss = _make(name)
     loss.deferred_checks = True
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(loss, backend=counter, fullgraph=True)
     logits, target = _data(2, 6, 6)
-    for margin in (3.0, 5.5):
-        for m in (eager, loss):  # as _update_margin does
-            m.margin_value.fill_(margin)
-            m.margin = margin
+    for margin in (3.0, 5.5, 2.25):
+        for m in (eager, loss):  # as a margin rule does
+            m.set_margin(margin)
         v0, g0 = _value_and_grad(eager, logits, target)
         v1, g1 = _value_and_grad(compiled, logits, target)
         torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-8)
     assert _graphs(counter) == 1
+    assert "_margin_t" not in loss.state_dict()  # a fixed margin is part of the config
 
 
 def _saved_bytes(fn, logits, target) -> int:

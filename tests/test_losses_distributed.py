@@ -6,7 +6,8 @@ import json
 
 import torch
 
-from cals_seg.losses import CALSALMLoss, CALSHRLoss
+from cals_seg.losses import CALSALMLoss, CALSHRLoss, build_loss
+from cals_seg.losses.margin_rules import margin_rule_of
 
 from ._dist import run_distributed
 
@@ -32,19 +33,29 @@ def _run(criteria, batches, rank=0, world=1):
         for i, (x, y) in enumerate(batches):
             if i % world == rank:
                 for c in criteria:
-                    c.observe(x * (1 + epoch), y)
-        results.append([c.update_multipliers(epoch) for c in criteria])
+                    for observer in (c, margin_rule_of(c)):
+                        if observer is not None:
+                            observer.observe(x * (1 + epoch), y)
+        results.append([_update(c, epoch) for c in criteria])
     return results
+
+
+def _update(c, epoch):
+    logs = c.update_multipliers(epoch)
+    rule = margin_rule_of(c)
+    return logs if rule is None else {**logs, **rule.step(c, epoch)}
 
 
 def _criteria():
     # The margin rule's sums are reduced too (no learning window: it moves from the first epoch).
+    import cals_seg.contrib.auto_margin  # noqa: F401  (margin: auto)
+
     auto = {"margin": "auto", "margin_min": 0.01, "margin_patience": 0}
     return [
         CALSALMLoss(K, ignore_index=IGN, rho_period=1),
         CALSHRLoss(K, ignore_index=IGN),
-        CALSALMLoss(K, ignore_index=IGN, rho_period=1, **auto),
-        CALSHRLoss(K, ignore_index=IGN, **auto),
+        build_loss("cals_alm", K, ignore_index=IGN, rho_period=1, **auto),
+        build_loss("cals_hr", K, ignore_index=IGN, **auto),
     ]
 
 

@@ -15,6 +15,7 @@ import yaml
 from cals_seg.config.schema import load_config
 from cals_seg.data import DATASETS
 from cals_seg.losses import build_loss
+from cals_seg.losses.margin_rules import margin_rule_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -63,7 +64,7 @@ def test_cals_alm_is_the_papers_method(path):
         f"{path.name}: `cals_alm` has margin {params.get('margin')!r}, the paper's is "
         f"{paper_margin:g}")
     loss = build_loss("cals_alm", raw["data"]["num_classes"], **params)
-    assert loss.margin == paper_margin and not loss.auto_margin
+    assert loss.margin == paper_margin and margin_rule_of(loss) is None
     assert loss.lambdas.eq(PAPER["lambda_init"]).all() and loss.rhos.eq(PAPER["rho_init"]).all()
     assert (loss.gamma, loss.tau, loss.rho_period) == (PAPER["gamma"], PAPER["tau"],
                                                       PAPER["rho_period"])
@@ -92,6 +93,13 @@ def test_the_evidence_rule_has_its_own_name(path):
         paper = {k: v for k, v in table["cals_alm"].get("params", {}).items() if k != "margin"}
         assert same == paper, f"{path.name}: `cals_alm_auto` is more than `cals_alm` + auto"
         assert raw["method"] != "cals_alm_auto", f"{path.name}: the evidence rule is opt-in"
+        # kept beside the core: the entry opts in to its module, and the setup builds with it
+        assert entry.get("contrib") == ["auto_margin"], (
+            f"{path.name}: `cals_alm_auto` needs `contrib: [auto_margin]`")
+        cfg = load_config(path, method="cals_alm_auto")
+        assert cfg.loss.params["margin"] == "auto" and "auto_margin" in cfg.contrib
+        loss = build_loss("cals_alm", raw["data"]["num_classes"], **cfg.loss.params)
+        assert margin_rule_of(loss) is not None and loss.margin == 10.0
 
 
 @pytest.mark.parametrize("path", [p for p in SETUPS if "cals_alm_auto" in _table(p)[1]],

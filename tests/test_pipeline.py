@@ -29,6 +29,7 @@ def _overrides(tmp: Path, name: str, epochs: int = 2) -> list[str]:
         f"train.epochs={epochs}", "train.batch_size=4", "eval.batch_size=4", "train.progress=false",
         "train.threads=1", "eval.num_maps=2",
         "loss.params={margin: auto, margin_init: 3.0}",  # the auto margin, resumed too
+        "contrib=[auto_margin]",  # (kept beside the core: opted in)
         "model.params={encoder_output_stride: 16, decoder_channels: 32}",
     ]
 
@@ -81,7 +82,7 @@ def test_run_directory_has_every_artefact(straight):
     ckpt = load_checkpoint(run / "checkpoint_last.pt")
     assert torch.allclose(ckpt["criterion"]["lambdas"], torch.tensor(history[-1]["lambda"],
                                                                    dtype=torch.float64))
-    assert float(ckpt["criterion"]["margin_value"]) == history[-1]["margin"]
+    assert float(ckpt["criterion"]["margin_rule.margin"]) == history[-1]["margin"]
 
 
 def test_resume_reaches_the_same_result(straight, tmp_path, monkeypatch):

@@ -3,8 +3,8 @@
 A margin penalty (CALS-ALM, CALS-HR, MbLS) bounds the logit gaps, so it can only *lower*
 confidence. A network that is already under-confident on held-out data cannot be helped by one;
 a post-hoc calibrator fitted on the validation split can (temperature scaling with ``T < 1``
-raises every confidence). The evidence is the interval of the validation temperature that the
-evidence rule of ``margin: auto`` computes (:mod:`cals_seg.losses.auto_margin`): the mean
+raises every confidence). The evidence is the interval of the validation temperature
+(:mod:`cals_seg.losses.temperature_stats`, also what the ``margin: auto`` rule reads): the mean
 calibration gap of the split (mean confidence minus accuracy) with its standard error, the image
 being the sampling unit, turned into the temperatures ``T_lo <= T_hat <= T_hi`` whose mean
 confidence equals the accuracy plus, exactly and minus ``z`` standard errors. Under-confident
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.losses.auto_margin import (
+from cals_seg.losses.temperature_stats import (
     IMAGE_SUM_KEYS,
-    MARGIN_Z,
+    INTERVAL_Z,
     NUM_BINS,
     effective_margin_sums,
     gap_and_accuracy,
@@ -49,14 +49,14 @@ CALIBRATORS = {"segmentation": ("ts", "boundary_ts")}
 
 
 class ValidationTemperature:
-    """A consumer of ``(logits (N, K, *S), target (N, *S))`` batches that accumulates the evidence
-    rule's statistics over the valid positions, and :meth:`compute` gives ``(T_hat, (T_lo,
+    """A consumer of ``(logits (N, K, *S), target (N, *S))`` batches that accumulates the
+    temperature statistics over the valid positions, and :meth:`compute` gives ``(T_hat, (T_lo,
     T_hi))``. Each row of a batch is one image (for classification: one sample). ``z``: the
-    interval's half-width in standard errors (the rule's ``margin_z``); ``device``: where the
-    sums live (the logits' device; under torch.distributed every rank's must be one the process
-    group reduces on)."""
+    interval's half-width in standard errors (2, as the ``margin_z`` of ``margin: auto``);
+    ``device``: where the sums live (the logits' device; under torch.distributed every rank's
+    must be one the process group reduces on)."""
 
-    def __init__(self, num_classes: int, ignore_index: int = -100, z: float = MARGIN_Z,
+    def __init__(self, num_classes: int, ignore_index: int = -100, z: float = INTERVAL_Z,
                  device: torch.device | str | None = None) -> None:
         if num_classes < 2:
             raise ValueError(f"Expected num_classes >= 2, but got {num_classes}.")

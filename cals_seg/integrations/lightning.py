@@ -62,6 +62,7 @@ except ImportError:  # pragma: no cover - depends on the installed package
         ) from None
 
 from cals_seg.losses import AdaptiveLoss
+from cals_seg.losses.margin_rules import margin_rule_of
 
 
 class AdaptiveLossCallback(pl.Callback):
@@ -143,13 +144,20 @@ class AdaptiveLossCallback(pl.Callback):
         if trainer.sanity_checking or dataloader_idx != 0:
             return
         logits, target = self._logits_target(outputs)
-        self.criterion(pl_module).observe(logits.detach(), target)
+        crit = self.criterion(pl_module)
+        crit.observe(logits.detach(), target)
+        rule = margin_rule_of(crit)  # margin: auto
+        if rule is not None:
+            rule.observe(logits.detach(), target)
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.sanity_checking:
             return
         crit = self.criterion(pl_module)
         logs = crit.update_multipliers(trainer.current_epoch)
+        rule = margin_rule_of(crit)
+        if rule is not None:
+            logs.update(rule.step(crit, trainer.current_epoch))
         self.history.append({"epoch": trainer.current_epoch, **logs})
         if self.log:
             pl_module.log_dict(_scalars(logs), on_epoch=True, sync_dist=False)

@@ -17,6 +17,7 @@ from typing import Any
 
 from cals_seg.losses._adaptive import AdaptiveLoss
 from cals_seg.losses._base import SegLoss, bad_labels_message
+from cals_seg.losses.margin_rules import split_rule_params
 from cals_seg.losses.penalties import PENALTIES, Penalty, get_penalty
 from cals_seg.losses.registry import LOSSES
 
@@ -43,15 +44,26 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
         name: a registered loss name (:data:`LOSSES`).
         num_classes: K.
         ignore_index: the void label, excluded from every mean.
-        **params: the loss's keyword arguments (checked against its signature and types).
+        **params: the loss's keyword arguments (checked against its signature and types). For
+            CALS-ALM / CALS-HR, ``margin`` may name a registered margin rule
+            (:mod:`cals_seg.losses.margin_rules`; ``"auto"`` once its module is imported) and
+            the ``margin_*`` keys are then its settings.
 
     Returns:
-        The loss module.
+        The loss module; with a margin rule, built at the rule's ``margin_init`` with the rule
+        attached as ``loss.margin_rule``.
 
     Raises:
         ValueError: unknown name (the valid names are listed) or unknown parameter.
     """
     cls = LOSSES.lookup(name)
+    rule_cls, params, rule_params = split_rule_params(cls, params)  # margin: auto
+    if rule_cls is not None:
+        rule_hints = typing.get_type_hints(rule_cls.settings_type)
+        for key, value in rule_params.items():
+            _check_number(value, rule_hints.get(key), f"loss.params.{key}")
+        rule = rule_cls(num_classes, ignore_index=ignore_index, **rule_params)
+        params["margin"] = float(rule.margin)
 
     accepted = [
         p for p in inspect.signature(cls).parameters if p not in ("num_classes", "ignore_index")
@@ -64,7 +76,8 @@ def build_loss(name: str, num_classes: int, ignore_index: int = -100, **params: 
         hints.update(typing.get_type_hints(settings_type))
     for key, value in params.items():
         _check_number(value, hints.get(key), f"loss.params.{key}")
-    return cls(num_classes=num_classes, ignore_index=ignore_index, **params)
+    loss = cls(num_classes=num_classes, ignore_index=ignore_index, **params)
+    return loss if rule_cls is None else rule.attach(loss)
 
 
 def _check_number(value: Any, hint: Any, key: str) -> None:

@@ -23,17 +23,15 @@ from cals_seg.losses._bands import BandMap
 from cals_seg.losses._base import as_float32, autocast_off
 from cals_seg.losses._functional import ce_sum, class_sums
 from cals_seg.losses._spatial import SpatialLoss
-from cals_seg.losses.auto_margin import (
+from cals_seg.losses.margin_rules import MarginSettings, beyond_chance, next_margin
+from cals_seg.losses.registry import LOSSES
+from cals_seg.losses.temperature_stats import (
     NUM_BINS,
-    MarginSettings,
-    beyond_chance,
     class_counts,
     effective_margin_sums,
     largest_gap_bound,
-    next_margin,
     solve_temperature,
 )
-from cals_seg.losses.registry import LOSSES
 from cals_seg.metrics.distance import int_thresholds, label_map_bands
 from cals_seg.utils.validation import check_finite
 
@@ -62,7 +60,7 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
 
     with ``G_b`` band ``b``'s largest logit gap and ``T_b`` the temperature that matches the
     validation confidence of the pixels that steer band ``b`` to their accuracy
-    (:mod:`cals_seg.losses.auto_margin`), chosen by ``margin_steer``:
+    (:mod:`cals_seg.losses.temperature_stats`), chosen by ``margin_steer``:
 
     - ``"band"``: band ``b``'s own pixels;
     - ``"adjacent"``: the pixels of bands ``b - 1``, ``b`` and ``b + 1`` together. A network
@@ -290,7 +288,7 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     def _update_margin(self, b: int, epoch: int, stats: dict[str, Tensor],
                        nb: float) -> dict[str, float]:
         """Band ``b``'s margin: the rule of CALS-ALM's ``margin: auto``
-        (:func:`~cals_seg.losses.auto_margin.next_margin`, at most a factor
+        (:func:`~cals_seg.losses.margin_rules.next_margin`, at most a factor
         ``margin_rate`` per epoch, held while the steering
         pixels are at chance) on the statistics ``margin_steer`` chooses; the band's multipliers
         follow the margin as CALS-ALM's do: ``lambda <- lambda m' / m``,

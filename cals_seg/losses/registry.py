@@ -1,4 +1,6 @@
-"""``LOSSES``: the registry of training criteria by ``loss.name``, declared here once.
+"""``LOSSES``: the registry of training criteria by ``loss.name``, and ``MARGIN_RULES``: the rules
+that move the margin of CALS-ALM / CALS-HR between epochs, by the name ``loss.params.margin``
+gives in place of a number (:mod:`cals_seg.losses.margin_rules`); declared here once.
 
 Each loss registers itself where its class is defined::
 
@@ -23,7 +25,9 @@ from cals_seg.utils.registry import Registry
 
 if TYPE_CHECKING:
     from cals_seg.losses._base import SegLoss
+    from cals_seg.losses.margin_rules import MarginRule
 
 LOSSES: Registry[type[SegLoss]] = Registry("loss", error=UserError, discover="cals_seg.losses")
+MARGIN_RULES: Registry[type[MarginRule]] = Registry("margin rule", error=UserError)
 
-__all__ = ["LOSSES"]
+__all__ = ["LOSSES", "MARGIN_RULES"]

@@ -8,8 +8,9 @@ Reads top to bottom like the run itself:
 2. (resume, in the setup) :func:`restore_training_state`, next to :func:`training_state` that
    writes it;
 3. each epoch: :func:`train_one_epoch`; one validation pass that feeds the meters AND
-   ``criterion.observe``; ``criterion.update_multipliers``; the epoch's files (history line,
-   last checkpoint, best checkpoint, in that order);
+   ``criterion.observe`` (and a margin rule's ``observe``); ``criterion.update_multipliers``
+   (then the rule's ``step``); the epoch's files (history line, last checkpoint, best
+   checkpoint, in that order);
 4. the best checkpoint is tested once, before and after temperature scaling fitted on the
    validation split (:func:`cals_seg.evaluation.engine.calibrated_test`, the one test pass of every
    tool), and the plots are drawn; when its validation temperature's interval lies below 1
@@ -52,6 +53,7 @@ from cals_seg.evaluation.engine import calibrated_test
 from cals_seg.evaluation.inference import NonFiniteLogitsError
 from cals_seg.evaluation.stream import Inference, compute, scalars
 from cals_seg.losses import AdaptiveLoss, build_loss
+from cals_seg.losses.margin_rules import margin_rule_of
 from cals_seg.runs.run import Run, load_weights
 from cals_seg.tasks import Task
 from cals_seg.training.engine import NonFiniteLossError, make_loader, seed_epoch, train_one_epoch
@@ -162,11 +164,14 @@ def validate(
 ) -> dict[str, Any]:
     """One validation pass of ``infer`` (model, device, precision, protocol) feeding the task's
     meters and, for adaptive losses, ``criterion.observe`` (the statistics of the multiplier
-    update)."""
+    update) and the ``observe`` of a margin rule attached to it (``margin: auto``)."""
     meters = infer.meters(lambda: task.meters(n_bins))
     consumers: list[Any] = [_check_outputs, *meters.values()]
     if isinstance(criterion, AdaptiveLoss):
         consumers.append(criterion.observe)
+    rule = margin_rule_of(criterion)
+    if rule is not None:
+        consumers.append(rule.observe)
     try:
         infer.evaluate(loader, consumers, progress, desc="val")
     except NonFiniteLogitsError:  # found by the evaluation's own check: in training, divergence
@@ -431,11 +436,15 @@ def _validate_and_update(epoch: int, infer: Inference, task: Task, loader: DataL
                          criterion: nn.Module, n_bins: int, t: TrainConfig
                          ) -> tuple[dict[str, Any], dict[str, Any], float]:
     """The validation pass of ``epoch`` (meters and ``criterion.observe``), the multiplier
-    update, the torchrun guards, and the score of ``train.best_metric``."""
+    update, then the margin rule's step (``margin: auto``: the margin of the next epoch), the
+    torchrun guards, and the score of ``train.best_metric``."""
     broadcast_buffers(infer.model)  # every rank validates (and rank 0 saves) rank 0's BN stats
     val = validate(infer, task, loader, criterion, n_bins, t.progress)
     adaptive = isinstance(criterion, AdaptiveLoss)
     multipliers = criterion.update_multipliers(epoch) if adaptive else {}
+    rule = margin_rule_of(criterion)
+    if rule is not None:
+        multipliers.update(rule.step(criterion, epoch))
     if is_distributed():  # cheap guards: DDP keeps parameters and multipliers identical
         check_identical(_fingerprint(infer.model), "the model parameters")
         if adaptive:

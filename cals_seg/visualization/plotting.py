@@ -430,7 +430,7 @@ def plot_multiplier_curves(
     return True
 
 
-# The reasons of the margin rule (cals_seg.losses.auto_margin.REASONS), by colour.
+# The reasons a `margin: auto` history row gives for its margin (margin_reason), by colour.
 _REASON_COLOURS = {"over-confident": "tab:red", "under-confident": "tab:blue",
                    "still learning": "tab:orange", "calibrated within noise": "tab:green",
                    "at chance": "0.5", "warmup": "0.7"}
