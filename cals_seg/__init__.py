@@ -2,9 +2,15 @@
 
 The public API, for use in any PyTorch training loop::
 
-    from cals_seg import build_loss, CalibrationMeter, SegmentationMeter, fit_temperature
-    from cals_seg import predict_image  # calibrated maps of new images
-    (cals_seg.evaluation.inference)
+    from cals_seg import build_loss, CalibrationMeter, SegmentationMeter  # train and measure
+    from cals_seg import build_calibrator, save_calibrator, load_calibrator  # post-hoc
+    from cals_seg import ConformalSets  # prediction sets with a coverage guarantee
+    from cals_seg import load_run, predict_image  # a trained run; calibrated maps of images
+
+A calibrator is built by name (``build_calibrator("ts", K)``), fitted on validation batches
+(``cal.fit(batches)``), saved and loaded (``save_calibrator`` / ``load_calibrator``).
+``TemperatureScaler`` (a fixed temperature) is a deprecated alias of
+``TemperatureScaling.fixed``.
 
 Names are imported on first access, so ``import cals_seg`` is cheap (it does not even import
 torch) and never pulls in the optional heavy dependencies of the tools (matplotlib,
@@ -41,9 +47,17 @@ _EXPORTS = {
     "SegmentationMeter": "cals_seg.metrics",
     "ShotGroupMeter": "cals_seg.metrics",
     "resolve_amp": "cals_seg.utils.precision",
+    "CALIBRATORS": "cals_seg.calibrators",
+    "Calibrator": "cals_seg.calibrators",
+    "build_calibrator": "cals_seg.calibrators",
+    "save_calibrator": "cals_seg.calibrators",
+    "load_calibrator": "cals_seg.calibrators",
+    "TemperatureScaling": "cals_seg.calibrators.ts",
     "fit_temperature": "cals_seg.calibrators.ts",
     "nll_at_temperature": "cals_seg.calibrators.ts",
     "TemperatureScaler": "cals_seg.calibrators.ts",
+    "ConformalSets": "cals_seg.evaluation.conformal",
+    "load_run": "cals_seg.runs.run",
     "EvalProtocol": "cals_seg.evaluation.inference",
     "Prediction": "cals_seg.evaluation.inference",
     "predict_image": "cals_seg.evaluation.inference",
@@ -55,14 +69,35 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the real objects, re-exported (`as`); the
     # same pairs as _EXPORTS (tests/test_doc_counts.py)
+    from cals_seg.calibrators import (
+        CALIBRATORS as CALIBRATORS,
+    )
+    from cals_seg.calibrators import (
+        Calibrator as Calibrator,
+    )
+    from cals_seg.calibrators import (
+        build_calibrator as build_calibrator,
+    )
+    from cals_seg.calibrators import (
+        load_calibrator as load_calibrator,
+    )
+    from cals_seg.calibrators import (
+        save_calibrator as save_calibrator,
+    )
     from cals_seg.calibrators.ts import (
         TemperatureScaler as TemperatureScaler,
+    )
+    from cals_seg.calibrators.ts import (
+        TemperatureScaling as TemperatureScaling,
     )
     from cals_seg.calibrators.ts import (
         fit_temperature as fit_temperature,
     )
     from cals_seg.calibrators.ts import (
         nll_at_temperature as nll_at_temperature,
+    )
+    from cals_seg.evaluation.conformal import (
+        ConformalSets as ConformalSets,
     )
     from cals_seg.evaluation.inference import (
         EvalProtocol as EvalProtocol,
@@ -132,6 +167,9 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects, re-exported
     )
     from cals_seg.metrics import (
         ShotGroupMeter as ShotGroupMeter,
+    )
+    from cals_seg.runs.run import (
+        load_run as load_run,
     )
     from cals_seg.utils.precision import (
         resolve_amp as resolve_amp,

@@ -35,4 +35,55 @@ def test_public_names():
     assert cals_seg.SegmentationMeter is SegmentationMeter
     assert cals_seg.fit_temperature is fit_temperature
     assert cals_seg.TemperatureScaler is TemperatureScaler
+    from cals_seg.calibrators import build_calibrator, load_calibrator, save_calibrator
+    from cals_seg.calibrators.ts import TemperatureScaling
+    from cals_seg.evaluation.conformal import ConformalSets
+    from cals_seg.runs.run import load_run
+
+    assert cals_seg.build_calibrator is build_calibrator
+    assert cals_seg.save_calibrator is save_calibrator
+    assert cals_seg.load_calibrator is load_calibrator
+    assert cals_seg.TemperatureScaling is TemperatureScaling
+    assert cals_seg.ConformalSets is ConformalSets
+    assert cals_seg.load_run is load_run
     assert {cls.__name__ for cls in LOSSES.values()} <= set(cals_seg.__all__)
+
+
+def test_calibrator_api_round_trip(tmp_path):
+    """Build, fit, save and load through the top-level names; the loaded calibrator gives the
+    same output."""
+    import torch
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 5, 5) * 3
+    target = logits.argmax(1)
+    target[0, 0, 0] = (target[0, 0, 0] + 1) % 3
+    cal = cals_seg.build_calibrator("ts", 3)
+    cal.fit(lambda: iter([(logits, target)]))
+    path = tmp_path / "ts.pt"
+    cals_seg.save_calibrator(cal, path)
+    loaded = cals_seg.load_calibrator(path)
+    torch.testing.assert_close(loaded(logits), cal(logits), rtol=0, atol=0)
+    assert float(cal.temperature) != 1.0
+
+
+def test_deprecated_names_warn_and_keep_working():
+    import warnings
+
+    import pytest
+    import torch
+
+    from cals_seg.calibrators.ts import TemperatureScaling
+    from cals_seg.evaluation import conformal_eval
+
+    with pytest.warns(DeprecationWarning, match="TemperatureScaling.fixed"):
+        old = cals_seg.TemperatureScaler(2.0)
+    new = TemperatureScaling.fixed(2.0)
+    x = torch.randn(2, 4, 3)
+    torch.testing.assert_close(old(x), new(x), rtol=0, atol=0)
+    assert old.state_dict().keys() == new.state_dict().keys()
+    with pytest.warns(DeprecationWarning, match="ConformalTestView"):
+        assert conformal_eval.ConformalSets is conformal_eval.ConformalTestView
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TemperatureScaling.fixed(1.5)

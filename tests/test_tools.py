@@ -19,7 +19,7 @@ def test_every_tool_has_a_command_and_a_console_script():
     assert TOOLS == commands
     scripts = (ROOT / "pyproject.toml").read_text()
     for name in TOOLS:
-        assert f'cals-{name.replace("_", "-")} = "cals_seg.commands.{name}:run"' in scripts
+        assert f'cals-{name.replace("_", "-")} = "cals_seg.commands.{name}:cli"' in scripts
 
 
 @pytest.mark.parametrize("name", TOOLS)

@@ -6,9 +6,9 @@ the post-hoc calibrator picked on validation, in one table.
 """
 
 try:
-    from cals_seg.commands.demo import run
+    from cals_seg.commands.demo import cli
 except ModuleNotFoundError as err:  # the toolkit is not installed in this Python
     raise SystemExit(f"error: {err}; install it first: pip install -e . (make does)") from None
 
 if __name__ == "__main__":
-    run()
+    cli()

@@ -5,9 +5,9 @@
 """
 
 try:
-    from cals_seg.commands.predict_seg import run
+    from cals_seg.commands.predict_seg import cli
 except ModuleNotFoundError as err:  # the toolkit is not installed in this Python
     raise SystemExit(f"error: {err}; install it first: pip install -e . (make does)") from None
 
 if __name__ == "__main__":
-    run()
+    cli()

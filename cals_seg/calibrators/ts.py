@@ -26,12 +26,12 @@ Typical use::
             yield model(x.to(device)), y.to(device)
 
     T = fit_temperature(val_batches, ignore_index=255)
-    calibrated = torch.nn.Sequential(model, TemperatureScaler(T))
+    calibrated = torch.nn.Sequential(model, TemperatureScaling.fixed(T))
 
 :class:`TemperatureScaling` is the registered ``ts`` calibrator (fitted by
-:func:`fit_temperature`, three passes); :class:`TemperatureScaler` is the same module built from
-a known ``T`` (``cals_seg``'s public name: ``nn.Sequential(model, TemperatureScaler(T))`` is the
-calibrated model).
+:func:`fit_temperature`, three passes); :meth:`TemperatureScaling.fixed` builds it from a known
+``T`` for any number of classes (``nn.Sequential(model, TemperatureScaling.fixed(T))`` is the
+calibrated model). ``TemperatureScaler(T)``, the older name of that, is a deprecated alias.
 """
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ class TemperatureScaling(Calibrator):
     sets it from the validation NLL, not the optimiser.
 
     Args:
-        num_classes: K >= 2 (None: any K, as :class:`TemperatureScaler`).
+        num_classes: K >= 2 (None: any K, as :meth:`fixed` builds it).
 
     Shape:
         - logits: ``(N, K, *S)`` -> same shape.
@@ -231,6 +231,22 @@ class TemperatureScaling(Calibrator):
         super().__init__(num_classes)
         self.register_buffer("temperature", torch.tensor(1.0))
 
+    @classmethod
+    def fixed(cls, temperature: float = 1.0) -> TemperatureScaling:
+        """The calibrator with a given temperature, for any number of classes:
+        ``forward(l) = l / T`` (argmax unchanged).
+
+        Args:
+            temperature: ``T > 0``, finite.
+
+        Raises:
+            ValueError: ``T`` not a finite number > 0.
+        """
+        check_positive_float("temperature", temperature)
+        scaler = cls(None)
+        scaler.temperature.fill_(float(temperature))
+        return scaler
+
     def fit(self, batches: Batches, ignore_index: int = -100) -> dict[str, Any]:
         """Fit ``T`` on the validation NLL (three passes over ``batches``)."""
         t = fit_temperature(lambda: ((l, y) for l, y, _ in iterate(batches)), ignore_index)
@@ -239,7 +255,7 @@ class TemperatureScaling(Calibrator):
         return self.fit_info
 
     def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
-        if self.num_classes is not None:  # a TemperatureScaler divides any tensor, as always
+        if self.num_classes is not None:  # a fixed temperature divides any tensor
             self.check_input(logits, image)
         return logits / self.temperature.to(logits.dtype)
 
@@ -250,9 +266,8 @@ class TemperatureScaling(Calibrator):
 
 
 class TemperatureScaler(TemperatureScaling):
-    """The ``ts`` calibrator with a given temperature, for any number of classes:
-    ``forward(l) = l / T``; ``nn.Sequential(model, TemperatureScaler(T))`` is the calibrated
-    model (argmax unchanged).
+    """Deprecated alias of :meth:`TemperatureScaling.fixed` (``TemperatureScaler(T)`` is
+    ``TemperatureScaling.fixed(T)``); it will be removed in the next release.
 
     Args:
         temperature: ``T > 0``, finite.
@@ -262,6 +277,8 @@ class TemperatureScaler(TemperatureScaling):
     """
 
     def __init__(self, temperature: float = 1.0) -> None:
+        warnings.warn("TemperatureScaler(T) is deprecated; use TemperatureScaling.fixed(T) "
+                      "(the same module).", DeprecationWarning, stacklevel=2)
         check_positive_float("temperature", temperature)
         super().__init__(None)
         self.temperature.fill_(float(temperature))

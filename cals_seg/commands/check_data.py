@@ -85,10 +85,10 @@ def _setup_warnings(cfg, report) -> list[str]:
     return found
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point."""
     sys.exit(main())
 
 
 if __name__ == "__main__":
-    run()
+    cli()

@@ -613,10 +613,10 @@ def _main(args: argparse.Namespace) -> int:
     return 0 if all(row["summaries"] for row in rows.values()) else 1
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point."""
     sys.exit(main())
 
 
 if __name__ == "__main__":
-    run()
+    cli()

@@ -235,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point."""
     sys.exit(main())
 
 
 if __name__ == "__main__":
-    run()
+    cli()

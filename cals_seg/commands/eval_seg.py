@@ -510,11 +510,11 @@ def write_calibrator_outputs(result: dict, out: Path, title: str) -> None:
     print(table)
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point (joins the process group under torchrun)."""
 
     launch(main)
 
 
 if __name__ == "__main__":
-    run()
+    cli()

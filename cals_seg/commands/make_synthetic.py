@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> Path:
     return root
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point."""
     main()
 
 
 if __name__ == "__main__":
-    run()
+    cli()

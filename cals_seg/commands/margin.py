@@ -276,10 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     return sweep_main(args)
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point."""
     sys.exit(main())
 
 
 if __name__ == "__main__":
-    run()
+    cli()

@@ -265,10 +265,10 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point."""
     sys.exit(main())
 
 
 if __name__ == "__main__":
-    run()
+    cli()

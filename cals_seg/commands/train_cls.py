@@ -37,10 +37,10 @@ def group_report(test: dict[str, Any]) -> str:
 main = train_command(__doc__, "classification", summary=group_report)
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point (joins the process group under torchrun)."""
     launch(main)
 
 
 if __name__ == "__main__":
-    run()
+    cli()

@@ -15,10 +15,10 @@ from cals_seg.commands._cli import launch, train_command
 main = train_command(__doc__, "segmentation")
 
 
-def run() -> None:
+def cli() -> None:
     """Console entry point (joins the process group under torchrun)."""
     launch(main)
 
 
 if __name__ == "__main__":
-    run()
+    cli()

@@ -8,6 +8,7 @@ are as there.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from cals_seg.metrics.conformal import PredictionSetMeter
 from cals_seg.metrics.regions import boundary_bands
 
 
-class ConformalSets:
+class ConformalTestView:
     """The test side of :func:`conformal_evaluation` as one consumer of a test pass:
     ``update(logits, target, image)`` makes the sets of every fitted mode from the (calibrated)
     logits and feeds each mode's :class:`~cals_seg.metrics.conformal.PredictionSetMeter` (and
@@ -72,11 +73,11 @@ class ConformalSets:
 
 def conformal_sets(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
                    maps_dir: Path | None = None, num_maps: int = 0,
-                   folder: Path | None = None, *, loader: Loader) -> ConformalSets:
+                   folder: Path | None = None, *, loader: Loader) -> ConformalTestView:
     """Fit (or reuse) the conformal sets of ``spec`` on ``val_set``
     (:func:`~cals_seg.evaluation.conformal_fit.fit_conformal`, saved in ``folder``, default
     ``<run>/calibrators``; a mode without a guarantee is said on stderr) and return the
-    consumer that measures them on ``test_set``'s pass (:class:`ConformalSets`)."""
+    consumer that measures them on ``test_set``'s pass (:class:`ConformalTestView`)."""
     if test_set is val_set:
         print("warning: --conformal on the validation split: its calibration images are among "
               "the evaluated ones, so the numbers are not those of new images.", file=sys.stderr)
@@ -84,7 +85,7 @@ def conformal_sets(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
     for m, r in results.items():
         if not r["guarantee"]:
             print(f"warning: --conformal {m}: {r['warning']}", file=sys.stderr, flush=True)
-    return ConformalSets(fits, results, calibrator, run.task, run.device,
+    return ConformalTestView(fits, results, calibrator, run.task, run.device,
                          getattr(test_set, "ids", None), maps_dir, num_maps)
 
 
@@ -193,5 +194,14 @@ def write_size_map(path: Path, sets: torch.Tensor, num_classes: int) -> None:
     cv2.imwrite(str(path), cv2.applyColorMap(grey, cv2.COLORMAP_VIRIDIS))
 
 
-__all__ = ["ConformalSets", "conformal_evaluation", "conformal_sets", "conformal_table",
+__all__ = ["ConformalTestView", "conformal_evaluation", "conformal_sets", "conformal_table",
            "image_sets", "set_summary", "write_set_outputs", "write_size_map"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ConformalSets":  # the name this class had, beside evaluation.conformal's own
+        warnings.warn("cals_seg.evaluation.conformal_eval.ConformalSets is deprecated: it is "
+                      "ConformalTestView (cals_seg.ConformalSets is the sets' fit).",
+                      DeprecationWarning, stacklevel=2)
+        return ConformalTestView
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,6 @@ from torch.utils.data import DataLoader
 from cals_seg.calibrators import (
     Calibrator,
     CalibratorFileError,
-    TemperatureScaler,
     TemperatureScaling,
     build_calibrator,
     fit_problem,
@@ -187,7 +186,7 @@ def run_test_pass(
     scaler = None
     if temperature is not None:
         post = infer.meters(meters)
-        scaler = TemperatureScaler(temperature)
+        scaler = TemperatureScaling.fixed(temperature)
         consumers.append(Scaled(scaler, post.values()))
     calibrators = dict(calibrators or {})
     same_as_post = [name for name, cal in calibrators.items() if _is_post_ts(cal, scaler)]
@@ -209,7 +208,7 @@ def run_test_pass(
     }
 
 
-def _is_post_ts(calibrator: Calibrator, scaler: TemperatureScaler | None) -> bool:
+def _is_post_ts(calibrator: Calibrator, scaler: TemperatureScaling | None) -> bool:
     """Whether ``calibrator`` is the post-TS view itself: the ``ts`` calibrator with the same
     temperature, bit for bit (its meters would see the same logits as the post-TS meters, the
     argmax meters the raw ones): its metrics are then read from those views, not computed

@@ -7,7 +7,7 @@ One pass of the model over a loader feeds a list of *consumers*: objects with
 
     pre = task.meters(n_bins=15)
     post = task.meters(n_bins=15)
-    post_ts = Scaled(TemperatureScaler(T), post.values())
+    post_ts = Scaled(TemperatureScaling.fixed(T), post.values())
     evaluate(model, test_loader, device, [*pre.values(), post_ts])
     metrics = compute(pre)
 
@@ -119,12 +119,13 @@ def eval_collate(samples: list[Any]) -> Any:
 
 
 class Scaled:
-    """Consumers fed ``scaler(logits)``: with ``scaler = TemperatureScaler(T)`` (the ``ts``
+    """Consumers fed ``scaler(logits)``: with ``scaler = TemperatureScaling.fixed(T)`` (the ``ts``
     calibrator, :mod:`cals_seg.calibrators.ts`) the post-temperature-scaling view.
 
     Args:
-        scaler: logits ``(N, K, *S)`` -> logits of the same shape. A ``TemperatureScaler`` left
-            on the CPU divides logits on any device by its 0-dim temperature as by a scalar.
+        scaler: logits ``(N, K, *S)`` -> logits of the same shape. A fixed
+            ``TemperatureScaling`` left on the CPU divides logits on any device by its 0-dim
+            temperature as by a scalar.
         consumers: what it feeds.
     """
 
