@@ -1,5 +1,6 @@
-"""The docs run: every fenced ``python`` block of README.md and docs/*.md, and every shell command
-of their ``bash`` blocks, taken from the files themselves, so a doc that drifts from the code
+"""The docs run: every fenced ``python`` block of README.md, docs/*.md and docs/studies/*.md, and
+every shell command of their ``bash`` blocks (the studies' commands too: a table's command that no
+longer parses fails here), taken from the files themselves, so a doc that drifts from the code
 fails here.
 
 Python blocks (15 at the time of writing: 13 run, 2 compiled only). Each block runs on its own,
@@ -49,7 +50,14 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "docs" / "studies").glob("*.md"))]
+
+
+def doc_name(path: Path) -> str:
+    """``README.md``, ``api.md``, ``studies/margin.md``: a doc as the tests name it."""
+    return path.relative_to(ROOT / "docs").as_posix() if path.parent != ROOT else path.name
+
 # Where every shell command must be runnable or parsed (the others' bash blocks are too).
 COMMAND_DOCS = ("README.md", "training.md")
 EXPECTED_PYTHON_BLOCKS = 17
@@ -108,7 +116,8 @@ def collect_blocks() -> list[Block]:
             before = MARKER.search(lines[i - 1]) if i else None
             marker = before.group(1) if before else ""
             replacements = re.findall(r'replace "([^"]*)" by "([^"]*)"', marker)
-            blocks.append(Block(path.name, i + 1, m.group(1), "\n".join(lines[i + 1:end]) + "\n",
+            blocks.append(Block(doc_name(path), i + 1, m.group(1),
+                                "\n".join(lines[i + 1:end]) + "\n",
                                 marker, replacements))
             i = end + 1
     return blocks
@@ -454,7 +463,7 @@ def check_command(words: list[str]) -> str:
                                               *ns.training_script_args])
     if program.startswith("cals-"):
         tool = program[5:].replace("-", "_")
-        assert f'{program} = "cals_seg.commands.{tool}:run"' in (ROOT / "pyproject.toml"
+        assert f'{program} = "cals_seg.commands.{tool}:cli"' in (ROOT / "pyproject.toml"
                                                                  ).read_text(), program
         return check_command(["python", f"tools/{tool}.py", *words[1:]])
     if program == "python":
