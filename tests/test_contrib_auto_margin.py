@@ -737,3 +737,31 @@ def test_validation_temperature_on_segmentation_batches_with_void():
     assert t_hat == pytest.approx(logs["margin_temperature"], rel=1e-9)
     assert (lo, hi) == pytest.approx((logs["margin_t_low"], logs["margin_t_high"]), rel=1e-9)
     assert ValidationTemperature(K, IGN).compute() is None  # nothing seen
+
+
+def test_the_lightning_callback_drives_the_rule():
+    # AdaptiveLossCallback feeds the rule beside the loss and logs its step, and its checkpoint
+    # state carries the rule's (the hooks called as Lightning calls them).
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    from cals_seg.integrations.lightning import AdaptiveLossCallback
+
+    def epochs(crit, callback):
+        module = SimpleNamespace(criterion=crit)
+        for epoch in range(3):
+            trainer = SimpleNamespace(sanity_checking=False, current_epoch=epoch)
+            callback.on_validation_batch_end(trainer, module, _batch(9.0, 0.3, epoch), None, 0)
+            callback.on_validation_epoch_end(trainer, module)
+        return callback.history
+
+    make = lambda: _auto(CALSALMLoss, K, ignore_index=IGN, margin_patience=0)  # noqa: E731
+    plain = make()
+    expected = []
+    for epoch in range(3):
+        _observe(plain, *_batch(9.0, 0.3, epoch))
+        expected.append({"epoch": epoch, **_update(plain, epoch)})
+    crit = make()
+    callback = AdaptiveLossCallback(criterion=crit, log=False)
+    assert epochs(crit, callback) == expected and crit.margin == plain.margin < 10.0
+    assert float(callback.state_dict()["criterion"]["margin_rule.margin"]) == crit.margin
