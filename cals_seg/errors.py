@@ -27,7 +27,20 @@ class ConfigError(UserError):
     """A config file or override that does not match :class:`cals_seg.config.Config`."""
 
 
-class CheckpointError(UserError):
+class RunFileError(UserError):
+    """A file of a run folder that cannot be used as it is (empty, truncated, not the kind of
+    file its name says, a key missing, a value out of range): one line naming the file, what
+    is wrong and the way out, ``<file> <problem>; <fix>.`` (``RunFileError(message)`` alone
+    rebuilds one from its text, as a DataLoader worker's error is rebuilt)."""
+
+    def __init__(self, path: object, problem: str | None = None, fix: str | None = None) -> None:
+        text = str(path) if problem is None else " ".join(
+            f"{path} {problem}; {(fix or '').rstrip('.')}.".split())
+        super().__init__(text)
+        self.path, self.problem, self.fix = path, problem, fix
+
+
+class CheckpointError(RunFileError):
     """A checkpoint that cannot be read (missing, truncated, or not written by this toolkit)."""
 
 
@@ -67,6 +80,7 @@ __all__ = [
     "MissingPathError",
     "NonFiniteLossError",
     "RunExistsError",
+    "RunFileError",
     "UntrustedCheckpointError",
     "UserError",
     "WeightsUnavailableError",

@@ -94,6 +94,11 @@ def run_folder_command(args: argparse.Namespace, body: Callable[[argparse.Namesp
         except NonFiniteLogitsError as err:  # NaN / inf logits: one line naming the run
             runs = args.run if isinstance(args.run, str) else ", ".join(map(str, args.run))
             return report(UserError(f"{runs}: {err}"))
+        except (UserError, RuntimeError) as err:  # e.g. a bad mask met during the test pass
+            user = user_error(err)
+            if user is None:
+                raise
+            return report(user)
 
 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
@@ -181,8 +186,12 @@ def run_config(args: argparse.Namespace) -> Config:
             load_config(args.config, args.set, args.method)
         run = Run(args.resume)
         run.check_resumable()
-        # the run's own resolved config: --set is the way to change it
-        cfg = load_config(run.config, args.set)
+        # the run's own resolved config (checked whole against the checkpoint's own copy, so
+        # that a config cut short is said to be damaged, not "other settings"): --set changes it
+        saved = None
+        if run.last.is_file():
+            saved = run.read_checkpoint("last").get("config")
+        cfg = run.read_config(args.set, saved=saved if isinstance(saved, dict) else None)
         if cfg.model.arch == "external" and isinstance(cfg.model.factory, str):
             from cals_seg.models.consent import check_consent
 
@@ -212,6 +221,29 @@ def report(err: Exception) -> int:
     """Print a user error as one line; the exit code of a failed command."""
     print(f"error: {one_line(err)}", file=sys.stderr)
     return 2
+
+
+def user_error(err: BaseException) -> UserError | None:
+    """``err`` as the :class:`UserError` it is, or was in a DataLoader worker; None for any other
+    error (a bug: it keeps its traceback).
+
+    A worker's error comes back rebuilt from its text (``Caught DataError in DataLoader worker
+    process 0. Original Traceback ...``): as its own type when that type takes one message, else
+    as a ``RuntimeError`` (a :class:`~cals_seg.calibrators.CalibratorFileError` takes three
+    arguments): the type named there is looked up among the UserError kinds."""
+    if isinstance(err, UserError):
+        return err
+    text = str(err)
+    match = re.match(r"Caught (\w+) in DataLoader worker", text)
+    if isinstance(err, RuntimeError) and match and "Original Traceback" in text:
+        kinds, seen = [UserError], set()
+        while kinds:
+            kind = kinds.pop()
+            if kind.__name__ == match.group(1):
+                return UserError(one_line(err))
+            seen.add(kind)
+            kinds += [k for k in kind.__subclasses__() if k not in seen]
+    return None
 
 
 def interrupted(resume: str | os.PathLike | None = None) -> int:
@@ -253,8 +285,12 @@ def train_command(
             seed_everything(cfg.train.seed)  # the model's initialisation depends on it
             task = build_task(cfg, family)
             test = fit(cfg, task, resume=args.resume)
-        except UserError as err:
-            return report(err)
+        except (UserError, RuntimeError) as err:
+            user = user_error(err)
+            if user is None:
+                raise
+            return report(after_training(user, args.resume or (cfg.run_dir if cfg else None),
+                                         cfg.train.epochs if cfg is not None else None))
         except KeyboardInterrupt:
             return interrupted(args.resume or (cfg.run_dir if cfg is not None else None))
         if not is_main_process():
@@ -277,6 +313,30 @@ def train_command(
         return 0
 
     return main
+
+
+def after_training(err: UserError, run_dir: str | os.PathLike | None,
+                   epochs: int | None = None) -> UserError:
+    """``err`` (a data error) with the way to finish the run once the data is fixed when it was
+    met after a checkpoint was written: ``--resume`` runs only the test when every epoch is
+    trained (a bad mask of the test split, found after the training), else continues."""
+    from cals_seg.errors import DataError
+    from cals_seg.runs.run import Run
+
+    if run_dir is None or not isinstance(err, DataError):
+        return err
+    run = Run(run_dir)
+    if not run.last.is_file() or run.finished():
+        return err
+    try:
+        done = max((h["epoch"] + 1 for h in run.read_history()[0]), default=0)
+    except UserError:
+        done = 0
+    how = ("finishes the test without training again" if epochs is not None and done >= epochs
+           else "continues the training from its last checkpoint")
+    return type(err)(f"{one_line(err).rstrip('.')}. The trained epochs are kept in "
+                     f"{run.last}: once the data is fixed, tools/train_seg.py --resume {run_dir} "
+                     f"{how}.")
 
 
 def launch(main: Callable[[], int]) -> NoReturn:

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from cals_seg.commands._cli import USER_ERRORS, add_trust_argument, consent_of, report
+from cals_seg.commands._cli import USER_ERRORS, add_trust_argument, report, run_folder_command
 from cals_seg.config.rules import check_folder
 from cals_seg.errors import UserError
 from cals_seg.utils.paths import OutputFolder, os_error
@@ -65,13 +66,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
-    with consent_of(args):  # --trust-code: the run folders' factories may be imported
-        return _main(args)
+    # --trust-code: the run folders' factories may be imported; a user error raised anywhere
+    # (a DataLoader worker included) ends in one line
+    return run_folder_command(args, _main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from cals_seg.runs.export import export_run
     from cals_seg.runs.run import TEMPERATURE_FILE
 
@@ -100,10 +100,10 @@ def _main(args: argparse.Namespace) -> int:
         info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,
                           args.checkpoint, args.min_size, conformal)
         outputs.claim([out.name, f"{out.name}.json"])  # once written: a failed export claims none
-    except OSError as err:  # a read-only folder, a full disk: one line
-        return report(os_error(err, None, "write the export"))
-    except (*USER_ERRORS, ImportError) as err:
+    except (*USER_ERRORS, ImportError) as err:  # before OSError: a missing run is both
         return report(err)
+    except OSError as err:  # a read-only folder, a full disk: one line naming what failed
+        return report(os_error_of(err, Path(args.out), Path(args.run)))
     from cals_seg.runs.export import written_files
 
     if args.logits:
@@ -127,6 +127,16 @@ def _main(args: argparse.Namespace) -> int:
     keep = " (keep them together)" if len(files) > 2 else ""
     print(f"wrote {len(files)} files{keep}: {', '.join(str(f) for f in files)}")
     return 0
+
+
+def os_error_of(err: OSError, out: Path, run: Path) -> UserError:
+    """An OS error of the export as what it is: reading the run (a file of ``run``), else
+    writing the program (``out``, its ``.json``, the ONNX weights file)."""
+    name = Path(str(err.filename)) if err.filename else None
+    if name is not None and run.exists() and (name == run or run.resolve() in
+                                              name.resolve().parents):
+        return os_error(err, name, "read the run file")
+    return os_error(err, name if name is not None else out, "write the export")
 
 
 def cli() -> None:

@@ -191,12 +191,14 @@ def _main(args: argparse.Namespace) -> int:
             kinds += ["set_size.png", "sets.npz", "ambiguous.png"]
         planned = [f"{name}_{kind}" for name in output_names(files) for kind in kinds]
         out_folder.check_free([*planned, "predictions.jsonl"])
-        out_folder.claim([*planned, "predictions.jsonl"])
         reference = None
         if args.ood_check:
 
             reference = entropy_reference(run, temperature, args.calibrator,
                                           args.calibrator_module)
+        # the output folder is made only now, once every check has passed: a refused
+        # prediction leaves nothing behind
+        out_folder.claim([*planned, "predictions.jsonl"])
     except USER_ERRORS as err:
         return report(err)
     cfg, model, protocol, device, amp = run.config, run.model, run.protocol, run.device, \

@@ -330,7 +330,9 @@ def _check_type(value: Any, tp: Any) -> Any:
     return value
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+def _build(cls: type, data: dict[str, Any], where: str, in_force: Any = None) -> Any:
+    """``cls`` built from ``data``, checked key by key; ``in_force``: the same section as the
+    config file gives it before ``--set`` (the value a wrong override's message suggests)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}.")
     hints = typing.get_type_hints(cls)
@@ -343,25 +345,38 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     for name, value in data.items():
         key = f"{where}.{name}" if where else name
         tp = hints[name]
+        given = in_force.get(name) if isinstance(in_force, dict) else None
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value or {}, key)
+            kwargs[name] = _build(tp, value or {}, key, given)
             continue
         try:
             kwargs[name] = _check_type(value, tp)
         except _WrongType:
-            f = fields[name]
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
-                else f.default
             raise ConfigError(f"{key}: expected {type_text(tp)}, got {value!r}; e.g. --set "
-                              f"{key}={yaml_text(default)} (the default).") from None
+                              f"{_suggestion(fields[name], tp, key, given, in_force)}."
+                              ) from None
     return cls(**kwargs)
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
+def _suggestion(f: dataclasses.Field, tp: Any, key: str, given: Any, in_force: Any) -> str:
+    """``KEY=VALUE (where it comes from)`` for a wrong value of ``key``: the config file's own
+    value when it is a right one (the value in force before ``--set``), else the default."""
+    if isinstance(in_force, dict) and f.name in in_force:
+        try:
+            return f"{key}={yaml_text(_check_type(given, tp))} (the config file's value)"
+        except _WrongType:
+            pass
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return f"{key}={yaml_text(default)} (the default)"
+
+
+def config_from_dict(data: dict[str, Any], in_force: dict[str, Any] | None = None) -> Config:
     """Build a :class:`Config`, rejecting unknown keys (the valid ones are listed) and values
-    of the wrong type. The modules of ``cals_seg/contrib/`` that ``contrib`` names are imported
-    (their losses, calibrators and margin rules registered) before anything checks a name."""
-    cfg = _build(Config, data, "")
+    of the wrong type (``in_force``: the config file's values before ``--set``, suggested in
+    the message of a wrong override). The modules of ``cals_seg/contrib/`` that ``contrib``
+    names are imported (their losses, calibrators and margin rules registered) before anything
+    checks a name."""
+    cfg = _build(Config, data, "", in_force)
     try:
         enable_contrib(cfg.contrib)
     except UserError as err:
@@ -494,6 +509,7 @@ def load_config(
         data = _apply_method(data, method, p)
     elif method is not None:
         raise ConfigError("--method needs a config file with a `methods` table.")
+    in_force = copy.deepcopy(data) if path is not None else None  # the file's, before --set
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.epochs=5.")
@@ -509,7 +525,7 @@ def load_config(
             ) from None
         _set(data, key.strip(), value)
     try:
-        return config_from_dict(data)
+        return config_from_dict(data, in_force)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
 

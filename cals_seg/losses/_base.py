@@ -13,6 +13,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from cals_seg.utils.validation import check_tensors
+
 _HALF = (torch.float16, torch.bfloat16)
 _INT32 = (-(2**31), 2**31 - 1)
 
@@ -115,10 +117,12 @@ class SegLoss(nn.Module):
         the float32 ones.
 
         Raises:
-            ValueError: bad shapes or dtypes; targets out of range (on an accelerator with the
+            ValueError: a non-tensor input (a model's output dict: pass ``model(x)["out"]``), bad
+                shapes or dtypes; targets out of range (on an accelerator with the
                 default ``deferred_checks``: a device-side assertion, reported at the device's
                 next synchronisation; under ``torch.compile``: ``RuntimeError``).
         """
+        check_tensors(logits, target, "criterion")  # e.g. a model's output dict, named
         with autocast_off(logits.device):
             return self._forward(*self._prepare(as_float32(logits), target,
                                                 deferred=self.deferred_checks))

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from cals_seg.metrics.functional import check_inputs_arg, sum_over_ranks
-from cals_seg.utils.validation import check_ignore_index, check_int
+from cals_seg.utils.validation import check_ignore_index, check_int, check_tensors
 
 REDUCTIONS = ("sum",)  # every state is a sum: counts (int64) and sums (float64)
 
@@ -106,6 +106,7 @@ class Meter(nn.Module):
     def update(self, logits: Tensor, target: Tensor) -> None:
         """Add one batch (shapes: the subclass's docstring); raises ``ValueError`` on bad
         input, before any state changes."""
+        check_tensors(logits, target, "meter.update")  # e.g. a model's output dict, named
         for name, value in self.batch_stats(logits, target).items():
             getattr(self, name).add_(value)
 

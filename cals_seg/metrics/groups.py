@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from cals_seg.metrics._base import Meter
 from cals_seg.metrics.calibration import CalibrationMeter
 from cals_seg.metrics.registry import register_meter
+from cals_seg.utils.validation import check_tensors
 
 # Groups by number of TRAINING samples of a class (the ImageNet-LT convention).
 SHOT_GROUPS: dict[str, tuple[int, int | None]] = {
@@ -80,6 +81,7 @@ class ShotGroupMeter(Meter):
 
     @torch.no_grad()
     def update(self, logits: Tensor, target: Tensor) -> None:
+        check_tensors(logits, target, "meter.update")  # e.g. a model's output dict, named
         k = len(self.class_counts)
         valid = target != self.ignore_index
         y = target[valid]

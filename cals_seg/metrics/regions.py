@@ -34,7 +34,7 @@ from cals_seg.metrics.functional import (
     prepare_logits,
 )
 from cals_seg.metrics.registry import register_meter
-from cals_seg.utils.validation import check_finite, check_int
+from cals_seg.utils.validation import check_finite, check_int, check_tensors
 
 # --------------------------------------------------------------------------------------------
 # Groups from the target masks (numpy, CPU).
@@ -319,6 +319,7 @@ class _RegionCalibrationMeter(Meter):
     def update(self, logits: Tensor, target: Tensor, groups: Tensor | None = None) -> None:
         """Add one batch (shapes: the class docstring); ``groups`` as in :meth:`batch_stats`.
         Raises ``ValueError`` on bad input, before any state changes."""
+        check_tensors(logits, target, "meter.update")  # e.g. a model's output dict, named
         stats = self.batch_stats(logits, target) if groups is None else self.batch_stats(
             logits, target, groups=groups)
         for name, value in stats.items():

@@ -23,6 +23,15 @@ repairs a best checkpoint the crash left behind (:meth:`Run.trim_history`,
 :meth:`Run.repair_best`). Checkpoints are read with ``torch.load(weights_only=True)``: loading a
 checkpoint someone shared cannot run code.
 
+Every file is read back through one typed reader of :class:`Run` (:meth:`Run.read_config`,
+:meth:`Run.read_checkpoint`, :meth:`Run.read_temperature`, :meth:`Run.history`,
+:meth:`Run.read_test_metrics`, :meth:`Run.read_eval_metrics`), which validates it (empty,
+truncated, another type, a key missing, a value out of range, NaN / inf, random bytes) and ends
+in one line naming the file and the way out (:class:`~cals_seg.errors.RunFileError`), or, where
+the content can be made again from the run (the temperature, fitted on the validation split),
+remakes it with a one-line notice. A torn last line of ``history.jsonl`` (a crash while it was
+written) is dropped with a notice when a resume trims the history.
+
 Loading a trained run for evaluation or prediction is :func:`load_run` (or :meth:`Run.load`)::
 
     run = load_run("runs/synthetic_deeplabv3_cals_alm")        # checkpoint_best.pt
@@ -43,6 +52,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,17 +63,27 @@ import torch
 from torch import nn
 
 from cals_seg.config.schema import Config, load_config
-from cals_seg.errors import CheckpointError, MissingPathError, RunExistsError, UserError
+from cals_seg.errors import (
+    CheckpointError,
+    MissingPathError,
+    RunExistsError,
+    RunFileError,
+    UserError,
+)
 from cals_seg.evaluation.engine import run_test_pass
 from cals_seg.evaluation.inference import EvalProtocol
 from cals_seg.evaluation.stream import Inference
 from cals_seg.models.consent import code_consent
 from cals_seg.utils.io import (
     atomic_write,
+    finite_number,
     json_safe,
     load_checkpoint,
-    read_jsonl,
+    of_type,
+    read_json_file,
+    read_jsonl_lines,
     save_checkpoint,
+    short_text,
     write_json,
 )
 
@@ -83,6 +104,8 @@ EVAL_METRICS_FILE = "metrics.json"
 CHECKPOINTS = {"best": BEST_CHECKPOINT, "last": LAST_CHECKPOINT}
 CHECKPOINT_FILES = (LAST_CHECKPOINT, BEST_CHECKPOINT)
 RUN_FILES = (CONFIG_FILE, HISTORY_FILE, *CHECKPOINT_FILES, TEST_METRICS_FILE)
+# The sections every saved config.yaml holds (the training tools write every key).
+CONFIG_SECTIONS = ("name", "data", "model", "loss", "train", "eval")
 
 
 class Run:
@@ -174,12 +197,86 @@ class Run:
 
     # ------------------------------------------------------------------------- files
     def read_config(self, overrides: list[str] | tuple[str, ...] = (),
-                    method: str | None = None) -> Config:
-        """The run's resolved ``config.yaml`` (``overrides`` on top)."""
+                    method: str | None = None, saved: Mapping[str, Any] | None = None) -> Config:
+        """The run's resolved ``config.yaml`` (``overrides`` on top), checked first as a saved
+        run's config (:meth:`check_config_file`; ``saved``: the checkpoint's own copy)."""
+        self.check_config_file(saved)
         return load_config(self.config, list(overrides), method)
 
+    def config_fix(self) -> str:
+        """The way out of a damaged ``config.yaml``."""
+        return (f"restore the run's {CONFIG_FILE} (a copy of the run, or the config it was "
+                f"trained with: tools/eval_seg.py CONFIG --checkpoint {self.best}), or retrain")
+
+    def check_config_file(self, saved: Mapping[str, Any] | None = None,
+                          checkpoint: str | Path | None = None) -> None:
+        """Refuse a ``config.yaml`` that is not a whole saved config: empty, not YAML (cut
+        short, random bytes), not a mapping, without a section every saved run writes
+        (:data:`CONFIG_SECTIONS`), or (``saved``: the copy of the config a checkpoint holds)
+        without a key that copy has: the file was cut short or edited. Nothing when the file
+        does not exist (the callers say what is missing).
+
+        Raises:
+            RunFileError: one line naming the file, what is missing and the way out.
+        """
+        import yaml
+
+        path, fix = self.config, self.config_fix()
+        if not path.is_file():
+            return
+        try:
+            raw = path.read_bytes()
+        except OSError as err:
+            raise RunFileError(path, f"cannot be read ({err.strerror})", fix) from None
+        if not raw.strip():
+            raise RunFileError(path, "is empty (the write that made it did not finish)", fix)
+        try:
+            data = yaml.safe_load(raw.decode("utf-8-sig"))
+        except UnicodeDecodeError:
+            raise RunFileError(path, "is not YAML (it holds binary bytes)", fix) from None
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise RunFileError(path, f"is not valid YAML ({problem}: cut short or edited?)",
+                               fix) from None
+        except RecursionError:
+            raise RunFileError(path, "is not a config (nested too deep)", fix) from None
+        if not isinstance(data, dict):
+            raise RunFileError(path, f"holds a YAML {type(data).__name__}, not a config", fix)
+        missing = [k for k in CONFIG_SECTIONS if k not in data]
+        where = f" that {Path(checkpoint).name}'s own copy of the config holds" \
+            if checkpoint is not None else ""
+        if isinstance(saved, Mapping):
+            missing = [k for k in _leaf_keys(saved) if not _has_key(data, k)]
+            where = where or " that the checkpoint's own copy of the config holds"
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more"
+                                              if len(missing) > 4 else "")
+            where = where or ", which every saved run writes"
+            raise RunFileError(path, f"is damaged: it lacks {shown}{where} (cut short or "
+                               "edited)", fix)
+
     def history(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.history_file)
+        """The lines of ``history.jsonl`` (one per finished epoch), those that are whole
+        records: a line that is not a JSON object with an integer ``epoch >= 0`` is left out
+        with one warning naming it (the history is a log; the checkpoints hold the run)."""
+        records, problems = self.read_history()
+        if problems:
+            warnings.warn(self._history_problems(problems, "left out"), stacklevel=2)
+        return records
+
+    def read_history(self) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+        """``(whole records, [(line number, what is wrong), ...])`` of ``history.jsonl``
+        (:func:`~cals_seg.utils.io.read_jsonl_lines`).
+
+        Raises:
+            RunFileError: the file cannot be read or is not text.
+        """
+        return read_jsonl_lines(self.history_file, _is_epoch_record)
+
+    def _history_problems(self, problems: list[tuple[int, str]], done: str) -> str:
+        lines = "; ".join(f"line {i} is {why}" for i, why in problems[:3])
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        return f"{self.history_file}: {lines}{more}: {done}"
 
     def append_history(self, record: dict[str, Any]) -> None:
         """Append one line and fsync it, so it survives before the checkpoint is written."""
@@ -190,8 +287,15 @@ class Run:
 
     def trim_history(self, next_epoch: int) -> None:
         """Keep the lines of the epochs before ``next_epoch`` (a crash after an epoch's line
-        and before its checkpoint leaves a line that the resumed run writes again)."""
-        kept = [h for h in self.history() if h["epoch"] < next_epoch]
+        and before its checkpoint leaves a line that the resumed run writes again). A line
+        that is not a whole record (torn by a crash while it was written, or edited) is dropped
+        with a one-line notice; the complete lines the checkpoint covers are kept."""
+        records, problems = self.read_history()
+        kept = [h for h in records if h["epoch"] < next_epoch]
+        if problems:
+            print(f"notice: {self._history_problems(problems, 'dropped')}; kept the {len(kept)} "
+                  f"whole line(s) of the {next_epoch} epoch(s) the checkpoint holds.",
+                  file=sys.stderr, flush=True)
         text = "".join(json.dumps(h) + "\n" for h in kept)
         atomic_write(self.history_file, lambda tmp: Path(tmp).write_text(text))
 
@@ -208,8 +312,50 @@ class Run:
                 pass
         save_checkpoint(last, self.best)
 
+    def checkpoint_fix(self, file: str | Path) -> str:
+        """The way out of an unreadable checkpoint ``file``: the run's other checkpoint (and
+        the flag that selects it), or retraining."""
+        file = Path(file)
+        other = {BEST_CHECKPOINT: LAST_CHECKPOINT, LAST_CHECKPOINT: BEST_CHECKPOINT}.get(file.name)
+        if other is None or not (file.parent / other).is_file():
+            return "retrain the run (it has no other checkpoint)"
+        which = "last" if other == LAST_CHECKPOINT else "best"
+        if which == "best":  # the resume point is gone: the best epoch's state is whole
+            return (f"use the best one: --checkpoint best (eval_seg, export), or give "
+                    f"{file.parent / other}; to resume from the best epoch, copy {other} over "
+                    f"{file.name}; or retrain")
+        return (f"use the last one: --checkpoint last (eval_seg, export), or give "
+                f"{file.parent / other} (predict_seg); or retrain")
+
+    def read_checkpoint(self, which: str | Path = "best", map_location: Any = "cpu"
+                        ) -> dict[str, Any]:
+        """Checkpoint ``which`` (``best``, ``last`` or a file) read safely
+        (:func:`~cals_seg.utils.io.load_checkpoint`), refused in one line naming the other
+        checkpoint and the flag that selects it."""
+        file = self.checkpoint(which) if which in CHECKPOINTS else Path(which)
+        return load_checkpoint(file, map_location, fix=self.checkpoint_fix(file))
+
+    def test_metrics_fix(self) -> str:
+        return (f"delete it and run tools/train_seg.py --resume {self.path} to test the best "
+                f"checkpoint again (it needs {LAST_CHECKPOINT}), or tools/eval_seg.py "
+                f"{self.path} for the same metrics in {self.eval_dir('test')}")
+
     def read_test_metrics(self) -> dict[str, Any]:
-        return json.loads(self.test_metrics.read_text())
+        """``test_metrics.json``, validated: a JSON object with the ``pre_ts`` metrics (an
+        object), ``post_ts`` an object or null, and a finite ``temperature > 0`` when present.
+
+        Raises:
+            RunFileError: one line naming the file, what is wrong and the way out.
+        """
+        metrics = read_json_file(self.test_metrics, self.test_metrics_fix(), "test metrics",
+                                 {"pre_ts": of_type(dict, "an object of metrics")})
+        if metrics.get("post_ts") is not None and not isinstance(metrics["post_ts"], dict):
+            raise RunFileError(self.test_metrics, "post_ts: expected an object of metrics or "
+                               "null", self.test_metrics_fix())
+        if "temperature" in metrics and finite_number(0, above=True)(metrics["temperature"]):
+            raise RunFileError(self.test_metrics, "temperature: expected a finite number > 0",
+                               self.test_metrics_fix())
+        return metrics
 
     def write_test_metrics(self, metrics: Mapping[str, Any]) -> None:
         write_json(self.test_metrics, metrics)
@@ -217,11 +363,54 @@ class Run:
     def write_temperature(self, temperature: float, split: str = "val") -> None:
         write_json(self.temperature_file, {"temperature": temperature, "fitted_on": split})
 
-    def read_temperature(self) -> float | None:
-        """The temperature fitted on validation, or None when the run has none."""
+    def temperature_fix(self) -> str:
+        return (f"refit it: with the run's validation data readable, run the command again (it "
+                f"refits a damaged {TEMPERATURE_FILE}), or tools/eval_seg.py {self.path}; or "
+                "retrain")
+
+    def read_temperature(self, remake: Callable[[], float | None] | None = None,
+                         save: bool = True) -> float | None:
+        """The temperature fitted on validation (``temperature.json``), None when the run has
+        none.
+
+        A damaged file (empty, truncated, random bytes, not an object, no ``temperature``, not
+        a finite number > 0) is remade when ``remake`` can: ``remake()`` refits T on the
+        validation split (None when it cannot be read), the file is rewritten (``save``) and a
+        one-line notice says so. Otherwise it is refused.
+
+        Raises:
+            RunFileError: a damaged file that cannot be remade, naming the way out.
+        """
         if not self.temperature_file.is_file():
             return None
-        return float(json.loads(self.temperature_file.read_text())["temperature"])
+        try:
+            saved = read_json_file(self.temperature_file, self.temperature_fix(),
+                                   "a fitted temperature",
+                                   {"temperature": finite_number(0, above=True)})
+        except RunFileError as err:
+            temperature = remake() if remake is not None else None
+            if temperature is None:
+                raise
+            if save:
+                self.write_temperature(temperature)
+            where = "rewritten" if save else "not saved: the evaluation protocol is overridden"
+            print(f"notice: {self.temperature_file} {err.problem}; refitted on the validation "
+                  f"split: T = {temperature:.4f} ({where}).", file=sys.stderr, flush=True)
+            return temperature
+        return float(saved["temperature"])
+
+    @staticmethod
+    def read_eval_metrics(folder: str | Path, fix: str | None = None) -> dict[str, Any]:
+        """``folder/metrics.json`` written by ``eval_seg``, validated (a JSON object with the
+        ``pre_ts`` metrics).
+
+        Raises:
+            RunFileError: one line naming the file and the way out (default: evaluate again).
+        """
+        path = Run.eval_metrics(folder)
+        fix = fix or f"delete it and run tools/eval_seg.py again with --out {Path(folder)}"
+        return read_json_file(path, fix, "an evaluation's metrics",
+                              {"pre_ts": of_type(dict, "an object of metrics")})
 
     def precision(self) -> str | None:
         """The precision the run was trained at (``none``/``bf16``/``fp16``), from its history
@@ -255,6 +444,32 @@ class Run:
         return load_run(self.path, checkpoint, **kwargs)
 
 
+def _is_epoch_record(record: Mapping[str, Any]) -> bool:
+    """A history line the readers can use: an integer ``epoch >= 0``."""
+    epoch = record.get("epoch")
+    return isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0
+
+
+def _leaf_keys(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of the sections of a saved config (a section's free-form mappings,
+    e.g. ``loss.params``, count as one key)."""
+    keys = []
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value and not prefix:
+            keys += _leaf_keys(value, f"{dotted}.")
+        else:
+            keys.append(dotted)
+    return keys
+
+
+def _has_key(tree: Mapping[str, Any], dotted: str) -> bool:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def resolve_run(path: str | Path, checkpoint: str = "best",
@@ -368,6 +583,41 @@ class LoadedRun:
         :class:`~cals_seg.evaluation.stream.Inference`."""
         return Inference(self.model, self.device, self.precision, self.protocol)
 
+    def validation_set(self) -> tuple[Any, str | None]:
+        """``(the validation split, None)``, from the task when built, else read without the
+        model (nothing generated or downloaded); ``(None, why it cannot be read)``."""
+        if self.task is not None:
+            return self.task.val_set, None
+        root = Path(self.config.data.root)
+        if not root.is_dir():
+            return None, f"data.root {root} does not exist"
+        try:
+            from cals_seg.tasks.segmentation import segmentation_splits
+
+            return segmentation_splits(self.config)["val"], None
+        except (OSError, UserError, ValueError) as err:
+            return None, short_text(str(err) or type(err).__name__)
+
+    def refit_temperature(self) -> float | None:
+        """T fitted on the validation split (as the training's test pass fits it), or None
+        when the split cannot be read or holds no image."""
+        from torch.utils.data import DataLoader
+
+        from cals_seg.evaluation.engine import fit_post_temperature
+        from cals_seg.evaluation.stream import eval_collate
+
+        val, _ = self.validation_set()
+        if val is None or len(val) == 0:
+            return None
+        loader = DataLoader(val, batch_size=self.config.eval.batch_size, shuffle=False,
+                            collate_fn=eval_collate)
+        try:
+            return fit_post_temperature(self.inference, loader, self.config.data.ignore_index)
+        except (OSError, UserError) as err:
+            print(f"warning: the validation split of {self.path} cannot be read to refit T "
+                  f"({short_text(str(err))}).", file=sys.stderr, flush=True)
+            return None
+
     def meters(self) -> Callable[[], dict[str, Any]]:
         """The factory of the task's test meter sets (``eval.n_bins`` bins)."""
         task, n_bins = self.task, self.config.eval.n_bins
@@ -423,9 +673,13 @@ def load_run(
     config_file = Path(config) if config is not None else Run(folder).config
     given = [f"train.{key}={value}" for key, value in (("device", device), ("amp", amp))
              if value is not None]  # checked by the rules of the keys they replace
-    cfg = load_config(config_file, [*overrides, *given], method)
+    if config is None:  # the run's own config.yaml: checked as a saved run's first
+        cfg = Run(folder).read_config([*overrides, *given], method)
+    else:
+        cfg = load_config(config_file, [*overrides, *given], method)
     with code_consent(_consent_for(cfg, config_file, folder, trust_code, config is not None)):
-        return _load(cfg, folder, file, config_file, with_data, family, device, amp)
+        return _load(cfg, folder, file, config_file, with_data, family, device, amp,
+                     own_config=config is None, overridden=bool(overrides))
 
 
 def _consent_for(cfg: Config, config_file: Path, folder: Path, trust_code: bool | None,
@@ -442,7 +696,8 @@ def _consent_for(cfg: Config, config_file: Path, folder: Path, trust_code: bool 
 
 
 def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: bool,
-          family: str | None, device: str | None, amp: str | None) -> LoadedRun:
+          family: str | None, device: str | None, amp: str | None, own_config: bool = True,
+          overridden: bool = False) -> LoadedRun:
     """:func:`load_run` once the config is read and its factory allowed."""
     import torch
 
@@ -469,7 +724,10 @@ def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: b
         protocol, names = eval_protocol(cfg, model), class_names(cfg)
     else:
         raise UserError(f"{folder} is a {found} run: loading it needs its data (with_data).")
-    state = load_checkpoint(file)
+    run = Run(folder)
+    state = run.read_checkpoint(file)
+    if own_config and isinstance(state.get("config"), Mapping):  # cut short: not "another" one
+        run.check_config_file(state["config"], file)
     load_weights(model, state, file, config_file, cfg.data.num_classes)
     dev = resolve_device(cfg.train.device)
     # auto: float32 on every CPU for an evaluation, a prediction or an export (bf16 only when
@@ -477,12 +735,14 @@ def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: b
     precision = resolve_amp(cfg.train.amp, dev, warn=False, inference=True)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    return LoadedRun(
+    loaded = LoadedRun(
         path=folder, checkpoint=file, config=cfg, model=model.to(dev).eval(), device=dev,
         precision=precision, family=found, score_metric=TASK_TYPES[found].score_metric,
-        class_names=list(names), protocol=protocol,
-        temperature=Run(folder).read_temperature(), epoch=state.get("epoch"), task=task,
+        class_names=list(names), protocol=protocol, epoch=state.get("epoch"), task=task,
     )
+    # a damaged temperature.json is refitted on the validation split when it can be read
+    loaded.temperature = run.read_temperature(loaded.refit_temperature, save=not overridden)
+    return loaded
 
 
 def _as_flag(err: UserError, device: str | None, amp: str | None) -> UserError:

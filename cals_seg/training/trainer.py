@@ -68,7 +68,6 @@ from cals_seg.utils.distributed import (
 )
 from cals_seg.utils.io import (
     link_checkpoint,
-    load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -398,7 +397,7 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
     )
     run.path.mkdir(parents=True, exist_ok=True)
     if resume is not None and run.last.is_file():  # else: a run without checkpoint, anew
-        state = load_checkpoint(run.last, map_location=device)
+        state = run.read_checkpoint("last", map_location=device)
         changed = check_resume(cfg, state["config"], run.last)
         s.start_epoch, s.best_score, s.best_epoch = restore_training_state(
             state, model, optimizer, s.scheduler, criterion, s.scaler, task.num_classes, run.last)
@@ -466,7 +465,7 @@ def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
     The test pass runs at the inference precision (``train.amp: auto`` is float32 on every CPU,
     :func:`~cals_seg.utils.precision.resolve_amp`), as eval_seg, predict_seg and the export do:
     the run's test metrics and temperature are those a later evaluation reproduces on any CPU."""
-    best = load_checkpoint(run.best, map_location=infer.device)
+    best = run.read_checkpoint("best", map_location=infer.device)
     infer.model.load_state_dict(best["model"])
     infer = replace(infer, amp=resolve_amp(t.amp, infer.device, warn=False, inference=True))
     test = calibrated_test(infer, task, val_loader, test_loader, e.n_bins, e.temperature_scaling,

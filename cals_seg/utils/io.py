@@ -13,13 +13,14 @@ import math
 import os
 import random
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from cals_seg.errors import CheckpointError, UntrustedCheckpointError, UserError
+from cals_seg.errors import CheckpointError, RunFileError, UntrustedCheckpointError, UserError
 
 
 def json_safe(obj: Any) -> Any:
@@ -151,7 +152,8 @@ def _read(path: Path, map_location: Any) -> Any:
     )
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu",
+                    fix: str | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint`, safely.
 
     Only tensors, numbers, strings, lists, tuples and dicts are read
@@ -159,29 +161,65 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     wrote it. Checkpoints of earlier versions, whose NumPy RNG state is an array, load too (that
     array, and nothing else, is allowed) and come back in the current form (:func:`plain_rng`).
 
+    Args:
+        fix: the way out named at the end of a refusal (default: the run's other checkpoint, or
+            retrain); :meth:`cals_seg.runs.run.Run.read_checkpoint` names the command's flag.
+
     Raises:
-        CheckpointError: the file is missing, truncated or not a checkpoint of this toolkit.
+        CheckpointError: the file is missing, empty, truncated, not a checkpoint of this toolkit
+            (another type, no ``model`` state dict of tensors): one line, never cut mid-word.
         UntrustedCheckpointError: its pickle would build other Python objects (convert a file
             you trust with ``tools/convert_checkpoint.py FILE --trust``).
     """
     path = Path(path)
+    fix = fix or "use the run's other checkpoint, or retrain"
     if not path.is_file():
         raise CheckpointError(f"Checkpoint {path} does not exist.")
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = -1
+    if size == 0:
+        raise CheckpointError(path, "is empty (0 bytes: the write that made it did not finish)",
+                              fix)
     try:
         state = _read(path, map_location)
     except UntrustedCheckpointError:
         raise
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError ...
-        first = (str(err).strip().splitlines() or [""])[0][:120]
-        raise CheckpointError(
-            f"Checkpoint {path} cannot be read ({type(err).__name__}: {first}); it is "
-            "truncated or not a checkpoint. Use the run's other checkpoint, or retrain."
-        ) from None
-    if not isinstance(state, dict) or "model" not in state:
-        raise CheckpointError(f"{path} is not a cals_seg checkpoint (no 'model' entry).")
+        raise CheckpointError(path, f"cannot be read ({checkpoint_problem(err)}); it is "
+                              "truncated or not a checkpoint", fix) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"holds a {type(state).__name__}, not a cals_seg checkpoint "
+                              "(a dict with a 'model' state dict)", fix)
+    if "model" not in state:
+        raise CheckpointError(path, "is not a cals_seg checkpoint (no 'model' entry)", fix)
+    model = state["model"]
+    if not isinstance(model, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()):
+        raise CheckpointError(path, "is not a cals_seg checkpoint (its 'model' entry is not a "
+                              "state dict of tensors)", fix)
     if isinstance(state.get("rng"), dict):
         state["rng"] = plain_rng(state["rng"])
     return state
+
+
+def checkpoint_problem(err: BaseException, limit: int = 120) -> str:
+    """What a failed ``torch.load`` says, in a few words: its first sentence, cut at a word
+    (never mid-word) when longer than ``limit`` characters."""
+    text = " ".join((str(err).strip().splitlines() or [""])[0].split())
+    first = text.split(". ")[0].rstrip(".")
+    return f"{type(err).__name__}: {short_text(first, limit)}" if first else type(err).__name__
+
+
+def short_text(text: str, limit: int = 120) -> str:
+    """``text`` on one line, cut at the last word boundary before ``limit`` characters (with
+    ``...``) when longer."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit].rsplit(" ", 1)[0].rstrip(",;:")
+    return f"{cut}..."
 
 
 def rng_state() -> dict[str, Any]:
@@ -269,9 +307,8 @@ def convert_checkpoint(path: str | Path, out: str | Path | None = None) -> Path:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)  # trusted by the caller
     except Exception as err:
-        first = (str(err).strip().splitlines() or [""])[0][:120]
-        raise CheckpointError(f"Checkpoint {path} cannot be read ({type(err).__name__}: "
-                              f"{first}).") from None
+        raise CheckpointError(f"Checkpoint {path} cannot be read ({checkpoint_problem(err)})."
+                              ) from None
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not a cals_seg checkpoint (no 'model' entry).")
     if isinstance(state.get("rng"), dict):
@@ -282,8 +319,144 @@ def convert_checkpoint(path: str | Path, out: str | Path | None = None) -> Path:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file (``[]`` when it does not exist)."""
+    """The records of a JSON-lines file (``[]`` when it does not exist). Strict: a line that
+    is not JSON raises ``ValueError`` (:func:`read_jsonl_lines` keeps the good ones)."""
     path = Path(path)
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_jsonl_lines(path: str | Path, keep: Callable[[Any], bool] | None = None
+                     ) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+    """The good records of a JSON-lines file and what is wrong with the others.
+
+    A record is good when its line is JSON (no NaN / Infinity), an object, and passes
+    ``keep`` (when given). The file's last line without its newline and not JSON is *torn*
+    (the process stopped while writing it).
+
+    Returns:
+        ``(records, problems)``: problems as ``(line number from 1, what is wrong)``, e.g.
+        ``(3, "torn (the process stopped while writing it)")``; ``([], [])`` for no file.
+
+    Raises:
+        RunFileError: the file cannot be read, or is not text.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return [], []
+    raw = _read_bytes(path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RunFileError(path, "is not a JSON-lines file (it holds binary bytes)",
+                           "delete it (its lines are a log; the checkpoints hold the run)"
+                           ) from None
+    lines = text.split("\n")
+    records, problems = [], []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line, parse_constant=_refuse_constant)
+        except ValueError:
+            last = i == len(lines)  # no newline after it
+            problems.append((i, "torn (the process stopped while writing it)" if last
+                             else "not JSON"))
+            continue
+        if not isinstance(value, dict):
+            problems.append((i, f"a {type(value).__name__}, not a JSON object"))
+        elif keep is not None and not keep(value):
+            problems.append((i, "missing a key or holding a value out of range"))
+        else:
+            records.append(value)
+    return records, problems
+
+
+# What is wrong with a value (None when right), for :func:`read_json_file`.
+Check = Callable[[Any], str | None]
+
+
+def read_json_file(path: str | Path, fix: str, what: str = "a JSON object",
+                   checks: Mapping[str, Check] | None = None) -> dict[str, Any]:
+    """The JSON object saved at ``path``, validated: one line naming the file, what is wrong
+    and ``fix`` when it is missing, empty, truncated, not JSON (random bytes), not an object,
+    holds NaN / Infinity (this toolkit writes ``null`` for them), lacks a key of ``checks`` or
+    holds a value its check refuses.
+
+    Args:
+        fix: the way out, ending each message (``delete it and run ...``).
+        what: what the file holds, with its article (``"a fitted temperature"``).
+        checks: key -> a function returning what is wrong with the value (None: right).
+
+    Raises:
+        RunFileError: ``<path> <problem>; <fix>.``
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RunFileError(path, "does not exist", fix)
+    raw = _read_bytes(path)
+    if not raw.strip():
+        raise RunFileError(path, "is empty (the write that made it did not finish)", fix)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RunFileError(path, "is not JSON (it holds binary bytes)", fix) from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    except _NonFinite as err:
+        raise RunFileError(path, f"holds {err.args[0]}, a number this toolkit never writes "
+                           "(it writes null)", fix) from None
+    except json.JSONDecodeError as err:
+        truncated = err.pos >= len(text.rstrip())
+        problem = ("is truncated (not JSON: it ends mid-value)" if truncated else
+                   f"is not valid JSON (line {err.lineno} column {err.colno}: {err.msg})")
+        raise RunFileError(path, problem, fix) from None
+    except (ValueError, RecursionError):
+        raise RunFileError(path, "is not valid JSON", fix) from None
+    if not isinstance(value, dict):
+        raise RunFileError(path, f"holds a JSON {type(value).__name__}, not {what}", fix)
+    for key, check in (checks or {}).items():
+        if key not in value:
+            raise RunFileError(path, f"has no {key!r} (not {what})", fix)
+        wrong = check(value[key])
+        if wrong:
+            shown = short_text(json.dumps(value[key]), 40)
+            raise RunFileError(path, f"{key}: expected {wrong}, got {shown}", fix)
+    return value
+
+
+def finite_number(minimum: float | None = None, above: bool = False) -> Check:
+    """A check of :func:`read_json_file`: a finite number (not a bool), ``>= minimum`` (or
+    ``> minimum`` with ``above``)."""
+    bound = "" if minimum is None else f" {'>' if above else '>='} {minimum:g}"
+
+    def check(value: Any) -> str | None:
+        ok = (isinstance(value, int | float) and not isinstance(value, bool)
+              and math.isfinite(value) and (minimum is None or value > minimum if above
+                                            else minimum is None or value >= minimum))
+        return None if ok else f"a finite number{bound}"
+
+    return check
+
+
+def of_type(kind: type | tuple[type, ...], name: str) -> Check:
+    """A check of :func:`read_json_file`: an instance of ``kind`` (said as ``name``)."""
+    return lambda value: None if isinstance(value, kind) and not isinstance(value, bool) \
+        or kind is bool and isinstance(value, bool) else name
+
+
+class _NonFinite(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise RunFileError(path, f"cannot be read ({err.strerror or type(err).__name__})",
+                           "check its permissions") from None

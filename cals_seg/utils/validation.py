@@ -8,6 +8,7 @@ formula: "Expected `x` to be ..., but got ...".
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from torch import Tensor
 
@@ -33,6 +34,32 @@ def check_positive_float(name: str, value: object) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not (ok and value > 0 and math.isfinite(value)):  # type: ignore[operator,arg-type]
         raise UserError(f"Expected `{name}` to be a positive finite number, but got {value!r}.")
+
+
+def check_tensors(logits: object, target: object, call: str) -> None:
+    """Raise :class:`~cals_seg.errors.UserError` unless ``logits`` and ``target`` are tensors,
+    naming what was passed and the fix: a model's output dict (torchvision's
+    ``{"out": logits, "aux": ...}``) or tuple is the usual mistake.
+
+    Args:
+        call: how the user called it, for the fix (``"criterion"``, ``"meter.update"``).
+    """
+    for name, value in (("logits", logits), ("target", target)):
+        if isinstance(value, Tensor):
+            continue
+        what = f"a {type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
+        if isinstance(value, Mapping):
+            keys = [str(k) for k in list(value)[:4]]
+            key = "out" if "out" in keys else keys[0] if keys else "out"
+            raise UserError(
+                f"Expected `{name}` to be a tensor, but got {what} with keys {keys} (a model's "
+                f"output dict, e.g. torchvision's {{'out': logits}}); pass the tensor: "
+                f"{call}(model(x)[{key!r}], y).")
+        if isinstance(value, tuple | list):
+            raise UserError(
+                f"Expected `{name}` to be a tensor, but got {what} of {len(value)} items (a "
+                f"model's output tuple?); pass the tensor: {call}(model(x)[0], y).")
+        raise UserError(f"Expected `{name}` to be a tensor, but got {what}.")
 
 
 def check_finite(logits: Tensor, maxima: Tensor | None = None) -> None:
