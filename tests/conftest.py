@@ -3,10 +3,13 @@ results compared within a tolerance, and the single-thread fixture."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,7 +23,10 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped without one")
     # Consent remembered by import_model / train_seg (cals_seg.models.consent) goes to a file of
     # this test process, never to the developer's own ~/.config; removed when the process ends.
-    if "CALS_SEG_CONSENT_FILE" not in os.environ:
+    # Each process its own file (pytest-xdist's workers inherit the controller's environment,
+    # and two workers writing one file could drop each other's records).
+    if os.environ.get("_CALS_SEG_CONSENT_PID", str(os.getpid())) != str(os.getpid()) \
+            or "CALS_SEG_CONSENT_FILE" not in os.environ:
         import atexit
         import shutil
         import tempfile
@@ -28,6 +34,7 @@ def pytest_configure(config) -> None:
         folder = tempfile.mkdtemp(prefix="cals_seg_consent_")
         atexit.register(shutil.rmtree, folder, True)
         os.environ["CALS_SEG_CONSENT_FILE"] = os.path.join(folder, "consent.json")
+        os.environ["_CALS_SEG_CONSENT_PID"] = str(os.getpid())
 
 
 def autocast_nesting() -> int:
@@ -126,3 +133,185 @@ def fake_run(run: Path, cfg: Any, epoch: int | None = 0, model: Any = None,
     if temperature is not None:
         Run(run).write_temperature(temperature)
     return run
+
+
+# ----------------------------------------------------------------------------- figures
+# A 1 x 1 transparent PNG: what a figure saved without drawing holds.
+PLACEHOLDER_PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d49484452000000010000000108060000001f15c489"
+    "0000000d49444154789c6360606060000000050001a5f645400000000049454e44ae426082")
+
+
+def _placeholder_savefig(self: Any, fname: Any, *args: Any, **kwargs: Any) -> None:
+    """``matplotlib.figure.Figure.savefig`` without drawing: :data:`PLACEHOLDER_PNG` written to
+    ``fname`` (a path or a binary file)."""
+    if hasattr(fname, "write"):
+        fname.write(PLACEHOLDER_PNG)
+    else:
+        Path(fname).write_bytes(PLACEHOLDER_PNG)
+
+
+@contextlib.contextmanager
+def figures_undrawn() -> Iterator[None]:
+    """Inside the block, every matplotlib figure (the library's plots and confidence maps, in
+    this process and in the children it forks) is saved as :data:`PLACEHOLDER_PNG` without
+    being drawn. Drawing is most of the time of an ``eval_seg`` call or of a short run's end
+    (about 85% of a tiny ``eval_seg`` with every option); the files are still written, at their
+    names, through the library's own writer. For tests that check what is computed and which
+    files are written, not how a figure looks: the figures themselves are drawn for real in
+    tests/test_plotting*.py and in every file that does not ask for this."""
+    import matplotlib.figure
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matplotlib.figure.Figure, "savefig", _placeholder_savefig)
+        yield
+
+
+@pytest.fixture(scope="module")
+def undrawn_figures() -> Iterator[None]:
+    """:func:`figures_undrawn` for a whole test file: ``pytestmark =
+    pytest.mark.usefixtures("undrawn_figures")``."""
+    with figures_undrawn():
+        yield
+
+
+# ----------------------------------------------------------------------------- shared runs
+# Each run below is built once per test process (per pytest-xdist worker) in a session folder
+# and shared by every file that needs one. A test that changes a run works on copy_run(run, ...);
+# the shared folders are never written to after they are built.
+SEG_SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
+SEG_K = 11  # the embedded synthetic dataset's classes
+UNTRAINED_T = 1.7  # the temperature written into the untrained run
+TRAINED_NAME = "synthetic_deeplabv3_ce_seed0"  # what tools/compare.py names seed 0 of ce
+
+
+def tiny_seg_sets(data: Path) -> list[str]:
+    """``--set`` values that make the synthetic segmentation setup tiny: 8 images of 32 x 32
+    (5 train, 3 validation) and 4 test images generated under ``data``, a small DeepLabV3
+    (output stride 16, 16 decoder channels), batches of 4, one epoch, one thread, on the CPU,
+    no confidence maps."""
+    return [
+        f"data.root={data}", "data.synthetic={num_train: 8, num_test: 4, image_size: 32}",
+        "data.crop_size=32", "data.val_fraction=0.375",
+        "model.params={encoder_output_stride: 16, decoder_channels: 16}",
+        "train.batch_size=4", "eval.batch_size=4", "train.threads=1", "train.progress=false",
+        "train.epochs=1", "train.device=cpu", "eval.num_maps=0",
+    ]
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A finished run of :data:`SEG_SETUP` (``folder``), the session folder it was trained in
+    (``root``: data under ``root / "synthetic"``, the run under ``root / "runs"``) and the
+    ``--set`` values it was trained with (``sets``, ``name`` and ``output_dir`` excluded)."""
+
+    folder: Path
+    root: Path
+    sets: list[str]
+
+
+def copy_run(run: Path, where: Path, name: str | None = None) -> Path:
+    """A copy of the run folder ``run`` at ``where / (name or run.name)`` (``where`` created),
+    for a test that changes it; a factory the user allowed for ``run`` is allowed for the copy
+    too (:func:`cals_seg.models.consent.remember`)."""
+    import shutil
+
+    import yaml
+
+    from cals_seg.models.consent import remember
+
+    copy = where / (name or run.name)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(run, copy)
+    factory = (yaml.safe_load((run / "config.yaml").read_text()).get("model") or {}).get("factory")
+    if factory:
+        remember(copy, factory)
+    return copy
+
+
+@pytest.fixture(scope="session")
+def untrained_run(tmp_path_factory) -> Path:
+    """A run folder without training: the random-weight network of the synthetic setup's ``ce``
+    (a MobileNetV3 encoder, :func:`tiny_seg_sets`, ``train.amp: auto`` as the setup files) after
+    ``torch.manual_seed(0)``, its ``config.yaml``, epoch 0 and T = :data:`UNTRAINED_T`."""
+    from cals_seg.config.schema import load_config
+
+    root = tmp_path_factory.mktemp("untrained")
+    cfg = load_config(SEG_SETUP, [*tiny_seg_sets(root / "synthetic"), "train.amp=auto",
+                                  "model.encoder_name=tu-mobilenetv3_small_050"], "ce")
+    return fake_run(root / "run", cfg, epoch=0, config=True, temperature=UNTRAINED_T)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> TrainedRun:
+    """One epoch of ``ce`` on the tiny synthetic setup (:func:`tiny_seg_sets`, seed 0, with its
+    temperature), named as tools/compare.py names seed 0: ``checkpoint_last.pt`` kept; its
+    plots are placeholders (:func:`figures_undrawn`), whichever file asks for it first."""
+    import warnings
+
+    from cals_seg.config.schema import load_config
+    from cals_seg.tasks import build_task
+    from cals_seg.training.engine import seed_everything
+    from cals_seg.training.trainer import fit
+
+    root = tmp_path_factory.mktemp("trained")
+    sets = tiny_seg_sets(root / "synthetic")
+    cfg = load_config(SEG_SETUP, [*sets, f"name={TRAINED_NAME}", f"output_dir={root / 'runs'}",
+                                  "train.seed=0"], "ce")
+    seed_everything(cfg.train.seed)
+    with warnings.catch_warnings(), figures_undrawn():
+        warnings.simplefilter("ignore")
+        fit(cfg, build_task(cfg))
+    return TrainedRun(cfg.run_dir, root, sets)
+
+
+# The imported run's network: every image it is run on is counted in SEEN (tests/test_one_pass).
+SEEN: Counter = Counter()
+
+
+def counted_segmenter() -> Any:
+    """The factory ``tests.conftest:counted_segmenter`` of :func:`imported_run`: two
+    convolutions (3 -> 8 -> 11 channels, logits at the input's size, times 3), seeded, that add
+    each input image's digest to :data:`SEEN`."""
+    import torch
+    from torch import nn
+
+    from cals_seg.evaluation.logit_cache import image_digest
+
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                      nn.Conv2d(8, SEG_K, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for i in range(x.shape[0]):
+                SEEN[image_digest(x[i])] += 1
+            return self.body(x) * 3
+
+    torch.manual_seed(0)
+    return Counted()
+
+
+@pytest.fixture(scope="session")
+def imported_run(tmp_path_factory) -> Path:
+    """A run made by tools/import_model.py from a config naming
+    ``tests.conftest:counted_segmenter``: the synthetic set at 32 x 32 (8 images, half of them
+    validation, and 3 test images), eval batches of 4, 2 confidence maps, its temperature."""
+    import yaml
+
+    from cals_seg.commands import import_model
+
+    root = tmp_path_factory.mktemp("imported")
+    cfg = {
+        "data": {"name": "synthetic", "root": str(root / "synthetic"), "num_classes": SEG_K,
+                 "crop_size": 32, "val_fraction": 0.5,
+                 "synthetic": {"num_train": 8, "num_test": 3, "image_size": 32}},
+        "model": {"arch": "external", "factory": "tests.conftest:counted_segmenter"},
+        "train": {"device": "cpu", "amp": "none", "progress": False},
+        "eval": {"batch_size": 4, "num_maps": 2},
+    }
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert import_model.main([str(config), "--out", str(root / "run")]) == 0
+    return root / "run"

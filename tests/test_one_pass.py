@@ -11,52 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from torch import nn
 
-from cals_seg.commands import eval_seg, import_model
+from cals_seg.commands import eval_seg
 from cals_seg.evaluation.logit_cache import LogitCache, cached_logits, image_digest, logit_cache
-from tests.conftest import assert_tree_close
+from tests.conftest import SEEN, assert_tree_close, copy_run
 
-K = 11
-SEEN: Counter = Counter()  # digest of each network input image -> forward calls
-
-
-class Counted(nn.Module):
-    """A small network that counts every image it is run on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
-                                  nn.Conv2d(8, K, 1))
-
-    def forward(self, x):
-        for i in range(x.shape[0]):
-            SEEN[image_digest(x[i])] += 1
-        return self.body(x) * 3
-
-
-def counted() -> nn.Module:
-    return Counted()
+# The figures eval_seg writes are saved undrawn: these tests check numbers and file names.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("onepass")
-    cfg = {
-        "data": {"name": "synthetic", "root": str(root / "synthetic"), "num_classes": K,
-                 "crop_size": 32, "val_fraction": 0.5,
-                 "synthetic": {"num_train": 12, "num_test": 5, "image_size": 32}},
-        "model": {"arch": "external", "factory": "tests.test_one_pass:counted"},
-        "train": {"device": "cpu", "amp": "none", "progress": False},
-        "eval": {"batch_size": 4, "num_maps": 2},
-    }
-    config = root / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    folder = root / "run"
-    assert import_model.main([str(config), "--out", str(folder)]) == 0
-    return folder
+def run(imported_run, tmp_path_factory) -> Path:
+    """This file's copy of the session's imported run (eval_seg saves its calibrators and
+    conformal fits into the run): its network counts every image in ``SEEN``."""
+    return copy_run(imported_run, tmp_path_factory.mktemp("run"))
 
 
 OPTIONS = ["--calibrators", "ts", "boundary_ts", "--conformal", "alpha=0.5", "mode=risk,band",

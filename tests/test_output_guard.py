@@ -13,47 +13,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
-from torch import nn
 
-from cals_seg.commands import eval_seg, import_model, predict_seg
+from cals_seg.commands import eval_seg, predict_seg
 from cals_seg.data.checks import MAX_LISTED, check_splits
 from cals_seg.utils.paths import MANIFEST
+
+from .conftest import copy_run
 
 K = 11
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, K, 3, padding=1)
-
-    def forward(self, x):
-        return self.conv(x)
-
-
-def tiny() -> nn.Module:
-    torch.manual_seed(0)
-    return Tiny()
+# The figures eval_seg writes are saved undrawn: these tests check numbers and file names.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("guard")
-    cfg = {
-        "data": {"name": "synthetic", "root": str(root / "synthetic"), "num_classes": K,
-                 "crop_size": 32, "val_fraction": 0.5,
-                 "synthetic": {"num_train": 8, "num_test": 3, "image_size": 32}},
-        "model": {"arch": "external", "factory": "tests.test_output_guard:tiny"},
-        "train": {"device": "cpu", "amp": "none", "progress": False},
-        "eval": {"batch_size": 4, "num_maps": 2},
-    }
-    config = root / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    folder = root / "run"
-    assert import_model.main([str(config), "--out", str(folder)]) == 0
-    return folder
+def run(imported_run, tmp_path_factory) -> Path:
+    """This file's copy of the session's imported run (eval_seg saves its calibrators and
+    conformal fits into the run)."""
+    return copy_run(imported_run, tmp_path_factory.mktemp("run"))
 
 
 ALL_OPTIONS = ["--calibrators", "ts", "boundary_ts", "--conformal", "alpha=0.5",
@@ -117,6 +96,7 @@ def test_a_users_file_of_any_written_name_is_kept(run, full_output, tmp_path, ca
 
 
 def test_link_in_the_default_folder_is_not_followed(run, tmp_path, capsys):
+    run = copy_run(run, tmp_path)
     outside = tmp_path / "victim.json"
     outside.write_text("{}")
     default = run / "eval_val"
