@@ -36,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import cals_seg.contrib.cals_bands  # noqa: F401  (the opt-in cals_alm_bands is measured too)
 from cals_seg.losses import LOSSES, build_loss
 from cals_seg.losses import _functional as penalty_blocks
 

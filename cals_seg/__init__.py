@@ -10,7 +10,8 @@ The public API, for use in any PyTorch training loop::
 A calibrator is built by name (``build_calibrator("ts", K)``), fitted on validation batches
 (``cal.fit(batches)``), saved and loaded (``save_calibrator`` / ``load_calibrator``).
 ``TemperatureScaler`` (a fixed temperature) is a deprecated alias of
-``TemperatureScaling.fixed``.
+``TemperatureScaling.fixed``; ``BandCALSALMLoss`` is a deprecated name of the opt-in contrib
+module ``cals_bands``'s loss (its access opts in, with a warning).
 
 Names are imported on first access, so ``import cals_seg`` is cheap (it does not even import
 torch) and never pulls in the optional heavy dependencies of the tools (matplotlib,
@@ -42,7 +43,6 @@ _EXPORTS = {
     "SVLSLoss": "cals_seg.losses",
     "NACLLoss": "cals_seg.losses",
     "CRaCLoss": "cals_seg.losses",
-    "BandCALSALMLoss": "cals_seg.losses",
     "CalibrationMeter": "cals_seg.metrics",
     "SegmentationMeter": "cals_seg.metrics",
     "ShotGroupMeter": "cals_seg.metrics",
@@ -118,9 +118,6 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects, re-exported
         LOSSES as LOSSES,
     )
     from cals_seg.losses import (
-        BandCALSALMLoss as BandCALSALMLoss,
-    )
-    from cals_seg.losses import (
         CALSALMLoss as CALSALMLoss,
     )
     from cals_seg.losses import (
@@ -176,7 +173,24 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real objects, re-exported
     )
 
 
+# Deprecated public names of experiments moved to cals_seg/contrib/: name -> (contrib module,
+# the registry name of what it registers). Not in ``__all__``; an access imports the module.
+_MOVED_TO_CONTRIB = {"BandCALSALMLoss": ("cals_bands", "cals_alm_bands")}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_CONTRIB:
+        import warnings
+
+        from cals_seg.losses import LOSSES
+        from cals_seg.utils.registry import enable_contrib
+
+        module, entry = _MOVED_TO_CONTRIB[name]
+        warnings.warn(f"cals_seg.{name} is deprecated: the loss {entry!r} is an opt-in "
+                      f"experiment; import cals_seg.contrib.{module} (or contrib: [{module}] in "
+                      f"a config) and use {name} from there.", DeprecationWarning, stacklevel=2)
+        enable_contrib([module])
+        return LOSSES[entry]
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'cals_seg' has no attribute {name!r}")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import cals_seg.contrib.cals_bands  # noqa: F401  (opt-in; tested with the built-ins)
 from cals_seg.losses import LOSSES, build_loss
 
 from .conftest import autocast_nesting

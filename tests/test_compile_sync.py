@@ -29,6 +29,7 @@ import torch._dynamo.testing
 import torch.nn.functional as F
 from torch import nn
 
+import cals_seg.contrib.cals_bands  # noqa: F401  (opt-in; tested with the built-ins)
 from cals_seg.losses import LOSSES, build_loss
 from cals_seg.training import engine
 from cals_seg.training.engine import NonFiniteLossError, train_one_epoch

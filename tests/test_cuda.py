@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 
+import cals_seg.contrib.cals_bands  # noqa: F401  (opt-in; tested with the built-ins)
 from cals_seg.calibrators.ts import TemperatureScaler, fit_temperature, nll_at_temperature
 from cals_seg.losses import LOSSES, build_loss
 from cals_seg.metrics import CalibrationMeter, SegmentationMeter

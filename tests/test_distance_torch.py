@@ -67,8 +67,8 @@ def test_predicted_bands_of_boundary_ts():
 def test_ground_truth_bands_with_void_equal_the_loss_bands():
     """cals_alm_bands' device map equals the numpy distance_bands (void: -1, a void neighbour
     counts as different, a void pixel is no boundary pixel)."""
+    from cals_seg.contrib.cals_bands import distance_bands  # registers cals_alm_bands
     from cals_seg.losses import build_loss
-    from cals_seg.losses._bands import distance_bands
 
     labels = _maps(11, 2, 41, 57, 3, 10)
     g = torch.Generator().manual_seed(11)

@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 
+import cals_seg.contrib.boundary_conf_ts  # noqa: F401  (opt-in; tested with the built-ins)
 from cals_seg.calibrators import CALIBRATORS, Calibrator, build_calibrator
 from cals_seg.metrics import (
     BoundaryAwareECEMeter,

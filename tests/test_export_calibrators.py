@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+import cals_seg.contrib.boundary_conf_ts  # noqa: F401  (opt-in; tested with the built-ins)
 from cals_seg.calibrators import CALIBRATORS, build_calibrator
 from cals_seg.calibrators._export import graph_bands
 from cals_seg.calibrators.boundary_ts import predicted_bands

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cals_seg.contrib.cals_bands  # noqa: F401  (opt-in; tested with the built-ins)
 from cals_seg.losses import LOSSES, CALSALMLoss, CALSHRLoss, build_loss, get_penalty
 from cals_seg.losses._functional import class_penalty
 

@@ -15,7 +15,6 @@ network's; ``needs_image`` whether ``forward`` needs the image.
     selective  large temperature on pixels flagged as mispredicted no             no
     boundary_ts a temperature per predicted-boundary distance band no             no
     boundary_ts_fine boundary_ts, bands chosen on held-out val     no             no
-    boundary_ts_conf a temperature per (band, confidence bin) cell  no             no
     cms_ap     per-argmax-class affine map on gaps to the top      no             no
     cms_op     per-argmax-class affine map on consecutive gaps     no (no order)  no
     image_ts   a temperature per pixel from image and logit stats  no             yes
@@ -66,7 +65,6 @@ from cals_seg.calibrators.selective import SelectiveScaling
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling
 from cals_seg.calibrators.order_keeping import ArgmaxKeepingScaling, OrderKeepingScaling
 from cals_seg.calibrators.boundary_ts_fine import FineBoundaryTemperatureScaling
-from cals_seg.calibrators.boundary_conf_ts import BoundaryConfidenceTemperatureScaling
 from cals_seg.calibrators.image_ts import ImageTemperatureScaling
 # isort: on
 
@@ -414,7 +412,6 @@ __all__ = [
     "RECORD_KEYS",
     "Batches",
     "ArgmaxKeepingScaling",
-    "BoundaryConfidenceTemperatureScaling",
     "BoundaryTemperatureScaling",
     "Calibrator",
     "CalibratorFileError",

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from cals_seg.calibrators._ops import confidence_logodds, floored_log_probs
 from cals_seg.metrics.distance import int_thresholds
 
 
@@ -145,34 +144,10 @@ class BandTemperatures(nn.Module):
         return logits / self.temperatures.to(logits.dtype)[band].unsqueeze(1)
 
 
-class BandConfidenceTemperatures(nn.Module):
-    """``l(p) / T[band(p), bin(p)]`` (``boundary_ts_conf``): the bands of :func:`graph_bands`,
-    the bin of the confidence's log-odds among its band's edges.
-
-    Args:
-        bands: the band distances in pixels.
-        edges: ``(B, Q - 1)`` log-odds edges of each band.
-        temperatures: ``(B, Q)``.
-
-    Shape:
-        - logits: ``(N, K, H, W)`` -> same shape.
-    """
-
-    def __init__(self, bands: Sequence[float], edges: Tensor, temperatures: Tensor) -> None:
-        super().__init__()
-        self.thresholds = int_thresholds(bands)
-        self.num_bins = int(temperatures.shape[1])
-        self.register_buffer("edges", edges.detach().to("cpu", torch.float32).clone())
-        self.register_buffer("temperatures",
-                             temperatures.detach().to("cpu", torch.float32).reshape(-1).clone())
-
-    def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
-        band = graph_bands(logits, self.thresholds)
-        cell = band * self.num_bins
-        if self.num_bins > 1:
-            u = confidence_logodds(logits)
-            cell = cell + (u.unsqueeze(-1) >= self.edges.to(u.dtype)[band]).sum(dim=-1)
-        return logits / self.temperatures.to(logits.dtype)[cell].unsqueeze(1)
+def floored_log_probs(rows: Tensor) -> Tensor:
+    """``log softmax`` of ``rows (M, K)`` floored at ``log(1e-16)``, as the selective scaling
+    authors' ``log(p + 1e-16)``: no ``-inf`` enters the misprediction classifier."""
+    return torch.log_softmax(rows.float(), dim=1).clamp(min=math.log(1e-16))
 
 
 class FlaggedTemperature(nn.Module):
@@ -263,5 +238,5 @@ class ExpertAffine(nn.Module):
         return out.reshape(shape).movedim(-1, 1).to(logits.dtype)
 
 
-__all__ = ["BandConfidenceTemperatures", "BandTemperatures", "ExpertAffine",
-           "FlaggedTemperature", "graph_bands", "graph_boundary", "graph_squared_distance"]
+__all__ = ["BandTemperatures", "ExpertAffine", "FlaggedTemperature", "floored_log_probs",
+           "graph_bands", "graph_boundary", "graph_squared_distance"]

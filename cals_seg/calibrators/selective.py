@@ -35,9 +35,8 @@ from cals_seg.calibrators._base import (
     valid_rows,
     with_holdout,
 )
-from cals_seg.calibrators._export import FlaggedTemperature
+from cals_seg.calibrators._export import FlaggedTemperature, floored_log_probs
 from cals_seg.calibrators._grid import grid_nll
-from cals_seg.calibrators._ops import floored_log_probs
 from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.errors import UserError
 from cals_seg.utils.validation import check_int, check_positive_float

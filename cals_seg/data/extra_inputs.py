@@ -5,7 +5,7 @@ The seam, in three pieces (docs/spatial_losses.md, "Extra per-pixel inputs"):
 1. A loss lists the names in its class attribute ``extra_inputs`` (e.g. ``("band",)``) and
    returns, from ``extra_input_fns()``, one picklable function per name that maps the augmented
    mask ``(H, W)`` (and the ``inside`` map of the image proper, ``False`` on padding) to the
-   map ``(H, W)``, e.g. :class:`cals_seg.losses._bands.BandMap`.
+   map ``(H, W)``, e.g. ``BandMap`` of the contrib module ``cals_bands``.
 2. :func:`request_extra_inputs` hands those functions to the training split's
    :class:`~cals_seg.data.transforms.SegmentationTransform`, which runs them on the CPU, in the
    data-loading workers, on the mask after augmentation, and adds each map to the item under its

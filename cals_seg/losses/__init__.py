@@ -1,5 +1,6 @@
 """Training criteria: cross-entropy, the calibration baselines, CALS-ALM / CALS-HR, and the
-spatial losses SVLS, NACL and CRaC, and the region-adaptive CALS-ALM (``cals_alm_bands``).
+spatial losses SVLS, NACL and CRaC (the region-adaptive CALS-ALM, ``cals_alm_bands``, is the
+opt-in contrib module ``cals_bands``).
 
 Every loss takes logits ``(N, K, *S)`` and targets ``(N, *S)``, excludes ``ignore_index``
 positions from every mean and returns a scalar, so it is a drop-in for ``F.cross_entropy``
@@ -33,7 +34,6 @@ from cals_seg.losses.cals import CALSALMLoss, CALSHRLoss
 from cals_seg.losses.svls import SVLSLoss
 from cals_seg.losses.nacl import NACLLoss
 from cals_seg.losses.crac import CRaCLoss
-from cals_seg.losses.cals_bands import BandCALSALMLoss
 # isort: on
 
 
@@ -113,7 +113,6 @@ __all__ = [
     "bad_labels_message",
     "LOSSES",
     "AdaptiveLoss",
-    "BandCALSALMLoss",
     "PENALTIES",
     "CALSALMLoss",
     "CALSHRLoss",

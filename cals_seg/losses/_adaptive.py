@@ -41,10 +41,6 @@ RESERVED_LOG_PREFIXES = ("train_", "val_")
 _REQUIRED_METHODS = ("_observe", "_update")
 
 
-# SegLoss's per-call label-check counts (transient, never saved: not state)
-_CHECK_ATTRIBUTES = ("bad_labels", "_unchecked_bad_labels", "_unchecked_bad_bands")
-
-
 class _BuiltChecked(type):
     """Metaclass: run :meth:`AdaptiveLoss._check_declarations` once ``__init__`` has finished.
     The class keeps the signature of its ``__init__`` (``inspect.signature(cls)``)."""
@@ -90,9 +86,12 @@ class AdaptiveLoss(SegLoss, metaclass=_BuiltChecked):
     Class attributes:
         log_keys: the keys :meth:`update_multipliers` may return (history entries: a float, or
             a list of K floats).
+        check_attributes: tensor attributes that are per-call input-check counts (transient,
+            never saved: not state); a subclass with checks of its own adds its counts.
     """
 
     log_keys: ClassVar[tuple[str, ...]] = ()
+    check_attributes: ClassVar[tuple[str, ...]] = ("bad_labels", "_unchecked_bad_labels")
     # Dataclasses of settings whose fields are keyword arguments of ``__init__`` (taken by its
     # ``**settings``, split by :meth:`settings`); ``inspect.signature(cls)`` lists them.
     settings_types: ClassVar[tuple[type, ...]] = ()
@@ -154,7 +153,7 @@ class AdaptiveLoss(SegLoss, metaclass=_BuiltChecked):
     def _check_declarations(self) -> None:
         name = type(self).__name__
         loose = sorted(k for k, v in vars(self).items()
-                       if torch.is_tensor(v) and k not in _CHECK_ATTRIBUTES)
+                       if torch.is_tensor(v) and k not in self.check_attributes)
         if loose:
             raise TypeError(
                 f"{name} keeps tensor attribute(s) {loose} outside its declared state: they "

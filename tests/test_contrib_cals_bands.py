@@ -1,6 +1,8 @@
-"""Region-adaptive CALS-ALM (cals_alm_bands): the band maps, the loss and its analytic backward
-against float64 references, per-band updates over two epochs, one band = CALS-ALM, resume, the
-training transform's band map, backward memory."""
+"""Region-adaptive CALS-ALM (cals_alm_bands, the opt-in contrib module ``cals_bands``): the band
+maps, the loss and its analytic backward against float64 references, per-band updates over two
+epochs, one band = CALS-ALM, resume, the training transform's band map, backward memory; the
+opt-in itself (the module registers the loss; ``cals_seg.BandCALSALMLoss`` is a deprecated
+name that opts in)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cals_seg.contrib.cals_bands import BandCALSALMLoss, BandMap, band_penalty, distance_bands
 from cals_seg.data.extra_inputs import request_extra_inputs
 from cals_seg.data.transforms import train_transform
-from cals_seg.losses import BandCALSALMLoss, CALSALMLoss, build_loss, get_penalty
-from cals_seg.losses._band_penalty import band_penalty
-from cals_seg.losses._bands import BandMap, distance_bands
+from cals_seg.losses import CALSALMLoss, build_loss, get_penalty
 from cals_seg.losses.margin_rules import MARGIN_RATE, MARGIN_SKILL, beyond_chance, next_margin
 from cals_seg.losses.temperature_stats import (
     NUM_BINS,
@@ -536,3 +537,32 @@ def test_trains_end_to_end_with_bands_from_the_loader(tmp_path, monkeypatch):
     history = json.loads((cfg.run_dir / "history.jsonl").read_text().splitlines()[0])
     assert len(history["band_pixels"]) == 3 and sum(history["band_pixels"]) > 0
     assert {"lambda_band0", "margin_band2", "rho_band1"} <= set(history)
+
+
+def test_opt_in_by_import_by_setup_file_and_by_the_deprecated_name():
+    """A fresh process: the core's LOSSES lacks ``cals_alm_bands``; the setup files' method entry
+    opts in (``contrib: [cals_bands]``); ``cals_seg.BandCALSALMLoss`` still gives the class, with
+    a DeprecationWarning, and is not among the public names."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "synthetic_deeplabv3.yaml"
+    code = (
+        "import warnings\n"
+        "from cals_seg.losses import LOSSES\n"
+        "print('cals_alm_bands' in LOSSES)\n"
+        "from cals_seg.config.schema import load_config\n"
+        f"cfg = load_config({str(config)!r}, [], 'cals_alm_bands')\n"
+        "print(cfg.contrib, cfg.loss.name, LOSSES['cals_alm_bands'].__module__)\n"
+        "import cals_seg\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    cls = cals_seg.BandCALSALMLoss\n"
+        "print(cls is LOSSES['cals_alm_bands'], [x.category.__name__ for x in w],\n"
+        "      'BandCALSALMLoss' in cals_seg.__all__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["False", "['cals_bands'] cals_alm_bands cals_seg.contrib.cals_bands",
+                   "True ['DeprecationWarning'] False"]

@@ -2,7 +2,8 @@
 bins, the per-cell grid NLL), the fitted temperatures are the per-cell TS optima of the cells
 it defines (an independent ``fit_temperature`` per cell), streaming equals one batch, the
 ``Q = 1`` candidates score like ``boundary_ts``, and where the temperature follows the
-confidence inside a band it is chosen and beats ``boundary_ts``; the argmax is kept."""
+confidence inside a band it is chosen and beats ``boundary_ts``; the argmax is kept. It lives in
+``cals_seg/contrib/`` (opt-in): importing the module registers it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from cals_seg.calibrators import (
     load_calibrator,
     save_calibrator,
 )
-from cals_seg.calibrators.boundary_conf_ts import (
+from cals_seg.calibrators.boundary_ts import predicted_bands
+from cals_seg.calibrators.ts import fit_temperature
+from cals_seg.contrib.boundary_conf_ts import (
     HIST_BINS,
     HIST_STEP,
     U_MIN,
@@ -30,8 +33,6 @@ from cals_seg.calibrators.boundary_conf_ts import (
     conf_bins,
     confidence_logodds,
 )
-from cals_seg.calibrators.boundary_ts import predicted_bands
-from cals_seg.calibrators.ts import fit_temperature
 
 K = 3
 VOID = 255
@@ -195,3 +196,21 @@ def test_a_cell_with_every_pixel_right_takes_its_bands_temperature():
     assert info["count_cell"][1][1] == 0  # the all-right cell counts as empty ...
     pooled = fit_temperature(lambda: [(x, y)])
     assert float(t[1, 1]) == pytest.approx(pooled, rel=1e-6)  # ... and takes its band's T
+
+
+def test_registered_only_when_opted_in():
+    """The core's registry holds ``boundary_ts_conf`` only after the contrib module is
+    imported (``import cals_seg.contrib.boundary_conf_ts`` or ``contrib: [boundary_conf_ts]``)."""
+    import subprocess
+    import sys
+
+    from cals_seg.calibrators import CALIBRATORS
+    from cals_seg.utils.registry import enable_contrib
+
+    assert enable_contrib(["boundary_conf_ts"]) == ["boundary_conf_ts"]
+    assert CALIBRATORS["boundary_ts_conf"].__module__ == "cals_seg.contrib.boundary_conf_ts"
+    fresh = ("from cals_seg.calibrators import CALIBRATORS; "
+             "print('boundary_ts_conf' in CALIBRATORS, len(CALIBRATORS) > 0)")
+    out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True"]

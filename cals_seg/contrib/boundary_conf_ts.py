@@ -39,6 +39,12 @@ are ``boundary_ts_fine``'s candidates. All candidates are fitted in the same pas
 histogram pass, ``passes`` passes on the fit images, 1 scoring pass, ``passes`` passes on
 all images (8 with the defaults, whatever the number of candidates). Memory: one batch plus
 ``O(cells x num_grid)`` sums.
+
+Kept beside the core (``cals_seg.contrib``): on the embedded CE runs of both regimes (three
+seeds, docs/calibrators.md) it did not beat ``boundary_ts_fine`` on the test split (validation
+chose 3 bins, for held-out NLL gains of about 0.002). Importing this module registers
+``boundary_ts_conf`` in ``CALIBRATORS``; opt in with ``import cals_seg.contrib.boundary_conf_ts``
+or ``contrib: [boundary_conf_ts]`` in a config.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from cals_seg.calibrators._base import (
     Batches,
@@ -61,11 +67,11 @@ from cals_seg.calibrators._base import (
     valid_rows,
     with_holdout,
 )
-from cals_seg.calibrators._export import BandConfidenceTemperatures
+from cals_seg.calibrators._export import graph_bands
 from cals_seg.calibrators._grid import grid_optima, refine_grids
-from cals_seg.calibrators._ops import confidence_logodds
 from cals_seg.calibrators.boundary_ts import BoundaryTemperatureScaling, predicted_bands
 from cals_seg.calibrators.registry import CALIBRATORS
+from cals_seg.metrics.distance import int_thresholds
 from cals_seg.utils.distributed import all_reduce_sum_
 from cals_seg.utils.validation import check_int
 
@@ -77,6 +83,22 @@ HIST_BINS = round((U_MAX - U_MIN) / HIST_STEP)
 # An edge that no pixel reaches (an unused bin, an empty band): finite, so that the state holds
 # finite numbers only; ``u`` is finite for finite logits.
 UNUSED = 1e300
+
+
+def confidence_logodds(logits: Tensor) -> Tensor:
+    """``u = log s - log(1 - s)`` of the top-label confidence ``s = max softmax(l)``, computed
+    from the log-sum-exp of the other classes (exact for ``s`` near 1: ``u = l_top -
+    logsumexp_{j != top} l_j``; ``+inf`` when the other classes have probability 0).
+
+    Shape:
+        - logits: ``(N, K, *S)``; returns ``(N, *S)`` in float32 (float64 for float64 logits).
+    """
+    x = logits.detach()
+    x = x.double() if x.dtype == torch.float64 else x.float()
+    top = x.amax(dim=1, keepdim=True)
+    first = x.argmax(dim=1, keepdim=True)
+    others = x.scatter(1, first, -math.inf)
+    return (top - torch.logsumexp(others, dim=1, keepdim=True)).squeeze(1)
 
 
 def conf_bins(u: Tensor, band: Tensor, edges: Tensor) -> Tensor:
@@ -134,6 +156,37 @@ def _quantile_edges(hist: Tensor, q: int) -> Tensor:
             k = int(torch.searchsorted(cum[b], total * i / q))
             out[b, i - 1] = U_MIN + HIST_STEP * (k + 1)
     return out
+
+
+class BandConfidenceTemperatures(nn.Module):
+    """``l(p) / T[band(p), bin(p)]`` (``boundary_ts_conf`` for export): the bands of
+    :func:`~cals_seg.calibrators._export.graph_bands`, the bin of the confidence's log-odds
+    among its band's edges.
+
+    Args:
+        bands: the band distances in pixels.
+        edges: ``(B, Q - 1)`` log-odds edges of each band.
+        temperatures: ``(B, Q)``.
+
+    Shape:
+        - logits: ``(N, K, H, W)`` -> same shape.
+    """
+
+    def __init__(self, bands: Sequence[float], edges: Tensor, temperatures: Tensor) -> None:
+        super().__init__()
+        self.thresholds = int_thresholds(bands)
+        self.num_bins = int(temperatures.shape[1])
+        self.register_buffer("edges", edges.detach().to("cpu", torch.float32).clone())
+        self.register_buffer("temperatures",
+                             temperatures.detach().to("cpu", torch.float32).reshape(-1).clone())
+
+    def forward(self, logits: Tensor, image: Tensor | None = None) -> Tensor:
+        band = graph_bands(logits, self.thresholds)
+        cell = band * self.num_bins
+        if self.num_bins > 1:
+            u = confidence_logodds(logits)
+            cell = cell + (u.unsqueeze(-1) >= self.edges.to(u.dtype)[band]).sum(dim=-1)
+        return logits / self.temperatures.to(logits.dtype)[cell].unsqueeze(1)
 
 
 @CALIBRATORS.register("boundary_ts_conf")
@@ -361,8 +414,7 @@ class BoundaryConfidenceTemperatureScaling(Calibrator):
                            self.temperatures[:nb, :q])
 
     def export_module(self, fmt: str = "pt2") -> torch.nn.Module:
-        """The chosen cells as a program for export
-        (:class:`~cals_seg.calibrators._export.BandConfidenceTemperatures`)."""
+        """The chosen cells as a program for export (:class:`BandConfidenceTemperatures`)."""
         bands, q = self.bands, self.num_bins
         nb = len(bands) + 1
         return BandConfidenceTemperatures(bands, self.edges[:nb, : q - 1],

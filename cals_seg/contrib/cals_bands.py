@@ -1,29 +1,40 @@
-"""Region-adaptive CALS-ALM: multipliers and margins per class and per distance band.
+"""Region-adaptive CALS-ALM (``cals_alm_bands``): multipliers and margins per class and per
+distance band.
 
 One margin and one multiplier per class cannot treat a boundary pixel and an interior pixel of
 the same class differently; here every band of the ground truth's distance to the nearest class
 boundary (the bands of ``BoundaryCalibrationMeter``, default ``d < 3``, ``3 <= d < 8``,
 ``d >= 8`` pixels) has its own CALS-ALM multipliers and, with ``margin: auto``, its own margin,
 steered by that band's validation calibration.
+
+Kept beside the core (``cals_seg.contrib``): its goal, a band-weighted ECE at most 0.7x CE's at
+CE's mIoU, was missed by a wide margin on both embedded regimes (0.94x over three seeds,
+docs/studies/spatial_losses.md). Importing this module registers ``cals_alm_bands`` in
+``LOSSES``; opt in with ``import cals_seg.contrib.cals_bands`` or ``contrib: [cals_bands]`` in a
+config (a setup file's method entry may carry it).
+
+The module holds, in order: the distance bands of a mask (:func:`distance_bands`,
+:class:`BandMap`, computed by the training data), the penalty with per-band parameters and its
+analytic backward (:func:`band_penalty`), and the loss (:class:`BandCALSALMLoss`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from cals_seg.losses._adaptive import AdaptiveLoss
 from cals_seg.losses._alm import ALMRules, ALMSettings
-from cals_seg.losses._band_penalty import band_penalty
-from cals_seg.losses._bands import BandMap
 from cals_seg.losses._base import as_float32, autocast_off
-from cals_seg.losses._functional import ce_sum, class_sums
+from cals_seg.losses._functional import blocks, ce_sum, class_sums
 from cals_seg.losses._spatial import SpatialLoss
 from cals_seg.losses.margin_rules import MarginSettings, beyond_chance, next_margin
+from cals_seg.losses.penalties import Penalty
 from cals_seg.losses.registry import LOSSES
 from cals_seg.losses.temperature_stats import (
     NUM_BINS,
@@ -34,6 +45,142 @@ from cals_seg.losses.temperature_stats import (
 )
 from cals_seg.metrics.distance import int_thresholds, label_map_bands
 from cals_seg.utils.validation import check_finite
+
+# --------------------------------------------------------------------------------------------
+# The bands of a mask (the training data's extra input), NumPy on the CPU: OpenCV's exact
+# Euclidean distance transform, imported when first used, so that the training bands are
+# computed where the data is loaded, not on the accelerator.
+# --------------------------------------------------------------------------------------------
+
+ExtraInputFn = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
+
+
+def distance_bands(target: np.ndarray, bands: Sequence[float], ignore_index: int,
+                   inside: np.ndarray | None = None) -> np.ndarray:
+    """The band of every pixel: ``b`` with ``edges[b] <= d < edges[b + 1]``, ``edges = [0,
+    *bands, inf]`` and ``d`` the exact Euclidean distance to the nearest boundary pixel of the
+    same image (:func:`cals_seg.metrics.regions.boundary_bands`, with ``inside`` marking the
+    image proper); -1 at void pixels and outside the image. With ``inside=None`` these are
+    exactly the bands of ``BoundaryCalibrationMeter(bands=bands)``.
+
+    Shape:
+        target: ``(N, H, W)`` integer; inside: ``(N, H, W)`` or None; returns ``(N, H, W)``
+        int64.
+    """
+    from cals_seg.metrics.regions import boundary_bands  # OpenCV
+
+    out = boundary_bands(target, bands, ignore_index, inside)
+    out[target == ignore_index] = -1
+    if inside is not None:
+        out[~inside.astype(bool)] = -1
+    return out
+
+
+class BandMap:
+    """The ``band`` map of one augmented mask (a picklable :data:`ExtraInputFn`).
+
+    Args:
+        bands: increasing positive distances in pixels (e.g. ``(3, 8)``).
+        ignore_index: void label.
+    """
+
+    def __init__(self, bands: Sequence[float], ignore_index: int) -> None:
+        self.bands, self.ignore_index = tuple(float(b) for b in bands), ignore_index
+
+    def __call__(self, mask: np.ndarray, inside: np.ndarray | None = None) -> np.ndarray:
+        """``mask (H, W)`` -> ``(H, W)`` int64 band indices (-1: void or padding)."""
+        ins = None if inside is None else inside[None]
+        return distance_bands(np.asarray(mask)[None], self.bands, self.ignore_index, ins)[0]
+
+    def __repr__(self) -> str:
+        return f"BandMap(bands={self.bands}, ignore_index={self.ignore_index})"
+
+
+# --------------------------------------------------------------------------------------------
+# The CALS-ALM penalty with per-band parameters, and its analytic backward. As
+# :func:`cals_seg.losses._functional.class_penalty`, with the margin, the multiplier and the
+# penalty parameter of each position taken from its band ``b(i)``::
+#
+#     z_ik     = d_ik / m_b(i) - 1,        d_ik = max_j l_ij - l_ik
+#     penalty  = (1 / (|V| K)) sum_{i in V} sum_k P(z_ik; rho_b(i)k, lambda_b(i)k)
+#     g_ik     = P'(z_ik) / (|V| K m_b(i))  on valid positions, 0 elsewhere
+#     d penalty / d l_ik = -g_ik + [k == argmax_j l_ij] sum_c g_ic
+#
+# Backward keeps the logits (alive for the cross-entropy), the ``(N, 1, S)`` maxima and the
+# ``(N, S)`` int8 band map; both passes walk the logits in blocks, so every other temporary is
+# block-sized and the only logits-sized allocation is the gradient returned.
+# --------------------------------------------------------------------------------------------
+
+
+def _block_params(band: Tensor, margins: Tensor, lambdas: Tensor, rhos: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """``m (n, 1, s)``, ``lambda (n, K, s)``, ``rho (n, K, s)`` of a block's band map
+    ``(n, s)`` (void positions, band -1, take band 0's values; they are masked out)."""
+    b = band.long().clamp_(min=0)
+    return (margins[b].unsqueeze(1), lambdas[b].permute(0, 2, 1), rhos[b].permute(0, 2, 1))
+
+
+class _BandPenalty(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, band, margins, lambdas, rhos, penalty):  # type: ignore[override]
+        with autocast_off(logits.device):
+            n, k, s = logits.shape
+            maxima = torch.empty((n, 1, s), dtype=logits.dtype, device=logits.device)
+            total = torch.zeros((), dtype=torch.float64, device=logits.device)
+            for im, pos in blocks(logits):
+                x, bb = logits[im, :, pos], band[im, pos]
+                mx = x.amax(dim=1, keepdim=True)
+                maxima[im, :, pos] = mx
+                m, lam, rho = _block_params(bb, margins, lambdas, rhos)
+                z = (mx - x).div_(m).sub_(1.0)
+                values = penalty.value(z, rho, lam)
+                values.masked_fill_((bb < 0).unsqueeze(1), 0.0)
+                total += values.sum(dim=2).sum(dim=0, dtype=torch.float64).sum()
+            denom = (band >= 0).sum().clamp(min=1) * k
+            ctx.save_for_backward(logits, maxima, band, margins, lambdas, rhos)
+            ctx.penalty, ctx.denom = penalty, denom
+            return (total / denom).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        logits, maxima, band, margins, lambdas, rhos = ctx.saved_tensors
+        with autocast_off(logits.device):
+            grad = torch.empty_like(logits)
+            scale = grad_out / ctx.denom
+            for im, pos in blocks(logits):
+                x, mx, bb = logits[im, :, pos], maxima[im, :, pos], band[im, pos]
+                m, lam, rho = _block_params(bb, margins, lambdas, rhos)
+                z = (mx - x).div_(m).sub_(1.0)
+                g = ctx.penalty.derivative(z, rho, lam)
+                # g_ik = P'(z_ik) valid_i grad_out / (|V| K m_b(i)); -g_ik, and the arg-max
+                # class gets sum_c g_ic (shared between tied maxima, as amax's autograd).
+                g = g.mul_(((bb >= 0).to(g.dtype) * -scale).unsqueeze(1) / m)
+                is_max = (x == mx).to(g.dtype)
+                share = g.sum(dim=1, keepdim=True).div_(is_max.sum(dim=1, keepdim=True)).neg_()
+                grad[im, :, pos] = g.addcmul_(is_max, share)
+        return grad, None, None, None, None, None
+
+
+def band_penalty(logits: Tensor, band: Tensor, margins: Tensor, lambdas: Tensor, rhos: Tensor,
+                 penalty: Penalty) -> Tensor:
+    """Mean over valid positions and classes of ``P(z; rho, lambda)`` with per-band parameters
+    (the formulas above), with the analytic backward.
+
+    Args:
+        logits: ``(N, K, S)`` floating point.
+        band: ``(N, S)`` integer band index, -1 on void positions.
+        margins: ``(B,)``; lambdas, rhos: ``(B, K)``; all in the logits' dtype and device.
+        penalty: its ``value`` and ``derivative`` (elementwise, broadcasting).
+
+    Returns:
+        0-dim tensor; 0 with a zero gradient when no position is valid.
+    """
+    return _BandPenalty.apply(logits, band.to(torch.int8), margins, lambdas, rhos, penalty)
+
+
+# --------------------------------------------------------------------------------------------
+# The loss.
+# --------------------------------------------------------------------------------------------
 
 MARGIN_STEERS = ("band", "adjacent", "pooled_gate")
 
@@ -100,6 +247,7 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
 
     loss_name = "cals_alm_bands"
     extra_inputs = ("band",)
+    check_attributes = (*AdaptiveLoss.check_attributes, "_unchecked_bad_bands")
     settings_types = (ALMSettings, MarginSettings)
 
     def __init__(
