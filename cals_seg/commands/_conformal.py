@@ -201,8 +201,14 @@ def load_or_fit_conformal(run: Any, spec: dict[str, Any]) -> Any:
     val, unreadable = validation_split(run)  # without the model; nothing generated
     cs, reason = None, None
     if path.is_file():
-        cs = load_conformal(path, k, f"refit it with {refit}")
-        reason = saved_fit_mismatch(run, spec, mode, cs, val)
+        try:
+            cs = load_conformal(path, k, f"refit it with {refit}")
+        except UserError as err:  # damaged: remade from the validation images when readable
+            if val is None:
+                raise
+            reason = str(err).removeprefix(f"{path}: ").split("; ")[0]
+        else:
+            reason = saved_fit_mismatch(run, spec, mode, cs, val)
         if reason is not None:
             cs = None
     if cs is None:

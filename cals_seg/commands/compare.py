@@ -261,12 +261,18 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
             what = "evaluating it" if given else "adding the new test metrics"
             row["failed"].append((seed, f"{what}: {err}"))
             continue
+        try:  # the run's own files, read (validated) here: a damaged one fails this run only
+            metrics = evaluation if given else Run(run_dir).read_test_metrics()
+            history = Run(run_dir).history()
+        except UserError as err:
+            print(f"FAILED {method}{'' if seed is None else f' seed {seed}'}: {err}",
+                  file=sys.stderr)
+            row["failed"].append((seed, f"reading the run: {err}"))
+            continue
         if evaluation is not None and args.shift:
             row.setdefault("shift", []).append(evaluation)
-        metrics = evaluation if given else Run(run_dir).read_test_metrics()
         row.setdefault("metrics", []).append((run_dir, metrics))
         metric = metrics.get("score_metric") or score_metric(cfg)  # older runs: from the config
-        history = Run(run_dir).history()
         row["summaries"].append(summarise(metrics, metric, history))
         if calibrators and metrics.get("calibrators"):
             row.setdefault("calibrators", []).append(calibrator_rows(metrics, list(calibrators)))
@@ -314,9 +320,8 @@ def eval_seg_metrics(runs: list[Path], folder: Path, args: argparse.Namespace,
     Raises:
         UserError: eval_seg refused or failed (its one-line message is on stderr).
     """
-    import json
-
     from cals_seg.commands import eval_seg
+    from cals_seg.errors import RunFileError
     from cals_seg.runs.run import Run
     from cals_seg.utils.io import write_json
 
@@ -324,17 +329,40 @@ def eval_seg_metrics(runs: list[Path], folder: Path, args: argparse.Namespace,
     argv += ["--ensemble"] if ensemble else []
     request = {"argv": argv, "checkpoints": _stamp(runs)}
     done, metrics = folder / "compare_request.json", Run.eval_metrics(folder)
-    if done.is_file() and metrics.is_file() and json.loads(done.read_text()) == request:
-        print(f"reusing {metrics}", flush=True)
-        return json.loads(metrics.read_text())
+    if saved_json(done) == request and metrics.is_file():
+        try:
+            found = Run.read_eval_metrics(folder)
+        except RunFileError as err:  # damaged: evaluated again
+            print(f"notice: {err.path} {err.problem}; evaluating again.", file=sys.stderr,
+                  flush=True)
+        else:
+            print(f"reusing {metrics}", flush=True)
+            return found
     done.unlink(missing_ok=True)
     print("$ tools/eval_seg.py " + " ".join(argv), flush=True)
     code = eval_seg.main(argv)
     if code not in (0, 1) or not metrics.is_file():  # 1: a calibrator skipped, named
         raise UserError(f"tools/eval_seg.py {' '.join(argv)} exited with status {code} (its "
                         "message is above)")
+    found = Run.read_eval_metrics(folder)
     write_json(done, request)
-    return json.loads(metrics.read_text())
+    return found
+
+
+def saved_json(path: Path) -> dict[str, Any] | None:
+    """What compare saved at ``path`` (a record of what it computed), None when there is none;
+    a damaged one (empty, truncated, not an object) is None too, with a notice: it is computed
+    again."""
+    from cals_seg.errors import RunFileError
+    from cals_seg.utils.io import read_json_file
+
+    if not path.is_file():
+        return None
+    try:
+        return read_json_file(path, "computed again")
+    except RunFileError as err:
+        print(f"notice: {path} {err.problem}; computing it again.", file=sys.stderr, flush=True)
+        return None
 
 
 def conformal_metrics(run_dir: Path, folder: Path, args: argparse.Namespace
@@ -354,8 +382,9 @@ def conformal_metrics(run_dir: Path, folder: Path, args: argparse.Namespace
     calibrations = list(dict.fromkeys([spec["calibrator"], *args.calibrators]))
     key = {c: json.dumps({**spec, "calibrator": c}, sort_keys=True) for c in calibrations}
     path = folder / "conformal.json"
-    saved = json.loads(path.read_text()) if path.is_file() else {}
-    if saved.get("checkpoints") != _stamp([run_dir]):
+    saved = saved_json(path) or {}
+    if saved.get("checkpoints") != _stamp([run_dir]) or not isinstance(saved.get("results"),
+                                                                        dict):
         saved = {"checkpoints": _stamp([run_dir]), "results": {}}
     missing = [c for c in calibrations if key[c] not in saved["results"]]
     if missing:
@@ -415,8 +444,6 @@ def evaluate_ensembles(args: argparse.Namespace, rows: dict[str, dict[str, Any]]
     """``{"<row> ensemble": {"metrics", "cost", "members"}}``: for each trained segmentation
     row with two seeds or more, tools/eval_seg.py RUN... --ensemble (clean, --calibrators and
     --shift as for its runs) into ``OUT/eval/<row>/ensemble`` and :func:`ensemble_cost`."""
-    import json
-
     from cals_seg.runs.run import Run
     from cals_seg.tasks import task_family
     from cals_seg.utils.io import write_json
@@ -439,7 +466,7 @@ def evaluate_ensembles(args: argparse.Namespace, rows: dict[str, dict[str, Any]]
             print(f"FAILED {name} ensemble: {err}", file=sys.stderr)
             continue
         path, stamp = folder / "cost.json", _stamp(members)
-        cost = json.loads(path.read_text()) if path.is_file() else {}
+        cost = saved_json(path) or {}
         if cost.get("checkpoints") != stamp:
             cost = {**ensemble_cost(members), "checkpoints": stamp}
             write_json(path, cost)
@@ -529,15 +556,18 @@ def write_reference_out(args: argparse.Namespace, rows: dict[str, dict[str, Any]
     (relative to the working folder when inside it), naming this command."""
     import shlex
 
-    from cals_seg.training.study import reference_entry, write_reference
+    from cals_seg.runs.run import Run
+    from cals_seg.training.study import precision_words, reference_entry, write_reference
 
     config = args.configs[0]
     try:
         setup = config.resolve().relative_to(Path.cwd().resolve()).as_posix()
     except ValueError:
         setup = config.as_posix()
-    precision = next((m.get("precision") for row in rows.values()
-                      for _, m in row.get("metrics", [])[:1]), None)
+    first = next(((Path(d), m) for row in rows.values() for d, m in row.get("metrics", [])[:1]),
+                 None)
+    precision = precision_words(Run(first[0]).precision(), first[1].get("precision")) \
+        if first else None
     command = "python tools/compare.py " + shlex.join(args.argv)
     write_reference(args.reference_out, setup, reference_entry(
         rows, list(args.calibrators), command=command, seeds=args.seeds, precision=precision))

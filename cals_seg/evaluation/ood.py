@@ -147,8 +147,9 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
         None.
 
     Raises:
-        UserError: a file that is not a valid reference (:func:`read_entropy`), one fitted
-            for something else while the validation images cannot be read to recompute it, or
+        UserError: a file that is not a valid reference (:func:`read_entropy`) or one fitted
+            for something else, while the validation images cannot be read to recompute it (a
+            damaged file is recomputed, with a notice, when they can), or
             validation images whose mean entropy is not finite.
     """
     how = f"calibrator-{calibrator_name}" if calibrator_name else f"T{temperature:.4f}"
@@ -158,12 +159,18 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
            "give --no-ood-check")
     val_ids = None if val is None else getattr(val, "ids", None) or list(range(len(val)))
     if path.is_file():
-        info = read_entropy(path, fix)
-        wanted = entropy_record(run, how, cal_file, QUANTILE, val_ids)
-        # without the data the ids cannot be checked: taken as saved
-        reason = record_mismatch(info["fitted_for"], wanted, ("ids",) if val is None else ())
-        if reason is None:
-            return info
+        try:
+            info = read_entropy(path, fix)
+        except UserError as err:  # damaged: recomputed from the validation images when readable
+            if val is None:
+                raise
+            reason = str(err).removeprefix(f"{path}: ").split("; ")[0]
+        else:
+            wanted = entropy_record(run, how, cal_file, QUANTILE, val_ids)
+            # without the data the ids cannot be checked: taken as saved
+            reason = record_mismatch(info["fitted_for"], wanted, ("ids",) if val is None else ())
+            if reason is None:
+                return info
         if val is None:
             raise UserError(f"{path}: {reason}, and the validation images cannot be read to "
                             f"recompute it ({unreadable}); {fix}.")
