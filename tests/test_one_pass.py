@@ -44,9 +44,16 @@ def _numbers(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k not in ("network_passes", "calibrator_fits")}
 
 
-def test_each_distinct_input_goes_through_the_network_once(run, tmp_path):
-    cached = _evaluate(run, tmp_path / "cached")
-    calls = dict(SEEN)
+@pytest.fixture(scope="module")
+def cached_evaluation(run, tmp_path_factory) -> tuple[dict, dict]:
+    """``metrics.json`` of the evaluation with every option and the logit cache on, and the
+    network calls of each distinct input image during it (shared by the two tests below)."""
+    metrics = _evaluate(run, tmp_path_factory.mktemp("cached"))
+    return metrics, dict(SEEN)
+
+
+def test_each_distinct_input_goes_through_the_network_once(run, cached_evaluation, tmp_path):
+    cached, calls = cached_evaluation
     assert calls and max(calls.values()) == 1, Counter(calls.values())
     passes = cached["network_passes"]
     assert passes["forwarded"] == len(calls) and passes["recomputed"] == 0
@@ -108,7 +115,7 @@ def test_digest_tells_images_apart():
     assert isinstance(LogitCache().stats, dict)
 
 
-def test_the_consumers_of_the_test_pass_equal_their_own_passes(run, tmp_path):
+def test_the_consumers_of_the_test_pass_equal_their_own_passes(run, cached_evaluation):
     """The conformal sets and the clean entropy statistics measured inside the one test pass
     equal the same measured in a pass of their own (as eval_seg measured them before the
     engine): every number of ``metrics.json["conformal"]`` and the flag's clean rate."""
@@ -119,7 +126,7 @@ def test_the_consumers_of_the_test_pass_equal_their_own_passes(run, tmp_path):
     from cals_seg.evaluation.stream import evaluate
     from cals_seg.runs.run import load_run
 
-    metrics = _evaluate(run, tmp_path / "one")
+    metrics, _ = cached_evaluation
     loaded = load_run(run, with_data=True, trust_code=True)
     spec = parse_conformal(OPTIONS[OPTIONS.index("--conformal") + 1:OPTIONS.index("--shift")])
     task = loaded.task
