@@ -208,6 +208,180 @@ def class_penalty(
     return _ClassPenalty.apply(logits, valid, margin, value_fn, grad_fn)
 
 
+# ---------------------------------------------------------------- CE and penalty in one pass
+# The criterion ``CE + penalty`` of CALS-ALM / CALS-HR shares the reductions over the classes of
+# each position: with ``t_ik = l_ik - max_j l_ij`` (<= 0, exactly 0 at the maxima),
+#
+#     CE_i    = log sum_k exp(t_ik) - t_iy
+#     z_ik    = -t_ik / m - 1
+#     d loss / d l_ik = (p_ik - [k == y_i]) / |V|  +  (-g_ik + [t_ik == 0] sum_c g_ic / T_i)
+#
+# on valid positions (0 elsewhere), with ``p = softmax(l)``, ``g_ik = f'(z_ik) / (|V| K m)`` (the
+# derivative of ``f_k / (|V| K)`` in the distance ``d_ik = -t_ik``) and ``T_i`` the number of
+# tied maxima (autograd of ``amax`` shares the gradient between them).
+# Eager, one walk over the logits in blocks computes the value and writes the gradient (every
+# temporary is block-sized; the gradient is the only logits-sized allocation), and backward
+# scales it in place by the incoming gradient. Compiled, forward reduces over the classes of
+# each position and keeps per-position maps, and backward is one pointwise loop (inductor fuses
+# each into loops over the positions with the K classes inside).
+
+GapTerms = Callable[[Tensor], tuple[Tensor, Tensor]]
+"""A penalty as a function of the gaps: ``t (n, K, s) = l - max_j l_j`` (<= 0; may be
+overwritten) -> ``(f'(z) / m, sum_k f(z_k))`` with ``z = -t / m - 1``: the derivative in the
+distance ``d = -t`` ``(n, K, s)`` (it may live in ``t``'s storage) and the per-position value
+``(n, 1, s)``."""
+
+
+def constraint_of_gap(t: Tensor, margin: float | Tensor) -> Tensor:
+    """``z = -t / m - 1`` in place in ``t`` (a 0-dim tensor margin is allowed)."""
+    if torch.is_tensor(margin):
+        return t.div_(margin).neg_().sub_(1.0)
+    return t.mul_(-1.0 / margin).sub_(1.0)
+
+
+def elementwise_gap_terms(value_fn: ElementFn, grad_fn: ElementFn,
+                          margin: float | Tensor) -> GapTerms:
+    """:data:`GapTerms` of an elementwise ``f`` and ``f'`` of ``z`` (as :func:`class_penalty`
+    takes them; each may work in place)."""
+
+    def terms(t: Tensor) -> tuple[Tensor, Tensor]:
+        z = constraint_of_gap(t, margin)
+        values = value_fn(z.clone()).sum(dim=1, keepdim=True)
+        grad = grad_fn(z)
+        return (grad.div_(margin) if torch.is_tensor(margin) else grad.mul_(1.0 / margin)), values
+
+    return terms
+
+
+def hinge_gap_terms(weight: Tensor, margin: float | Tensor) -> GapTerms:
+    """:data:`GapTerms` of the hinge ``f_k(z) = w_k m relu(z) = w_k relu(d - m)`` (CALS-HR, per
+    class ``weight (1, K, 1)``): ``f'_k(z) / m = w_k [z > 0]``, and ``f = (f' / m) m z``."""
+
+    def terms(t: Tensor) -> tuple[Tensor, Tensor]:
+        z = constraint_of_gap(t, margin)
+        grad = torch.gt(z, 0.0).to(z.dtype).mul_(weight)
+        return grad, (grad * z).sum(dim=1, keepdim=True).mul_(margin)
+
+    return terms
+
+
+class _CEPenalty(torch.autograd.Function):
+    # Both passes run with autocast off (see _ClassPenalty).
+    @staticmethod
+    def forward(ctx, logits, target, valid, terms):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        with autocast_off(logits.device):
+            if torch.compiler.is_compiling():
+                ce, pen = _compiled_ce_penalty(ctx, logits, target, valid, terms)
+            else:
+                ce, pen = _blocked_ce_penalty(ctx, logits, target, valid, terms)
+        ctx.mark_non_differentiable(ce, pen)
+        return (ce + pen).to(logits.dtype), ce.to(logits.dtype), pen.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out, _ce, _pen):  # type: ignore[override]
+        if grad_out is None:
+            return None, None, None, None
+        if torch.compiler.is_compiling():
+            return _compiled_ce_penalty_backward(ctx, grad_out), None, None, None
+        # The gradient written by forward, scaled in place: no second logits-sized tensor. A
+        # second backward through the same graph (retain_graph) raises: the saved gradient was
+        # modified (autograd's version check), it is never reused silently.
+        (grad,) = ctx.saved_tensors
+        with autocast_off(grad.device):
+            return grad.mul_(grad_out), None, None, None
+
+
+def _blocked_ce_penalty(ctx, logits: Tensor, target: Tensor, valid: Tensor,
+                        terms: GapTerms) -> tuple[Tensor, Tensor]:
+    k = logits.shape[1]
+    inv = 1.0 / valid.sum().clamp(min=1).to(logits.dtype)  # 1 / |V|
+    grad = torch.empty_like(logits)
+    ce = torch.zeros((), dtype=torch.float64, device=logits.device)
+    pen = torch.zeros((), dtype=torch.float64, device=logits.device)
+    gaps = ties = None  # block buffers, reused
+    for im, pos in blocks(logits):
+        x, g = logits[im, :, pos], grad[im, :, pos]
+        keep = valid[im, pos].unsqueeze(1)  # (n, 1, s)
+        y = target[im, pos].clamp(0, k - 1).unsqueeze(1)  # void positions: any class
+        if gaps is None or gaps.numel() < x.numel():
+            gaps, ties = torch.empty(2, x.numel(), dtype=x.dtype, device=x.device)
+        t = torch.sub(x, x.amax(dim=1, keepdim=True), out=gaps[: x.numel()].view(x.shape))
+        at_max = torch.eq(t, 0.0, out=ties[: x.numel()].view(x.shape))  # 1.0 at the maxima
+        t_y = t.gather(1, y)
+        torch.exp(t, out=g)
+        norm = g.sum(dim=1, keepdim=True)  # sum_k exp(t_k)
+        ce += (norm.log() - t_y).masked_fill_(~keep, 0.0).sum(dtype=torch.float64)
+        grad_f, values = terms(t)
+        pen += values.masked_fill_(~keep, 0.0).sum(dtype=torch.float64)
+        # softmax / |V| on valid positions, then the one-hot and the penalty's gradient
+        scale = keep.to(x.dtype) * inv
+        g.mul_(scale / norm)
+        g.scatter_add_(1, y, -scale)
+        share = grad_f.sum(dim=1, keepdim=True).div_(at_max.sum(dim=1, keepdim=True))
+        grad_f.addcmul_(at_max, share.neg_())  # f' - [max] sum_c f' / T
+        g.addcmul_(grad_f, scale.mul_(-1.0 / k))
+    ctx.save_for_backward(grad)
+    return ce * inv, pen * (inv / k)
+
+
+def _compiled_ce_penalty(ctx, logits: Tensor, target: Tensor, valid: Tensor,
+                         terms: GapTerms) -> tuple[Tensor, Tensor]:
+    # The whole tensor at once (no blocks, no gradient): reductions over the classes of each
+    # position, in one loop per position; backward recomputes the gradient from the logits and
+    # per-position maps.
+    k = logits.shape[1]
+    inv = 1.0 / valid.sum().clamp(min=1).to(logits.dtype)
+    target = target.clamp(0, k - 1)  # void positions: any class (their weight is 0)
+    maxima = logits.amax(dim=1, keepdim=True)
+    t = logits - maxima
+    log_norm = t.exp().sum(dim=1, keepdim=True).log()
+    t_y = t.gather(1, target.unsqueeze(1))
+    ce = (log_norm - t_y).squeeze(1).masked_fill(~valid, 0.0).sum(dtype=torch.float64)
+    grad_f, values = terms(logits - maxima)
+    pen = values.squeeze(1).masked_fill(~valid, 0.0).sum(dtype=torch.float64)
+    ties = (t == 0).to(t.dtype).sum(dim=1, keepdim=True)
+    share = grad_f.sum(dim=1, keepdim=True) / ties
+    # A forward output depends on share (times 0): so AOTAutograd computes it here, in the loop
+    # that has the position's logits in cache, and saves it, instead of a second reduction
+    # over the logits in backward.
+    pen = pen + 0.0 * share.sum(dtype=torch.float64)
+    ctx.save_for_backward(logits, target, valid, inv, maxima, log_norm, share)
+    ctx.terms = terms
+    return ce * inv, pen * (inv / k)
+
+
+def _compiled_ce_penalty_backward(ctx, grad_out: Tensor) -> Tensor:
+    logits, target, valid, inv, maxima, log_norm, share = ctx.saved_tensors
+    k = logits.shape[1]
+    t = logits - maxima
+    grad_f, _ = ctx.terms(logits - maxima)
+    one_hot = torch.arange(k, device=logits.device).view(1, k, 1) == target.unsqueeze(1)
+    scale = valid.unsqueeze(1).to(t.dtype) * (inv * grad_out)
+    pen = grad_f - torch.where(t == 0, share, 0.0)
+    return ((t - log_norm).exp() - one_hot.to(t.dtype)) * scale - pen * (scale * (1 / k))
+
+
+def ce_penalty(logits: Tensor, target: Tensor, valid: Tensor,
+               terms: GapTerms) -> tuple[Tensor, Tensor, Tensor]:
+    """``CE + penalty`` of CALS-ALM / CALS-HR in one walk over the logits (formulas above).
+
+    Args:
+        logits: ``(N, K, S)`` floating point.
+        target: ``(N, S)`` class indices; void positions (``valid`` False) may hold anything.
+        valid: ``(N, S)`` bool.
+        terms: the penalty as a function of the gaps (:data:`GapTerms`), e.g.
+            :meth:`cals_seg.losses.penalties.Penalty.gap_terms` or :func:`hinge_gap_terms`.
+
+    Returns:
+        ``(loss, ce, penalty)``, 0-dim in the logits' dtype: ``loss = ce + penalty`` carries the
+        gradient (``ce = (1/|V|) sum_{i in V} CE_i`` and ``penalty = (1/(|V| K)) sum_{i in V}
+        sum_k f(z_ik)``, not differentiable, are for logging). 0 with a zero gradient when no
+        position is valid.
+    """
+    return _CEPenalty.apply(logits, target, valid, terms)
+
+
 def ce_sum(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
     """Summed cross-entropy over valid positions (``logits (N, K, S)``, ``target (N, S)``)."""
     return torch.nn.functional.cross_entropy(

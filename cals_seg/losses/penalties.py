@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cals_seg.losses._functional import GapTerms, elementwise_gap_terms
+
 PenaltyFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
@@ -34,6 +36,24 @@ def phr(z: Tensor, rho: Tensor, lam: Tensor) -> Tensor:
 def phr_grad(z: Tensor, rho: Tensor, lam: Tensor) -> Tensor:
     """PHR derivative ``max(0, lambda + rho z)``, computed in place in ``z``."""
     return z.mul_(rho).add_(lam).clamp_(min=0.0)
+
+
+def phr_gap_terms(rho: Tensor, lam: Tensor, margin: float | Tensor) -> GapTerms:
+    """PHR as a function of the gaps ``t = l - max_j l_j`` (``z = -t / m - 1``), for
+    :func:`cals_seg.losses._functional.ce_penalty`: the derivative in the distance is affine in
+    ``t`` before the clamp, ``P'(z) / m = max(0, (lambda - rho) / m - (rho / m^2) t)``, and the
+    value follows from it, ``P = (P'^2 - lambda^2) / (2 rho)`` (both branches): three passes
+    over a block for ``P'``, three for ``sum_k P``."""
+    inv_m = margin.reciprocal() if torch.is_tensor(margin) else 1.0 / margin
+    a, b = (lam - rho) * inv_m, rho * (-inv_m * inv_m)
+    weight = rho.reciprocal() * (0.5 / (inv_m * inv_m))
+    floor = (lam * lam * 0.5 / rho).sum()  # sum_k lambda_k^2 / (2 rho_k)
+
+    def terms(t: Tensor) -> tuple[Tensor, Tensor]:
+        grad = t.mul_(b).add_(a).clamp_(min=0.0)
+        return grad, (grad * weight).mul_(grad).sum(dim=1, keepdim=True).sub_(floor)
+
+    return terms
 
 
 def _split(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -80,6 +100,16 @@ class Penalty:
     name: str
     value: PenaltyFn
     derivative: PenaltyFn
+    of_gaps: Callable[[Tensor, Tensor, float | Tensor], GapTerms] | None = None
+
+    def gap_terms(self, rho: Tensor, lam: Tensor, margin: float | Tensor) -> GapTerms:
+        """The penalty with per-class ``rho``, ``lam (1, K, 1)`` and margin ``m`` as a function
+        of the gaps (:data:`cals_seg.losses._functional.GapTerms`): :attr:`of_gaps` where the
+        penalty has one (PHR), else from :attr:`value` and :attr:`derivative`."""
+        if self.of_gaps is not None:
+            return self.of_gaps(rho, lam, margin)
+        return elementwise_gap_terms(lambda z: self.value(z, rho, lam),
+                                     lambda z: self.derivative(z, rho, lam), margin)
 
 
 def _autograd_derivative(value: PenaltyFn) -> PenaltyFn:
@@ -95,7 +125,7 @@ def _autograd_derivative(value: PenaltyFn) -> PenaltyFn:
 
 
 PENALTIES: dict[str, Penalty] = {
-    "phr": Penalty("phr", phr, phr_grad),
+    "phr": Penalty("phr", phr, phr_grad, phr_gap_terms),
     "p2": Penalty("p2", p2, p2_grad),
     "p3": Penalty("p3", p3, p3_grad),
 }
