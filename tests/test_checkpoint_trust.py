@@ -15,27 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
-from cals_seg.config.schema import load_config
-from cals_seg.tasks import build_task
-from cals_seg.training.engine import seed_everything
-from cals_seg.training.trainer import fit
 from cals_seg.utils.io import UntrustedCheckpointError, load_checkpoint, rng_state, set_rng_state
 
-from .conftest import load_tool
+from .conftest import TRAINED_NAME, copy_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
-RUN_NAME = "synthetic_deeplabv3_ce_seed0"  # the name tools/compare.py gives seed 0 of ce
-
-
-def _tiny_sets(tmp: Path) -> list[str]:
-    return [
-        f"data.root={tmp / 'synthetic'}", "data.synthetic={num_train: 8, num_test: 4, "
-        "image_size: 32}", "data.crop_size=32",
-        "model.params={encoder_output_stride: 16, decoder_channels: 16}",
-        "train.batch_size=4", "eval.batch_size=4", "train.threads=1", "train.progress=false",
-        "train.epochs=1", "eval.temperature_scaling=false", "eval.num_maps=0",
-    ]
+RUN_NAME = TRAINED_NAME  # the name tools/compare.py gives seed 0 of ce
 
 
 class Payload:
@@ -48,24 +34,12 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 1-epoch CE run named as tools/compare.py names seed 0 (checkpoint_last.pt
-    kept), and the tiny settings it was trained with."""
-    tmp = tmp_path_factory.mktemp("trust")
-    sets = _tiny_sets(tmp)
-    cfg = load_config(SETUP, [*sets, f"name={RUN_NAME}", f"output_dir={tmp / 'runs'}",
-                              "train.seed=0"], "ce")
-    seed_everything(cfg.train.seed)
-    fit(cfg, build_task(cfg))
-    return tmp, cfg.run_dir, sets
-
-
-def _poisoned_copy(finished, where: Path) -> tuple[Path, Path]:
-    """A copy of the finished run whose two checkpoints would run code; and the marker file
-    that code creates."""
-    _, run, _ = finished
-    shutil.copytree(run, where)
+def _poisoned_copy(trained_run, where: Path) -> tuple[Path, Path]:
+    """A copy of the session's finished run (1 epoch of CE named as tools/compare.py names seed
+    0, checkpoint_last.pt kept) whose two checkpoints would run code; and the marker file that
+    code creates."""
+    run = trained_run.folder
+    copy_run(run, where.parent, where.name)
     marker = where.parent / f"{where.name}_MARKER"
     for name in ("checkpoint_best.pt", "checkpoint_last.pt"):
         state = torch.load(run / name, weights_only=True)
@@ -107,10 +81,10 @@ COMMANDS = ["predict_seg", "eval_seg", "train_seg --resume", "margin gaps", "com
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_a_checkpoint_that_would_run_code_is_refused(command, finished, tmp_path, capsys):
+def test_a_checkpoint_that_would_run_code_is_refused(command, trained_run, tmp_path, capsys):
     where = tmp_path / "out" / "runs" / RUN_NAME
-    run, marker = _poisoned_copy(finished, where)
-    tool, argv = _argv(command, run, tmp_path, finished[2])
+    run, marker = _poisoned_copy(trained_run, where)
+    tool, argv = _argv(command, run, tmp_path, trained_run.sets)
     capsys.readouterr()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -124,16 +98,16 @@ def test_a_checkpoint_that_would_run_code_is_refused(command, finished, tmp_path
     assert f"{RUN_NAME}/checkpoint_" in last
 
 
-def test_library_load_refuses_it_too(finished, tmp_path):
-    run, marker = _poisoned_copy(finished, tmp_path / "lib")
+def test_library_load_refuses_it_too(trained_run, tmp_path):
+    run, marker = _poisoned_copy(trained_run, tmp_path / "lib")
     with pytest.raises(UntrustedCheckpointError, match=r"os\.system|posix\.system"):
         load_checkpoint(run / "checkpoint_best.pt")
     assert not marker.exists()
 
 
-def test_checkpoint_holds_only_safe_types(finished):
+def test_checkpoint_holds_only_safe_types(trained_run):
     """What the trainer writes reads back with torch.load(weights_only=True) as it is."""
-    _, run, _ = finished
+    run = trained_run.folder
     state = torch.load(run / "checkpoint_last.pt", weights_only=True)
     assert set(state) >= {"model", "optimizer", "scheduler", "criterion", "rng", "config",
                           "epoch"}
@@ -163,10 +137,10 @@ def _legacy(path: Path) -> None:
     torch.save(state, path)
 
 
-def test_an_earlier_versions_checkpoint_loads_safely_and_resumes(finished, tmp_path):
+def test_an_earlier_versions_checkpoint_loads_safely_and_resumes(trained_run, tmp_path):
     """Its only non-plain content (a uint32 array) is allowed, and nothing else: the resume from
     it draws the same random numbers as from the current form."""
-    _, run, _ = finished
+    run = trained_run.folder
     current = load_checkpoint(run / "checkpoint_last.pt")
     old = tmp_path / "old.pt"
     shutil.copyfile(run / "checkpoint_last.pt", old)
@@ -182,10 +156,10 @@ def test_an_earlier_versions_checkpoint_loads_safely_and_resumes(finished, tmp_p
     assert np.array_equal(*draws)
 
 
-def test_convert_checkpoint_needs_trust_and_then_writes_a_safe_file(finished, tmp_path, capsys):
+def test_convert_checkpoint_needs_trust_and_then_writes_a_safe_file(trained_run, tmp_path, capsys):
     """A checkpoint holding a NumPy scalar (written by other code): refused by the loader,
     converted with --trust, then loaded safely with the same content."""
-    _, run, _ = finished
+    run = trained_run.folder
     path = tmp_path / "other.pt"
     state = torch.load(run / "checkpoint_best.pt", weights_only=True)
     state["score"] = np.float64(0.5)
