@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from cals_seg.calibrators.boundary_ts import predicted_bands
-from cals_seg.metrics.distance import boundary_mask, label_map_bands, squared_distance_below
+from cals_seg.metrics.distance import boundary_mask, capped_squared_distance, label_map_bands
 from cals_seg.metrics.regions import boundary_bands, boundary_pixels
 
 ndimage = pytest.importorskip("scipy.ndimage")
@@ -44,7 +44,7 @@ def test_squared_distance_matches_scipy(seed, shape, k, cell):
     ref = _ref_squared(b.numpy())
     h, w = shape[1:]
     for limit in (1, 9, 64, 65, 200, h * h + w * w + 1):
-        got = squared_distance_below(b, limit).numpy()
+        got = capped_squared_distance(b, limit).numpy()
         assert np.array_equal(got, np.minimum(ref, limit)), limit
 
 

@@ -40,7 +40,6 @@ LABEL_TO_TRAIN: dict[int, int] = {
     7: 0, 8: 1, 11: 2, 12: 3, 13: 4, 17: 5, 19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11,
     25: 12, 26: 13, 27: 14, 28: 15, 31: 16, 32: 17, 33: 18,
 }  # fmt: skip
-LABEL_IDS: tuple[int, ...] = tuple(range(-1, 34))  # -1 is the license plate
 IMAGE_SUFFIX = "_leftImg8bit.png"
 LABEL_SUFFIX = "_gtFine_labelIds.png"
 TRAIN_ID_SUFFIX = "_gtFine_labelTrainIds.png"

@@ -95,11 +95,6 @@ def mean_weights(kernel_size: int = 3) -> list[list[float]]:
     return [[1.0] * kernel_size for _ in range(kernel_size)]
 
 
-def mean_kernel(kernel_size: int = 3) -> Tensor:
-    """The NACL / CRaC window: every offset weight 1 (``q`` = label proportions)."""
-    return torch.ones((kernel_size, kernel_size), dtype=torch.float64)
-
-
 def padded_labels(target: Tensor, valid: Tensor, num_classes: int, pad: int,
                   padding: str) -> Tensor:
     """``(N, H + 2 pad, W + 2 pad)`` int64 labels with void set to ``num_classes`` and the

@@ -23,8 +23,6 @@ from cals_seg.metrics.functional import sum_over_ranks
 from cals_seg.metrics.regions import boundary_bands, component_areas
 from cals_seg.utils.validation import check_ignore_index, check_int
 
-_STATS = ("count", "covered", "size", "multi")
-
 
 class PredictionSetMeter(nn.Module):
     """Empirical risk, coverage and set size of prediction sets, by region.
@@ -188,8 +186,3 @@ class PredictionSetMeter(nn.Module):
         out["risk_group"] = [r / m if m else None
                              for r, m in zip(s["group_risk"].tolist(), gi, strict=True)]
         return out
-
-
-def set_size_map(sets: Tensor) -> Tensor:
-    """Classes in each pixel's set: ``(N, K, H, W)`` bool -> ``(N, H, W)`` int64."""
-    return sets.sum(dim=1)

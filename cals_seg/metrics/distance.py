@@ -96,18 +96,6 @@ def capped_squared_distance(boundary: Tensor, limit: int) -> Tensor:
     return out.clamp_(max=limit)
 
 
-def squared_distance_below(boundary: Tensor, limit: int) -> Tensor:
-    """Exact squared Euclidean distance ``D`` (pixels^2) of every pixel to the nearest boundary
-    pixel of its image where ``D < limit``, and ``limit`` elsewhere (``min(D, limit)``; an
-    image without boundary pixels is ``limit`` everywhere): :func:`capped_squared_distance`
-    as int32.
-
-    Shape:
-        - boundary: ``(N, H, W)`` bool; returns ``(N, H, W)`` int32.
-    """
-    return capped_squared_distance(boundary, limit).to(torch.int32)
-
-
 def int_thresholds(bands: Sequence[float]) -> tuple[int, ...]:
     """Integer thresholds on squared distances, ``d < b  <=>  d^2 < ceil(b^2)`` with ``ceil`` of
     the exact rational ``b^2`` (the region meters' :func:`cals_seg.metrics.regions.band_thresholds`

@@ -59,7 +59,6 @@ from cals_seg.models._weights import (  # noqa: F401 (the weights half of this m
 )
 from cals_seg.models.consent import check_consent, is_known_builder, known_library
 
-LIBRARIES = ("torchvision", "smp", "transformers")
 # Short names of Transformers segmentation classes.
 TRANSFORMERS_ALIASES = {"segformer": "SegformerForSemanticSegmentation"}
 FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -359,6 +358,6 @@ def build_external_model(factory: str, num_classes: int, *,
                              align_corners)
 
 
-__all__ = ["ExternalSegmenter", "LIBRARIES", "OutputShapeError", "build_external_model",
+__all__ = ["ExternalSegmenter", "OutputShapeError", "build_external_model",
            "build_network", "load_weights_file", "logits_of", "map_keys", "read_state_dict",
            "resolve_factory", "split_factory", "suggest_key_map"]
