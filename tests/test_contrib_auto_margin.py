@@ -16,11 +16,14 @@ from cals_seg.contrib.auto_margin import (
     REASONS,
     AutoMargin,
     balanced_skill,
+    beyond_chance,
     evidence_step,
+    next_margin,
+    skill_above_chance,
     still_learning,
 )
 from cals_seg.losses import CALSALMLoss, CALSHRLoss, MbLSLoss, build_loss
-from cals_seg.losses.margin_rules import beyond_chance, margin_rule_of, next_margin
+from cals_seg.losses.margin_rules import margin_rule_of
 from cals_seg.losses.temperature_stats import (
     BIN_WIDTH,
     NUM_BINS,
@@ -326,6 +329,27 @@ def _chance_overconfident(k: int, n_per_class: int, gap: float, seed: int = 0):
     return logits, target
 
 
+def test_skill_above_chance_by_hand():
+    # 1000 positions, 600 of class 0 (the majority): chance 0.6; 700 correct: accuracy 0.7.
+    counts = torch.tensor([600.0, 300.0, 100.0], dtype=torch.float64)
+    skill, excess, noise = skill_above_chance(700.0, counts)
+    assert skill == pytest.approx(0.1 / 0.4, rel=1e-12)
+    assert excess == pytest.approx(0.1, rel=1e-12)
+    assert noise == pytest.approx(3 * math.sqrt(0.6 * 0.4 / 1000), rel=1e-12)
+    assert beyond_chance(700.0, counts, 0.1) == (True, pytest.approx(0.25))
+    assert beyond_chance(700.0, counts, 0.3)[0] is False  # skill 0.25 < 0.3
+    # Predicting the majority class everywhere: accuracy = chance, skill 0.
+    assert beyond_chance(600.0, counts, 0.0)[0] is False
+    # Skill 0.2 on 20 positions is within the binomial noise of chance (3 sd = 0.33).
+    few = torch.tensor([10.0, 10.0], dtype=torch.float64)
+    assert skill_above_chance(12.0, few)[0] == pytest.approx(0.2)
+    assert beyond_chance(12.0, few, 0.1)[0] is False
+    # One class only: nothing to learn above chance.
+    assert beyond_chance(5.0, torch.tensor([5.0, 0.0], dtype=torch.float64), 0.0) == (False, 0.0)
+    with pytest.raises(ValueError, match="no validation position"):
+        skill_above_chance(0.0, torch.zeros(3, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("cls", [CALSALMLoss, CALSHRLoss])
 def test_chance_level_overconfident_network_keeps_the_margin(cls):
     # The histogram issue 29 saw after the first epoch: accuracy ~ 1/K at confidence 0.98. The
@@ -448,6 +472,17 @@ def test_margin_walk_stays_in_bounds_and_rate():
     assert all(1.0 <= m <= 20.0 for m in margins)
     assert len(set(margins)) > 5
     assert {"still learning", "over-confident", "under-confident"} <= reasons
+
+
+def test_next_margin_by_hand():
+    # target inside the rate, below it, above it, and the ceiling G below the margin.
+    assert next_margin(10.0, 1.1, 40.0, 1.0, 20.0, 1.25) == pytest.approx(10.0 / 1.1)
+    assert next_margin(10.0, 16.0, 40.0, 1.0, 20.0, 1.25) == 8.0
+    assert next_margin(10.0, 1 / 16, 40.0, 1.0, 20.0, 1.25) == 12.5
+    assert next_margin(10.0, 0.5, 11.0, 1.0, 20.0, 1.25) == 11.0
+    assert next_margin(10.0, 1.0, 3.0, 1.0, 20.0, 1.25) == 8.0  # towards G at the rate
+    assert next_margin(10.0, 16.0, 40.0, 1.0, 20.0, math.inf) == 1.0  # no rate: the old rule
+    assert next_margin(1.1, 16.0, 40.0, 1.0, 20.0, 1.25) == 1.0  # margin_min
 
 
 def _z_mean(logits, target, margin, k):

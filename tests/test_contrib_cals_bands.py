@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cals_seg.contrib.auto_margin import beyond_chance, next_margin
 from cals_seg.contrib.cals_bands import BandCALSALMLoss, BandMap, band_penalty, distance_bands
 from cals_seg.data.extra_inputs import request_extra_inputs
 from cals_seg.data.transforms import train_transform
 from cals_seg.losses import CALSALMLoss, build_loss, get_penalty
-from cals_seg.losses.margin_rules import MARGIN_RATE, MARGIN_SKILL, beyond_chance, next_margin
+from cals_seg.losses.margin_rules import MARGIN_RATE, MARGIN_SKILL
 from cals_seg.losses.temperature_stats import (
     NUM_BINS,
     class_counts,

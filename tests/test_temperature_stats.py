@@ -1,7 +1,6 @@
 """The validation temperature (cals_seg.losses.temperature_stats): its statistics against float64
-loops, the temperature solve by hand, the image-level interval; the under-confidence hint it
-feeds after training and evaluation (cals_seg.evaluation.confidence_regime); and the per-band
-margin step of cals_alm_bands with its chance gate (cals_seg.losses.margin_rules). The
+loops, the temperature solve by hand, the image-level interval; and the under-confidence hint
+it feeds after training and evaluation (cals_seg.evaluation.confidence_regime). The
 ``margin: auto`` rule built on them is tested in test_contrib_auto_margin.py."""
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import statistics
 import pytest
 import torch
 
-from cals_seg.losses.margin_rules import beyond_chance, next_margin, skill_above_chance
 from cals_seg.losses.temperature_stats import (
     BIN_WIDTH,
     IMAGE_SUM_KEYS,
@@ -110,27 +108,6 @@ def test_solve_temperature_by_hand():
         solve_temperature(torch.zeros(NUM_BINS, dtype=torch.float64), 0.0, K)
 
 
-def test_skill_above_chance_by_hand():
-    # 1000 positions, 600 of class 0 (the majority): chance 0.6; 700 correct: accuracy 0.7.
-    counts = torch.tensor([600.0, 300.0, 100.0], dtype=torch.float64)
-    skill, excess, noise = skill_above_chance(700.0, counts)
-    assert skill == pytest.approx(0.1 / 0.4, rel=1e-12)
-    assert excess == pytest.approx(0.1, rel=1e-12)
-    assert noise == pytest.approx(3 * math.sqrt(0.6 * 0.4 / 1000), rel=1e-12)
-    assert beyond_chance(700.0, counts, 0.1) == (True, pytest.approx(0.25))
-    assert beyond_chance(700.0, counts, 0.3)[0] is False  # skill 0.25 < 0.3
-    # Predicting the majority class everywhere: accuracy = chance, skill 0.
-    assert beyond_chance(600.0, counts, 0.0)[0] is False
-    # Skill 0.2 on 20 positions is within the binomial noise of chance (3 sd = 0.33).
-    few = torch.tensor([10.0, 10.0], dtype=torch.float64)
-    assert skill_above_chance(12.0, few)[0] == pytest.approx(0.2)
-    assert beyond_chance(12.0, few, 0.1)[0] is False
-    # One class only: nothing to learn above chance.
-    assert beyond_chance(5.0, torch.tensor([5.0, 0.0], dtype=torch.float64), 0.0) == (False, 0.0)
-    with pytest.raises(ValueError, match="no validation position"):
-        skill_above_chance(0.0, torch.zeros(3, dtype=torch.float64))
-
-
 def test_class_counts_skip_void_positions():
     target = torch.tensor([[0, 2, 2, IGN], [1, IGN, 2, 0]])
     counts = class_counts(target, target != IGN, 4)
@@ -144,17 +121,6 @@ def _sums_of(n, c, a) -> torch.Tensor:
     return torch.stack([torch.tensor(float(len(n)), dtype=torch.float64), n.sum(), c.sum(),
                         a.sum(), (n * n).sum(), (c * c).sum(), (a * a).sum(), (c * n).sum(),
                         (a * n).sum(), (c * a).sum()])
-
-
-def test_next_margin_by_hand():
-    # target inside the rate, below it, above it, and the ceiling G below the margin.
-    assert next_margin(10.0, 1.1, 40.0, 1.0, 20.0, 1.25) == pytest.approx(10.0 / 1.1)
-    assert next_margin(10.0, 16.0, 40.0, 1.0, 20.0, 1.25) == 8.0
-    assert next_margin(10.0, 1 / 16, 40.0, 1.0, 20.0, 1.25) == 12.5
-    assert next_margin(10.0, 0.5, 11.0, 1.0, 20.0, 1.25) == 11.0
-    assert next_margin(10.0, 1.0, 3.0, 1.0, 20.0, 1.25) == 8.0  # towards G at the rate
-    assert next_margin(10.0, 16.0, 40.0, 1.0, 20.0, math.inf) == 1.0  # no rate: the old rule
-    assert next_margin(1.1, 16.0, 40.0, 1.0, 20.0, 1.25) == 1.0  # margin_min
 
 
 def _image_reference(logits, target, ignore_index):

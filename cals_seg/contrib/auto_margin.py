@@ -46,6 +46,10 @@ In a training loop of one's own, next to the loss (the trainer does the same)::
     stats = criterion.update_multipliers(epoch)
     stats |= rule.step(criterion, epoch)  # margin, margin_temperature, ..., margin_reason
 
+The rule of the previous version (:func:`next_margin`, towards ``m / T_hat`` on every pass, and
+its majority-class chance gate :func:`beyond_chance`) is kept here for ``cals_alm_bands``
+(:mod:`cals_seg.contrib.cals_bands`), which steers one margin per distance band with it.
+
 The rule's state is saved with the loss's (``criterion.state_dict()``): ``margin_rule.margin``
 (the margin in force), ``margin_rule.track`` (the accuracy and its standard error of the last
 ``margin_patience`` epochs) and ``margin_rule.seen``. A checkpoint written when the rule lived
@@ -63,7 +67,7 @@ import torch
 from torch import Tensor, nn
 
 from cals_seg.losses import AdaptiveLoss
-from cals_seg.losses.margin_rules import ATTRIBUTE, CHANCE_Z, MarginRule, MarginSettings
+from cals_seg.losses.margin_rules import ATTRIBUTE, MarginRule, MarginSettings
 from cals_seg.losses.registry import MARGIN_RULES
 from cals_seg.losses.temperature_stats import (
     IMAGE_SUM_KEYS,
@@ -82,6 +86,7 @@ from cals_seg.utils.validation import check_finite, check_int
 
 MARGIN_Z = INTERVAL_Z  # default margin_z: half-width of the intervals in standard errors (~95%)
 MARGIN_PATIENCE = 2  # default margin_patience: epochs over which "still learning" is judged
+CHANCE_Z = 3.0  # the accuracy must also exceed chance by this many binomial standard deviations
 REASONS = ("warmup", "at chance", "calibrated within noise", "still learning", "over-confident",
            "under-confident")
 # What a checkpoint of the rule inside the loss held, and where it lives now (in the rule).
@@ -172,6 +177,72 @@ def evidence_step(margin: float, t_low: float, t_high: float, ceiling: float, le
     stepped = min(max(target, margin / rate), margin * rate)
     new = min(max(stepped, margin_min), margin_max)
     return new, reason if new != margin else f"{reason}, at a bound"
+
+
+def skill_above_chance(correct: float, counts: Tensor) -> tuple[float, float, float]:
+    """How far the validation accuracy is above chance.
+
+    ``chance = max_k n_k / n`` (the accuracy of always predicting the majority class, at least
+    ``1/K``), ``skill = (accuracy - chance) / (1 - chance)`` and the binomial noise threshold
+    ``CHANCE_Z * sqrt(chance (1 - chance) / n)`` (in accuracy units).
+
+    Args:
+        correct: number of correct top-1 predictions over the valid positions.
+        counts: ``(K,)`` valid positions per class (``class_counts``, summed).
+
+    Returns:
+        ``(skill, accuracy - chance, noise)``; ``skill = 0`` when one class holds every
+        position (nothing to learn above chance).
+
+    Raises:
+        ValueError: no position counted.
+    """
+    n = float(counts.sum())
+    if n <= 0:
+        raise ValueError("skill_above_chance: no validation position was counted")
+    chance = float(counts.max()) / n
+    excess = correct / n - chance
+    noise = CHANCE_Z * math.sqrt(chance * (1.0 - chance) / n)
+    skill = excess / (1.0 - chance) if chance < 1.0 else 0.0
+    return skill, excess, noise
+
+
+def beyond_chance(correct: float, counts: Tensor, min_skill: float) -> tuple[bool, float]:
+    """Whether the validation accuracy is clearly above chance: ``skill >= min_skill`` and
+    ``accuracy - chance > noise`` (:func:`skill_above_chance`). Returns ``(open, skill)``."""
+    skill, excess, noise = skill_above_chance(correct, counts)
+    return (skill >= min_skill and excess > noise), skill
+
+
+def next_margin(
+    margin: float,
+    t_hat: float,
+    ceiling: float,
+    margin_min: float,
+    margin_max: float,
+    rate: float,
+) -> float:
+    """One step of the previous rule (kept by ``cals_alm_bands``, per band): ``target = clip(m /
+    T_hat, margin_min, min(margin_max, G))``, then ``clip(target, m / rate, m * rate)`` (and
+    ``[margin_min, margin_max]``).
+
+    With ``m`` in ``[margin_min, margin_max]`` the result lies between ``m`` and ``target``, so
+    it is in bounds and ``1 / rate <= result / m <= rate``.
+
+    Args:
+        margin: the margin in force ``m`` (> 0).
+        t_hat: the temperature estimate (> 0, ``solve_temperature``).
+        ceiling: ``G``, the largest validation gap (``largest_gap_bound``).
+        margin_min, margin_max: the margin's range.
+        rate: the largest factor of one step (> 1; ``inf`` for none).
+
+    Returns:
+        The margin for the next epoch.
+    """
+    high = max(min(margin_max, ceiling), margin_min)
+    target = min(max(margin / t_hat, margin_min), high)
+    stepped = min(max(target, margin / rate), margin * rate)
+    return min(max(stepped, margin_min), margin_max)
 
 
 @dataclass
@@ -382,5 +453,5 @@ class AutoMargin(MarginRule):
 
 MARGIN_RULES.register("auto", AutoMargin)
 
-__all__ = ["AutoMargin", "EvidenceSettings", "balanced_skill", "evidence_step",
-           "still_learning"]
+__all__ = ["AutoMargin", "EvidenceSettings", "balanced_skill", "beyond_chance", "evidence_step",
+           "next_margin", "skill_above_chance", "still_learning"]

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cals_seg.contrib.auto_margin import beyond_chance, next_margin
 from cals_seg.losses._adaptive import AdaptiveLoss
 from cals_seg.losses._alm import ALMRules, ALMSettings
 from cals_seg.losses._base import as_float32, autocast_off
 from cals_seg.losses._functional import blocks, ce_sum, class_sums
 from cals_seg.losses._spatial import SpatialLoss
-from cals_seg.losses.margin_rules import MarginSettings, beyond_chance, next_margin
+from cals_seg.losses.margin_rules import MarginSettings
 from cals_seg.losses.penalties import Penalty
 from cals_seg.losses.registry import LOSSES
 from cals_seg.losses.temperature_stats import (
@@ -436,7 +437,7 @@ class BandCALSALMLoss(ALMRules, AdaptiveLoss, SpatialLoss):
     def _update_margin(self, b: int, epoch: int, stats: dict[str, Tensor],
                        nb: float) -> dict[str, float]:
         """Band ``b``'s margin: the rule of CALS-ALM's ``margin: auto``
-        (:func:`~cals_seg.losses.margin_rules.next_margin`, at most a factor
+        (:func:`~cals_seg.contrib.auto_margin.next_margin`, at most a factor
         ``margin_rate`` per epoch, held while the steering
         pixels are at chance) on the statistics ``margin_steer`` chooses; the band's multipliers
         follow the margin as CALS-ALM's do: ``lambda <- lambda m' / m``,

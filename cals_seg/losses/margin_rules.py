@@ -26,15 +26,12 @@ Attached, the rule is a submodule of the loss (``criterion.margin_rule``): its s
 in force, and what else it keeps) is saved by ``criterion.state_dict()`` under ``margin_rule.``
 and restored by ``load_state_dict``, which puts the restored margin back in force.
 
-Also here: the settings every rule shares (:class:`MarginSettings`) and the per-band margin
-step of ``cals_alm_bands`` (:func:`next_margin`, held by the majority-class chance gate
-:func:`beyond_chance`).
+Also here: the settings every rule shares (:class:`MarginSettings`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,75 +45,9 @@ from cals_seg.utils.validation import check_int
 
 MARGIN_RATE = 1.25  # default margin_rate: the margin moves by at most this factor per epoch
 MARGIN_SKILL = 0.1  # default margin_skill: the skill above chance needed to move the margin
-CHANCE_Z = 3.0  # the accuracy must also exceed chance by this many binomial standard deviations
 ATTRIBUTE = "margin_rule"  # where an attached rule lives on its loss (and in its state_dict)
 # Rules kept beside the core, by name: the module of cals_seg/contrib/ that registers each.
 BESIDE_THE_CORE = {"auto": ("auto_margin", "the evidence rule")}
-
-
-def skill_above_chance(correct: float, counts: Tensor) -> tuple[float, float, float]:
-    """How far the validation accuracy is above chance.
-
-    ``chance = max_k n_k / n`` (the accuracy of always predicting the majority class, at least
-    ``1/K``), ``skill = (accuracy - chance) / (1 - chance)`` and the binomial noise threshold
-    ``CHANCE_Z * sqrt(chance (1 - chance) / n)`` (in accuracy units).
-
-    Args:
-        correct: number of correct top-1 predictions over the valid positions.
-        counts: ``(K,)`` valid positions per class (``class_counts``, summed).
-
-    Returns:
-        ``(skill, accuracy - chance, noise)``; ``skill = 0`` when one class holds every
-        position (nothing to learn above chance).
-
-    Raises:
-        ValueError: no position counted.
-    """
-    n = float(counts.sum())
-    if n <= 0:
-        raise ValueError("skill_above_chance: no validation position was counted")
-    chance = float(counts.max()) / n
-    excess = correct / n - chance
-    noise = CHANCE_Z * math.sqrt(chance * (1.0 - chance) / n)
-    skill = excess / (1.0 - chance) if chance < 1.0 else 0.0
-    return skill, excess, noise
-
-
-def beyond_chance(correct: float, counts: Tensor, min_skill: float) -> tuple[bool, float]:
-    """Whether the validation accuracy is clearly above chance: ``skill >= min_skill`` and
-    ``accuracy - chance > noise`` (:func:`skill_above_chance`). Returns ``(open, skill)``."""
-    skill, excess, noise = skill_above_chance(correct, counts)
-    return (skill >= min_skill and excess > noise), skill
-
-
-def next_margin(
-    margin: float,
-    t_hat: float,
-    ceiling: float,
-    margin_min: float,
-    margin_max: float,
-    rate: float,
-) -> float:
-    """One step of the per-band rule: ``target = clip(m / T_hat, margin_min, min(margin_max,
-    G))``, then ``clip(target, m / rate, m * rate)`` (and ``[margin_min, margin_max]``).
-
-    With ``m`` in ``[margin_min, margin_max]`` the result lies between ``m`` and ``target``, so
-    it is in bounds and ``1 / rate <= result / m <= rate``.
-
-    Args:
-        margin: the margin in force ``m`` (> 0).
-        t_hat: the temperature estimate (> 0, ``solve_temperature``).
-        ceiling: ``G``, the largest validation gap (``largest_gap_bound``).
-        margin_min, margin_max: the margin's range.
-        rate: the largest factor of one step (> 1; ``inf`` for none).
-
-    Returns:
-        The margin for the next epoch.
-    """
-    high = max(min(margin_max, ceiling), margin_min)
-    target = min(max(margin / t_hat, margin_min), high)
-    stepped = min(max(target, margin / rate), margin * rate)
-    return min(max(stepped, margin_min), margin_max)
 
 
 def starting_margin(margin: object, margin_init: float) -> tuple[bool, float]:
@@ -305,11 +236,8 @@ __all__ = [
     "MARGIN_RULES",
     "MarginRule",
     "MarginSettings",
-    "beyond_chance",
     "margin_rule_class",
     "margin_rule_of",
-    "next_margin",
-    "skill_above_chance",
     "split_rule_params",
     "starting_margin",
 ]
