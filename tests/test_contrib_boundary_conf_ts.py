@@ -214,3 +214,19 @@ def test_registered_only_when_opted_in():
     out = subprocess.run([sys.executable, "-c", fresh], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "True"]
+
+
+def test_the_core_names_the_module_of_a_calibrator_kept_beside_it():
+    import subprocess
+    import sys
+
+    code = ("from cals_seg.calibrators import build_calibrator\n"
+            "try:\n"
+            "    build_calibrator('boundary_ts_conf', 3)\n"
+            "except Exception as err:\n"
+            "    print(type(err).__name__, err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith("UserError Calibrator 'boundary_ts_conf' is kept beside the core")
+    assert "contrib: [boundary_conf_ts]" in out
+    assert "import cals_seg.contrib.boundary_conf_ts" in out

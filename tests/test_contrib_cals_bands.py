@@ -567,3 +567,28 @@ def test_opt_in_by_import_by_setup_file_and_by_the_deprecated_name():
                          check=True).stdout.splitlines()
     assert out == ["False", "['cals_bands'] cals_alm_bands cals_seg.contrib.cals_bands",
                    "True ['DeprecationWarning'] False"]
+
+
+def test_the_core_names_the_module_of_a_loss_kept_beside_it():
+    """Before the opt-in, asking the core for ``cals_alm_bands`` (by name, or a config's
+    ``loss.name``) says which contrib module has it and how to opt in."""
+    import subprocess
+    import sys
+
+    code = (
+        "from cals_seg.losses import build_loss\n"
+        "from cals_seg.config.schema import config_from_dict\n"
+        "from cals_seg.config.rules import check_names\n"
+        "for f in (lambda: build_loss('cals_alm_bands', 3),\n"
+        "          lambda: check_names(config_from_dict({'loss': {'name': 'cals_alm_bands'}}))):\n"
+        "    try:\n"
+        "        f()\n"
+        "    except Exception as err:\n"
+        "        print(type(err).__name__, err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert len(out) == 2, out
+    for line in out:
+        assert "contrib module 'cals_bands'" in line and "contrib: [cals_bands]" in line, line
+    assert out[1].startswith("ConfigError loss.name:")

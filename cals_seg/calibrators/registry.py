@@ -27,7 +27,9 @@ from cals_seg.utils.registry import Registry
 if TYPE_CHECKING:
     from cals_seg.calibrators._base import Calibrator
 
-CALIBRATORS: Registry[type[Calibrator]] = Registry("calibrator", error=UserError,
-                                                   discover="cals_seg.calibrators")
+# Calibrators kept beside the core: name -> the module of cals_seg/contrib/ that registers it.
+CALIBRATORS: Registry[type[Calibrator]] = Registry(
+    "calibrator", error=UserError, discover="cals_seg.calibrators",
+    beside={"boundary_ts_conf": "boundary_conf_ts"})
 
 __all__ = ["CALIBRATORS"]

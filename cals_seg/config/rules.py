@@ -382,7 +382,7 @@ def check_names(cfg: Config) -> None:
 
     if cfg.loss.name not in LOSSES:
         raise refuse("loss.name", f"one of {sorted(LOSSES)}", cfg.loss.name,
-                     "e.g. --set loss.name=ce")
+                     LOSSES.beside_hint(cfg.loss.name) or "e.g. --set loss.name=ce")
     check_model_names(cfg)
 
 

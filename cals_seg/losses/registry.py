@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from cals_seg.losses._base import SegLoss
     from cals_seg.losses.margin_rules import MarginRule
 
-LOSSES: Registry[type[SegLoss]] = Registry("loss", error=UserError, discover="cals_seg.losses")
+# Losses kept beside the core: name -> the module of cals_seg/contrib/ that registers it.
+LOSSES: Registry[type[SegLoss]] = Registry("loss", error=UserError, discover="cals_seg.losses",
+                                           beside={"cals_alm_bands": "cals_bands"})
 MARGIN_RULES: Registry[type[MarginRule]] = Registry("margin rule", error=UserError)
 
 __all__ = ["LOSSES", "MARGIN_RULES"]

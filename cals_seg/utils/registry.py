@@ -49,13 +49,17 @@ class Registry(Mapping[str, T], Generic[T]):
             all imported (:func:`import_submodules`) the first time the names are read, so a
             new file in that folder is an entry without any list naming it, and importing the
             registry alone stays cheap.
+        beside: names that a module of ``cals_seg/contrib/`` registers when imported (name ->
+            module): an unknown-name error for one of them says how to opt in
+            (:meth:`beside_hint`).
     """
 
     def __init__(self, what: str, error: type[UserError] = UserError,
-                 discover: str | None = None) -> None:
+                 discover: str | None = None, beside: Mapping[str, str] | None = None) -> None:
         self.what = what
         self.error = error
         self.discover = discover
+        self.beside = dict(beside or {})
         self._discovered = discover is None
         self._entries: dict[str, T] = {}
 
@@ -110,7 +114,20 @@ class Registry(Mapping[str, T], Generic[T]):
             raise self.error(self._unknown(name))
         return self._entries[name]
 
+    def beside_hint(self, name: object) -> str | None:
+        """For a name of :attr:`beside` not registered yet: where it lives and how to opt in;
+        None otherwise."""
+        module = self.beside.get(name) if isinstance(name, str) else None
+        if module is None or name in self._all:
+            return None
+        return (f"{self.what} {name!r} is kept beside the core in the contrib module "
+                f"{module!r}: opt in with `contrib: [{module}]` in the config (or `import "
+                f"{CONTRIB_PACKAGE}.{module}` in Python)")
+
     def _unknown(self, name: object) -> str:
+        hint = self.beside_hint(name)
+        if hint is not None:
+            return f"{hint[0].upper()}{hint[1:]}."
         return f"Unknown {self.what} {name!r}; valid names are {sorted(self._all)}."
 
     def __getitem__(self, name: str) -> T:
