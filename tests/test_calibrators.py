@@ -367,7 +367,8 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys):
     run = fake_run(tmp_path / "run", cfg)
     names = ["ts", "boundary_ts", "dirichlet", "selective"]
     base = [str(setup), "--method", "ce", "--checkpoint", str(run / "checkpoint_best.pt"),
-            "--out", str(tmp_path / "eval"), "--calibrators", *names, "--set", *sets]
+            "--out", str(tmp_path / "eval"), "--calibrators", *names, "--set", *sets,
+            "--save-calibrators-to-run"]  # saved as the run's own fits (--out elsewhere)
     params = ["--calibrator-param", "selective.epochs=1", "dirichlet.max_iter=5"]
     assert load_tool("eval_seg").main(base + params) == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())

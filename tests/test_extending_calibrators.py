@@ -124,7 +124,8 @@ def test_a_calibrator_registered_outside_the_package_runs_through_the_tools(
 
     # eval_seg RUN --calibrators class_ts: fitted on validation, saved, evaluated.
     out = tmp_path / "eval"
-    assert load_tool("eval_seg").main([str(run), "--out", str(out), "--calibrators", NAME]) == 0
+    assert load_tool("eval_seg").main([str(run), "--out", str(out), "--calibrators", NAME,
+                                       "--save-calibrators-to-run"]) == 0  # the run's own fit
     metrics = json.loads((out / "metrics.json").read_text())
     assert list(metrics["calibrators"]) == [NAME]
     assert metrics["calibrators"][NAME].keys() == metrics["pre_ts"].keys()

@@ -125,7 +125,8 @@ def run_pipeline(tmp_path: Path, config: Path, own_forward, capsys, pt2: bool = 
 
     out = tmp_path / "eval"
     assert eval_seg.main([str(run), "--calibrators", "ts", "boundary_ts", "--out", str(out),
-                          "--num-maps", "0"]) == 0, capsys.readouterr().err
+                          "--num-maps", "0", "--save-calibrators-to-run"]) == 0, \
+        capsys.readouterr().err
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["calibrators"]) == {"ts", "boundary_ts"}
     assert 0 <= metrics["pre_ts"]["ece"] <= 1

@@ -516,7 +516,7 @@ def test_eval_seg_and_predict_seg_give_the_same_calibrated_confidence(tmp_path):
         warnings.simplefilter("ignore")
         assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "eval"),
                                            "--calibrators", "image_ts", *params,
-                                           "--set", *sets]) == 0
+                                           "--set", *sets, "--save-calibrators-to-run"]) == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     fit = metrics["calibrator_fits"]["image_ts"]
     assert fit["copies"] == 3 and fit["images"]["fit_corrupted"] == 3 * fit["images"]["fit_clean"]

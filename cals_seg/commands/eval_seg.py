@@ -7,7 +7,7 @@ per-image calibration maps.
         [--out DIR] [--num-maps 4] [--mode slide --window 512 --stride 341]
         [--resize S] [--pad P] [--set key=value ...]
         [--calibrators ts vector dirichlet lts selective boundary_ts] [--refit-calibrators]
-        [--calibrator-param lts.epochs=20 ...]
+        [--calibrator-param lts.epochs=20 ...] [--save-calibrators-to-run]
         [--conformal alpha=0.1 [mode=risk|image:0.9|class|band] [score=NAME]
                      [calibrator=NAME]]
         [--shift NAME:SEVERITY ... | all:3 | all] [--shift-seed 0] [--calibrator-fit-shift]
@@ -25,9 +25,15 @@ DIR/lambda_curves.png when the run has multipliers, and DIR/maps/<id>.png (image
 prediction, confidence, errors, confidence on errors).
 
 With --calibrators, each post-hoc calibrator named (docs/calibrators.md) is loaded from
-<run>/calibrators/<name>.pt, or fitted on the validation split and saved there when missing
+<run>/calibrators/<name>.pt when fitted for this use, or fitted on the validation split
 (--refit-calibrators refits); all are evaluated on the split in the same single pass as the
-pre/post-TS metrics. metrics.json["calibrators"][NAME] holds the same dictionary as "pre_ts",
+pre/post-TS metrics. A new fit is saved as the run's own, <run>/calibrators/<name>.pt (which
+predict_seg and export use), only by an evaluation in place of the best checkpoint with the
+run's config and the calibrator's default parameters (or with --save-calibrators-to-run);
+otherwise (--out elsewhere, --calibrator-param, --set, a protocol option, another checkpoint)
+it lives with the evaluation, in DIR/calibrators/NAME.pt, and a line says which (the run's own
+fit is still reused, never written, when it was made for this use).
+metrics.json["calibrators"][NAME] holds the same dictionary as "pre_ts",
 metrics.json["calibrator_fits"][NAME] the fit's summary (held-out images, passes, seconds);
 DIR/calibrators.md is the table (ECE, band-weighted ECE, boundary and interior ECE, NLL, AURC,
 mIoU), DIR/reliability_<name>.png each calibrator's diagram, and the band / size plots and
@@ -125,6 +131,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "boundary_ts")
     parser.add_argument("--refit-calibrators", action="store_true",
                         help="refit the calibrators already saved in <run>/calibrators/")
+    parser.add_argument("--save-calibrators-to-run", action="store_true",
+                        help="save the fits into <run>/calibrators/ (which predict_seg and "
+                        "export use) even when --out is elsewhere, the parameters are not the "
+                        "defaults or the run's config is overridden (default: such fits live "
+                        "in the evaluation's folder, OUT/calibrators/)")
     parser.add_argument("--calibrator-param", nargs="+", action="extend", default=[],
                         metavar="NAME.KEY=VALUE", help="a calibrator's parameter, e.g. "
                         "lts.epochs=20 or boundary_ts.bands=[2,5,10] (YAML values)")
@@ -146,27 +157,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def calibrator_params(items: list[str]) -> dict[str, dict]:
-    """``{name: {key: value}}`` from ``NAME.KEY=VALUE`` items (values read as YAML).
+    """``{name: {key: value}}`` from ``NAME.KEY=VALUE`` items (values read as YAML), checked
+    against the registry before any work: the calibrator, its parameter (the valid keys
+    listed) and the value (the calibrator built with it).
 
     Raises:
-        ValueError: a malformed item or an unknown calibrator name.
+        UserError: a malformed item, an unknown calibrator or parameter, or a bad value, in
+            one line naming the item.
     """
     import yaml
 
+    from cals_seg.calibrators import CALIBRATORS, build_calibrator
+
     out: dict[str, dict] = {}
+    given: dict[str, str] = {}
     for item in items:
         head, sep, value = item.partition("=")
         name, dot, key = head.partition(".")
         if not (sep and dot and name and key):
             raise UserError(f"--calibrator-param {item!r}: expected NAME.KEY=VALUE, e.g. "
                              "lts.epochs=20.")
-        from cals_seg.calibrators import CALIBRATORS
-
         if name not in CALIBRATORS:
             raise UserError(f"--calibrator-param {item!r}: unknown calibrator {name!r}; valid "
                              f"names are {sorted(CALIBRATORS)}.")
-        out.setdefault(name, {})[key] = yaml.safe_load(value)
+        valid = calibrator_keys(name)
+        if key not in valid:
+            raise UserError(f"--calibrator-param {item!r}: unknown parameter {key!r} of "
+                            f"calibrator {name}; valid keys are {valid}.")
+        try:
+            out.setdefault(name, {})[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise UserError(f"--calibrator-param {item!r}: expected a YAML value ({problem}), "
+                            f"e.g. {name}.{key}=[2, 5] (quote the item for the shell).") from None
+        given[name] = item
+    for name, params in out.items():  # the values, before any network pass (K: a stand-in)
+        try:
+            build_calibrator(name, 2, **params)
+        except (TypeError, ValueError) as err:
+            raise UserError(f"--calibrator-param {given[name]!r}: "
+                            f"{' '.join(str(err).split())}") from None
     return out
+
+
+def calibrator_keys(name: str) -> list[str]:
+    """The parameters of registered calibrator ``name`` (its constructor's, as
+    :func:`cals_seg.calibrators.build_calibrator` accepts them)."""
+    import inspect
+
+    from cals_seg.calibrators import CALIBRATORS
+
+    cls = CALIBRATORS.lookup(name)
+    return [p for p in inspect.signature(cls.__init__).parameters
+            if p not in ("self", "num_classes")]
 
 
 def open_run(args: argparse.Namespace):
@@ -236,7 +279,7 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
     outputs = OutputFolder(out, "eval_seg", inputs=[run.config.data.root])
     split_set = getattr(run.task, f"{args.split}_set")
     num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
-    names = planned_outputs(args, split_set.ids[:num_maps])
+    names = planned_outputs(args, split_set.ids[:num_maps]) + planned_fits(run, args, out)
     # The default folder is inside the run, which the toolkit wrote: its files of these names
     # are eval_seg's; a link is never written through either way.
     outputs.check_free(names, replace_unlisted=not args.out)
@@ -261,6 +304,19 @@ def planned_outputs(args: argparse.Namespace, map_ids: list) -> list[str]:
     if isinstance(conformal, dict):
         names += [f"maps/{i}_set_size_{m.replace(':', '-')}.png" for m in conformal["mode"]
                   for i in map_ids]
+    return names
+
+
+def planned_fits(run, args: argparse.Namespace, out: Path) -> list[str]:
+    """The calibrator fits this evaluation saves inside its output folder (:func:`fits_home`:
+    not the run's own), relative to it: ``calibrators/NAME.pt``."""
+    names = []
+    for name in dict.fromkeys(getattr(args, "calibrators", [])):
+        folder = fits_home(run, args, name)[0]
+        try:
+            names.append(f"{folder.resolve().relative_to(out.resolve()).as_posix()}/{name}.pt")
+        except ValueError:  # the run's own folder, or an ensemble's
+            continue
     return names
 
 
@@ -289,17 +345,21 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.evaluation.inference import NonFiniteLogitsError
         from cals_seg.utils.distributed import is_distributed
 
+        # the drift fits (named by their seed, reused by their record): with the run's
         cal_folder = getattr(args, "calibrator_folder", None) or run.run.calibrators
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
         params = getattr(args, "calibrator_params", None) or {}
         for name in dict.fromkeys(names):  # one that cannot be fitted is reported, not fatal
+            folder, why = fits_home(run, args, name)
             try:  # reused only when fitted for this network, classes, images, params, precision
                 record = calibrator_record(run, name, params.get(name, {}), task.val_set.ids,
                                            precision=infer.amp, protocol=infer.protocol)
-                one, fit = load_or_fit_calibrators(
-                    [name], cal_folder, task.num_classes, infer, val_loader, task.ignore_index,
+                found = None if args.refit_calibrators or folder == run.run.calibrators else \
+                    run_fit(run, name, record)  # the run's own fit, read only, when it is this
+                one, fit = found or load_or_fit_calibrators(
+                    [name], folder, task.num_classes, infer, val_loader, task.ignore_index,
                     args.refit_calibrators, params, fitted_for={name: record})
             except NonFiniteLogitsError as err:  # the network's fault, not the calibrator's
                 return report(UserError(f"{run.path}: {err}"))
@@ -307,6 +367,8 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
                 skipped[name] = calibrator_skip(name, err)
                 report(UserError(f"calibrator {name} skipped: {skipped[name]}"))
                 continue
+            if is_main_process() and not fit[name].get("loaded"):
+                print(fit_notice(run, name, fit[name]["file"], why), flush=True)
             calibrators.update(one)
             fits.update(fit)
         if getattr(args, "calibrator_fit_shift", False) and calibrators:
@@ -386,6 +448,79 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
 
     code = write_evaluation(run, args, result, split_set, figures)
     return code or (1 if skipped else 0)  # 1: some calibrators could not be fitted (named)
+
+
+def fits_home(run, args: argparse.Namespace, name: str | None = None
+              ) -> tuple[Path, str | None]:
+    """Where this evaluation saves its fits (of calibrator ``name``, or of every kind):
+    ``(folder, None)`` for the run's own, ``<run>/calibrators/`` (which predict_seg and export
+    use), when the evaluation is the run's own: in place (no --out, or the default folder), of
+    its best checkpoint, with its config (no --set, no protocol option, not the older CONFIG
+    form) and the calibrator's default parameters, or with --save-calibrators-to-run;
+    otherwise ``(OUT/calibrators, why)``: the fit lives with the evaluation (an ensemble's:
+    its own folder), and the run's own fit is left as it is."""
+    if getattr(args, "calibrator_folder", None):  # an ensemble: never a member's folder
+        return Path(args.calibrator_folder), "an ensemble's fit"
+    if getattr(args, "save_calibrators_to_run", False):
+        return run.run.calibrators, None
+    reasons = []
+    if args.out and Path(args.out).resolve() != run.run.eval_dir(args.split).resolve():
+        reasons.append("--out elsewhere")
+    if Path(run.checkpoint).resolve() != run.run.best.resolve():
+        reasons.append(f"checkpoint {Path(run.checkpoint).name}")
+    if args.set or protocol_overrides(args) or Path(str(args.run)).is_file():
+        reasons.append("the run's config overridden")
+    given = (getattr(args, "calibrator_params", None) or {}).get(name) if name else None
+    if given and not default_params(name, given):
+        reasons.append("parameters other than the defaults")
+    if not reasons:
+        return run.run.calibrators, None
+    return evaluation_fits(run, args), ", ".join(reasons)
+
+
+def evaluation_fits(run, args: argparse.Namespace) -> Path:
+    """The folder of the fits that live with this evaluation: ``OUT/calibrators`` (an
+    ensemble's: its own folder there)."""
+    if getattr(args, "calibrator_folder", None):
+        return Path(args.calibrator_folder)
+    return (Path(args.out) if args.out else run.run.eval_dir(args.split)) / "calibrators"
+
+
+def default_params(name: str, params: dict) -> bool:
+    """``params`` of calibrator ``name`` are its defaults (every value as the constructor's)."""
+    from cals_seg.calibrators import resolved_params
+
+    return resolved_params(name, 2, params) == resolved_params(name, 2, {})
+
+
+def run_fit(run, name: str, record: dict) -> tuple[dict, dict] | None:
+    """The run's own saved fit of calibrator ``name``, read (never written), when it was made
+    for this use (its record is ``record``); None otherwise."""
+    from cals_seg.calibrators import CalibratorFileError, fit_problem, load_calibrator
+
+    path = run.run.calibrator_file(name)
+    if not path.is_file():
+        return None
+    try:
+        cal = load_calibrator(path, run.device, num_classes=run.task.num_classes)
+    except CalibratorFileError:
+        return None
+    if fit_problem(cal.fitted_for, record) is not None:
+        return None
+    return {name: cal}, {name: {**cal.fit_info, "loaded": True, "file": str(path),
+                                "fitted_for": record}}
+
+
+def fit_notice(run, name: str, file: str, why: str | None) -> str:
+    """The line that says where a new fit of calibrator ``name`` went: the run's own fit (used
+    by predict_seg and export), or this evaluation's (``why``), the run's own left as is."""
+    if why is None:
+        return (f"calibrator {name}: fitted on the validation split and saved as the run's own "
+                f"fit, {file} (predict_seg --calibrator {name} and export use it)")
+    return (f"calibrator {name}: fitted on the validation split for this evaluation ({why}), "
+            f"saved to {file}; the run's own fit, {run.run.calibrator_file(name)}, which "
+            "predict_seg and export use, is left as it is (--save-calibrators-to-run replaces "
+            "it)")
 
 
 def under_confidence(run, infer, val_loader) -> dict | None:

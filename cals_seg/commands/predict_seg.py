@@ -174,12 +174,15 @@ def _main(args: argparse.Namespace) -> int:
         check_folder("--out", args.out, must_exist=False, writable=True)
         # never into (or around) the inputs; never over a file predict_seg did not write
         out_folder = OutputFolder(args.out, "predict_seg", inputs=args.inputs)
-        run, temperature = open_run(args)
-        conformal = None
-        if args.conformal is not None:
+        spec = None
+        if args.conformal is not None:  # the option checked before the run is loaded
             from cals_seg.commands._conformal import load_or_fit_conformal, parse_conformal
 
-            conformal = load_or_fit_conformal(run, parse_conformal(args.conformal))
+            spec = parse_conformal(args.conformal)
+        run, temperature = open_run(args)
+        conformal = None
+        if spec is not None:
+            conformal = load_or_fit_conformal(run, spec)
         try:
             files = collect_inputs(args.inputs)
         except OSError as err:  # a symbolic-link loop, a folder without permission
