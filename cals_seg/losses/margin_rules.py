@@ -46,8 +46,6 @@ from cals_seg.utils.validation import check_int
 MARGIN_RATE = 1.25  # default margin_rate: the margin moves by at most this factor per epoch
 MARGIN_SKILL = 0.1  # default margin_skill: the skill above chance needed to move the margin
 ATTRIBUTE = "margin_rule"  # where an attached rule lives on its loss (and in its state_dict)
-# Rules kept beside the core, by name: the module of cals_seg/contrib/ that registers each.
-BESIDE_THE_CORE = {"auto": ("auto_margin", "the evidence rule")}
 
 
 def starting_margin(margin: object, margin_init: float) -> tuple[bool, float]:
@@ -204,13 +202,10 @@ def margin_rule_class(name: str) -> type[MarginRule]:
     """
     if name in MARGIN_RULES:
         return MARGIN_RULES[name]
-    if name in BESIDE_THE_CORE:
-        module, what = BESIDE_THE_CORE[name]
-        raise UserError(
-            f"loss.params.margin: {name!r} is {what}, kept beside the core in "
-            f"cals_seg.contrib.{module}; opt in with `contrib: [{module}]` in the config (or "
-            f"`import cals_seg.contrib.{module}` in Python).")
-    names = " or ".join(repr(n) for n in sorted({*MARGIN_RULES, *BESIDE_THE_CORE}))
+    hint = MARGIN_RULES.beside_hint(name)  # `auto`: the evidence rule, in cals_seg/contrib/
+    if hint is not None:
+        raise UserError(f"loss.params.margin: {hint}.")
+    names = " or ".join(repr(n) for n in sorted({*MARGIN_RULES, *MARGIN_RULES.beside}))
     raise UserError(f"loss.params.margin: expected a number or {names}, got {name!r}.")
 
 

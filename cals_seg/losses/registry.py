@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # Losses kept beside the core: name -> the module of cals_seg/contrib/ that registers it.
 LOSSES: Registry[type[SegLoss]] = Registry("loss", error=UserError, discover="cals_seg.losses",
                                            beside={"cals_alm_bands": "cals_bands"})
-MARGIN_RULES: Registry[type[MarginRule]] = Registry("margin rule", error=UserError)
+MARGIN_RULES: Registry[type[MarginRule]] = Registry("margin rule", error=UserError,
+                                                    beside={"auto": "auto_margin"})
 
 __all__ = ["LOSSES", "MARGIN_RULES"]
