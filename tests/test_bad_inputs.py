@@ -10,7 +10,6 @@ are defects found after the issue.
 from __future__ import annotations
 
 import re
-import shutil
 import warnings
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from cals_seg.training.engine import seed_everything
 from cals_seg.training.trainer import fit
 from cals_seg.utils.io import load_checkpoint, read_jsonl
 
-from .conftest import load_tool
+from .conftest import TRAINED_NAME, copy_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
@@ -82,20 +81,21 @@ def _voc(tmp: Path, name: str, **extra: str) -> list[str]:
                                **extra})
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 1-epoch CE run (and the synthetic data every case shares)."""
-    tmp = tmp_path_factory.mktemp("bad_inputs")
-    cfg = _cfg(tmp, "done")
-    _fit(cfg)
-    return tmp, cfg.run_dir
+# Training ends with plots; the cases check messages and files, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
+
+@pytest.fixture()
+def finished(trained_run, tmp_path) -> tuple[Path, Path]:
+    """This test's folder and the session's finished 1-epoch CE run (read only: a case that
+    changes it works on :func:`_copy_run`)."""
+    return tmp_path, trained_run.folder
 
 
 def _copy_run(finished, name: str) -> Path:
+    """A copy of the finished run at ``runs/NAME`` in the test's folder."""
     tmp, run = finished
-    copy = tmp / "runs" / name
-    shutil.copytree(run, copy)
-    return copy
+    return copy_run(run, tmp / "runs", name)
 
 
 def _truncate(path: Path) -> Path:
@@ -240,21 +240,23 @@ def test_5_negative_num_maps_is_refused(finished, capsys):
 
 # --------------------------------------------------------------------------- behaviours
 def extend_epochs_on_resume(finished, tmp: Path) -> None:
-    """1: a 1-epoch run resumed with train.epochs=3 runs at a fresh 3-epoch run's lr."""
-    fresh = _cfg(tmp, "fresh3", **{"train.epochs": "3"})
+    """1: a 1-epoch run resumed with train.epochs=2 runs at a fresh 2-epoch run's lr (the
+    1-epoch schedule would have reached 0)."""
+    fresh = _cfg(tmp, "fresh2", **{"train.epochs": "2"})
     _fit(fresh)
     run = _copy_run(finished, "extended")
-    cfg = load_config(run / "config.yaml", ["train.epochs=3", f"output_dir={run.parent}"])
+    cfg = load_config(run / "config.yaml", ["train.epochs=2", f"output_dir={run.parent}"])
     _fit(cfg, resume=run)
     want = [h["lr"] for h in read_jsonl(fresh.run_dir / "history.jsonl")]
     got = [h["lr"] for h in read_jsonl(run / "history.jsonl")]
-    assert got == pytest.approx(want, rel=1e-12) and got[1] > 0  # 1e-3, 7.5e-4, 2.5e-4
+    assert got == pytest.approx(want, rel=1e-12) and got[1] > 0  # 1e-3, 5e-4
 
 
 def finished_run_is_not_overwritten(finished, tmp: Path) -> None:
     """2: a run folder holding any run file (here: no checkpoint_last.pt) is refused."""
-    run = _finished_copy(finished, "finished_again")
+    run = _finished_copy(finished, TRAINED_NAME)  # at the folder its config names
     cfg = load_config(run / "config.yaml", [f"output_dir={run.parent}"])
+    assert cfg.run_dir == run
     before = (run / "history.jsonl").read_text()
     with pytest.raises(FileExistsError, match="--resume"):
         _fit(cfg)
