@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from cals_seg.calibrators import build_calibrator, load_calibrator, save_calibrator
+from cals_seg.calibrators._export import graph_bands
 from cals_seg.calibrators.boundary_ts import predicted_bands
 from cals_seg.calibrators.image_ts import (
     FEATURES,
     PIXEL_FEATURES,
     ImageTemperatureScaling,
-    band_map,
     image_statistics,
     logit_statistics,
     pixel_statistics,
@@ -170,7 +170,7 @@ def test_statistics_equal_a_float64_loop_reference():
 @pytest.mark.parametrize("bands", [[3.0, 8.0], [1.0], [2.0, 5.0], [1, 2, 3, 4, 6, 8, 12], []])
 def test_bands_are_boundary_ts_bands(bands):
     logits = _blobs(3, 4, 23, 31, seed=len(bands))
-    got = band_map(logits, int_thresholds(bands))
+    got = graph_bands(logits, int_thresholds(bands))  # image_ts' bands
     if bands:
         assert torch.equal(got, predicted_bands(logits, bands))
     assert torch.equal(got[0], torch.from_numpy(_ref_bands(logits[0].numpy(), bands)))

@@ -1,6 +1,7 @@
-"""The statistics ``image_ts`` reads from an image and its logits, and the predicted-boundary
-bands, in tensor operations only (no numpy, no loop over a data-dependent size), so that the
-calibrator's forward pass goes into ``torch.export`` (:mod:`cals_seg.calibrators.image_ts`)."""
+"""The statistics ``image_ts`` reads from an image and its logits, in tensor operations only (no
+numpy, no loop over a data-dependent size), so that the calibrator's forward pass goes into
+``torch.export`` (:mod:`cals_seg.calibrators.image_ts`; its predicted-boundary bands are
+:func:`cals_seg.calibrators._export.graph_bands`)."""
 
 from __future__ import annotations
 
@@ -116,54 +117,6 @@ def pixel_statistics(logits: Tensor, maps: tuple[Tensor, Tensor] | None = None
     return stats, torch.log(margin[:, 0] + GATE_EPS)
 
 
-def band_map(logits: Tensor, thresholds: Sequence[int]) -> Tensor:
-    """Band of every pixel from the boundaries of ``argmax(logits)``, the bands of
-    :func:`cals_seg.calibrators.boundary_ts.predicted_bands` (equal to them, tested), written
-    with tensor operations and loops of a fixed length only (for ``torch.export``).
-
-    The capped squared distance ``min(D, L)`` (``L = max(thresholds)``) is exact: with ``R =
-    isqrt(L - 1)``, the vertical distance ``g`` to a boundary pixel of the same column is
-    counted up to ``R + 1`` by ``R`` dilations, and ``D = min over |dx| <= R`` of ``g(x + dx)^2
-    + dx^2`` (columns outside the image count ``(R + 1)^2 >= L``); a larger ``|dx|`` or ``g``
-    gives at least ``L`` anyway.
-
-    Shape:
-        - logits: ``(N, K, H, W)``; returns ``(N, H, W)`` int64 in ``[0, len(thresholds)]``.
-    """
-    label = logits.argmax(dim=1)
-    if not thresholds:
-        return torch.zeros_like(label)
-    lab = label.unsqueeze(1).to(torch.float32)  # exact for K < 2^24
-    h, w = lab.shape[2], lab.shape[3]
-    # Replicate padding puts the pixel itself or one of its in-image neighbours outside the
-    # image, so a difference is only ever with a neighbour inside the image.
-    padded = F.pad(lab, (1, 1, 1, 1), mode="replicate")
-    boundary = torch.zeros_like(lab, dtype=torch.bool)
-    for dy in (-1, 0, 1):
-        for dx in (-1, 0, 1):
-            if dy or dx:
-                boundary = boundary | (padded[:, :, 1 + dy:1 + dy + h, 1 + dx:1 + dx + w] != lab)
-    limit = max(thresholds)
-    r = math.isqrt(limit - 1)
-    near = boundary.to(torch.float32)
-    far = 1.0 - near
-    for _ in range(r):
-        near = F.max_pool2d(near, (3, 1), stride=1, padding=(1, 0))
-        far = far + (1.0 - near)
-    g2 = far * far
-    out = g2
-    if r:
-        wide = F.pad(g2, (r, r, 0, 0), value=float((r + 1) ** 2))
-        for dx in range(1, r + 1):
-            out = torch.minimum(out, wide[:, :, :, r - dx:r - dx + w] + dx * dx)
-            out = torch.minimum(out, wide[:, :, :, r + dx:r + dx + w] + dx * dx)
-    dist2 = out.clamp(max=float(limit))[:, 0]
-    band = torch.zeros_like(label)
-    for t in thresholds:
-        band = band + (dist2 >= t).to(torch.int64)
-    return band
-
-
-__all__ = ["FEATURES", "GATE", "PIXEL_FEATURES", "band_map", "entropy_margin",
+__all__ = ["FEATURES", "GATE", "PIXEL_FEATURES", "entropy_margin",
            "image_statistics", "local_mean", "logit_statistics", "pixel_statistics",
            "work_dtype"]

@@ -87,6 +87,7 @@ from cals_seg.calibrators._base import (
     iterate,
     lbfgs_stages,
 )
+from cals_seg.calibrators._export import graph_bands
 from cals_seg.calibrators._image_features import (
     FEATURES,
     GATE,
@@ -95,7 +96,6 @@ from cals_seg.calibrators._image_features import (
     IMAGENET_STD,
     LOG_T_MAX,
     PIXEL_FEATURES,
-    band_map,
     entropy_margin,
     image_statistics,
     logit_statistics,
@@ -286,7 +286,7 @@ class ImageTemperatureScaling(Calibrator):
         dt = z.dtype
         offset = _offset(z, self.weight.to(z.device, dt), self.interaction.to(z.device, dt),
                          self.bias.to(z.device, dt))
-        band = band_map(logits, self.thresholds)
+        band = graph_bands(logits, self.thresholds)
         return (self.log_temperatures.to(z.device, dt)[band] + offset).clamp(-LOG_T_MAX,
                                                                            LOG_T_MAX)
 
@@ -435,7 +435,7 @@ class ImageTemperatureScaling(Calibrator):
                 z = self._standardised(self.features(x, None if image is None
                                                      else image.double()),
                                        mean, scale, low, high)
-                band = band_map(x, self.thresholds)
+                band = graph_bands(x, self.thresholds)
             offset = _offset(z, w.to(dev), u.to(dev), b.to(dev))
             log_t = (c.to(dev)[band] + offset).clamp(-LOG_T_MAX, LOG_T_MAX)
             scaled = x / log_t.exp().unsqueeze(1)
@@ -604,5 +604,5 @@ def _check_float(name: str, value: object) -> None:
         raise UserError(f"Expected `{name}` to hold finite numbers, but got {value!r}.")
 
 
-__all__ = ["FEATURES", "PIXEL_FEATURES", "ImageTemperatureScaling", "band_map",
+__all__ = ["FEATURES", "PIXEL_FEATURES", "ImageTemperatureScaling",
            "image_statistics", "logit_statistics", "pixel_statistics"]
