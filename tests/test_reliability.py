@@ -38,7 +38,6 @@ from cals_seg.data.voc import VOCSegmentation, read_split, voc_palette
 from cals_seg.errors import DataError, UserError
 from cals_seg.evaluation.predict import UnreadableImageError, read_image
 from cals_seg.runs.run import Run
-from cals_seg.tasks.segmentation import build_model
 from cals_seg.utils.io import save_checkpoint, write_json
 from cals_seg.utils.lock import LOCK_FILE, RunLock, RunLockedError
 from cals_seg.utils.memory import MemoryEstimateError, check_batch_memory
@@ -52,10 +51,12 @@ from cals_seg.utils.paths import (
     read_lines,
 )
 
-from .conftest import load_tool
+from .conftest import copy_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
+# The runs' and eval_seg's figures are saved undrawn: the cases check files, messages, trees.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
 
 
 def tree_sum(root: Path) -> str:
@@ -314,21 +315,11 @@ def test_a_link_out_of_the_root_is_refused_by_inside(tmp_path):
 
 
 # ===================================================== 2. no tool overwrites a user's file
-@pytest.fixture(scope="module")
-def model_run(tmp_path_factory) -> Path:
-    """A run folder with a random-weight model and a temperature (predict_seg, export)."""
-    run = tmp_path_factory.mktemp("reliab_run") / "run"
-    run.mkdir()
-    cfg = load_config(SETUP, ["train.amp=none", "train.threads=1", "train.device=cpu",
-                              "model.encoder_name=tu-mobilenetv3_small_050",
-                              "model.params={encoder_output_stride: 16, decoder_channels: 16}"],
-                      "ce")
-    save_config(cfg, run / "config.yaml")
-    torch.manual_seed(0)
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
-               run / "checkpoint_best.pt")
-    Run(run).write_temperature(1.5)
-    return run
+@pytest.fixture()
+def model_run(untrained_run) -> Path:
+    """The session's run folder with a random-weight model and a temperature (predict_seg,
+    export; read only: every case checks that it is left as it was)."""
+    return untrained_run
 
 
 def _photos(tmp: Path) -> Path:
@@ -424,13 +415,11 @@ def _sets(tmp: Path, name: str, **extra: str) -> list[str]:
     return [str(SETUP), "--method", "ce", "--set", *(f"{k}={v}" for k, v in sets.items())]
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reliab_train")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert load_tool("train_seg").main(_sets(tmp, "done")) == 0
-    return tmp, tmp / "runs" / "done"
+@pytest.fixture()
+def finished(trained_run) -> tuple[Path, Path]:
+    """The folder of the session's finished 1-epoch CE run (its data under ``synthetic``) and
+    the run (3 validation images; read only: a case that changes it works on a copy)."""
+    return trained_run.root, trained_run.folder
 
 
 def test_eval_seg_refuses_an_output_folder_inside_the_data(finished, capsys):
@@ -445,11 +434,13 @@ def test_eval_seg_refuses_an_output_folder_inside_the_data(finished, capsys):
 
 # ============================== 5. several things: one that cannot be done is reported, go on
 def test_eval_seg_calibrators_one_that_cannot_be_fitted_does_not_stop_the_others(finished,
+                                                                                 tmp_path,
                                                                                  capsys):
     """3 validation images: lts and selective need 5 (one in holdout_every=5 held out); ts,
     vector, dirichlet and boundary_ts are fitted and evaluated; the two are named with why."""
     tmp, run = finished
-    out = tmp / "eval_cal"
+    run = copy_run(run, tmp_path)  # the fitted calibrators are saved into the run
+    out = tmp_path / "eval_cal"
     data_before = tree_sum(tmp / "synthetic")
     names = ["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts"]
     with warnings.catch_warnings():
@@ -527,10 +518,10 @@ def test_tools_writing_into_a_run_are_refused_while_another_process_owns_it(tool
 
 
 # ================================================================ 5. one line for every error
-def test_a_run_folder_without_checkpoint_starts_again(finished, capsys):
+def test_a_run_folder_without_checkpoint_starts_again(tmp_path, capsys):
     """A run stopped before its first checkpoint (config.yaml, a history line) is trained into
     again, with or without --resume, without deleting it by hand."""
-    tmp, _ = finished
+    tmp = tmp_path
     run = tmp / "runs" / "no_ckpt"
     run.mkdir(parents=True)
     save_config(load_config(SETUP, _sets(tmp, "no_ckpt")[4:], "ce"), run / "config.yaml")
@@ -548,10 +539,10 @@ def test_a_run_folder_without_checkpoint_starts_again(finished, capsys):
     assert "already holds a run" in capsys.readouterr().err
 
 
-def test_ctrl_c_during_training_says_how_to_resume(finished, monkeypatch, capsys):
+def test_ctrl_c_during_training_says_how_to_resume(tmp_path, monkeypatch, capsys):
     from cals_seg.training import trainer
 
-    tmp, _ = finished
+    tmp = tmp_path
 
     def stop(*_args, **_kwargs):
         raise KeyboardInterrupt
@@ -688,8 +679,8 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
         load_config(path)
 
 
-def test_a_huge_crop_is_refused_before_allocating(finished, capsys):
-    tmp, _ = finished
+def test_a_huge_crop_is_refused_before_allocating(tmp_path, capsys):
+    tmp = tmp_path
     with pytest.raises(MemoryEstimateError, match="data.crop_size: 16384 x 16384"):
         check_batch_memory(64, 16384, 11, torch.device("cpu"), "data.crop_size", "lower it")
     check_batch_memory(4, 64, 11, torch.device("cpu"), "data.crop_size", "lower it")
