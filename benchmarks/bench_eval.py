@@ -7,8 +7,11 @@ For a Cityscapes-shaped batch (one image, K = 19, 1024 x 2048) and an ADE20K-sha
 image, K = 150, 512 x 683), in one run: each meter's ``update`` and each calibrator's ``apply``
 (its forward), as the ratio of its median time to the median time of ``softmax`` of the same
 logits (the one pass over the logits no evaluation avoids), and its peak extra memory as a
-multiple of the logits tensor's size; then the whole evaluation loop (a DeepLabV3 ResNet-18
-forward, the image padded to sides divisible by 8, + every meter's update) in images per second.
+multiple of the logits tensor's size; then, for the same rows, the cost in copies of the logits
+(``logits.clone()``, timed in the same run: the least a pass over the logits costs), with the
+CPU named by its model and the instruction set of torch's kernels; then the whole evaluation
+loop (a DeepLabV3 ResNet-18 forward, the image padded to sides divisible by 8, + every meter's
+update) in images per second.
 
 Peak extra memory: on CUDA ``max_memory_allocated`` minus the allocation before the call; on
 the CPU the largest resident set seen by a sampling thread (every 0.5 ms, from
@@ -33,11 +36,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import platform
 import statistics
 import threading
 import time
 from collections.abc import Callable
+
+from _machine import COPY, describe
 
 SHAPES = {"cityscapes": (19, 1024, 2048), "ade20k": (150, 512, 683)}
 QUICK_SHAPES = {"cityscapes": (5, 32, 48), "ade20k": (12, 24, 30)}
@@ -165,6 +169,7 @@ def bench_shape(label: str, k: int, h: int, w: int, args, device, mem: PeakMemor
         return {"shape": label, "name": name, "seconds": seconds,
                 "peak_logits": None if peak is None else peak / size}
 
+    rows.append(row(COPY, logits.clone))
     base = row("softmax", lambda: logits.softmax(dim=1))
     rows.append(base)
     for name, meter in build_meters(k, args.meters).items():
@@ -180,6 +185,7 @@ def bench_shape(label: str, k: int, h: int, w: int, args, device, mem: PeakMemor
         rows.append(row(f"apply {name}", lambda c=cal: c(logits, image)))
     for r in rows:
         r["ratio"] = r["seconds"] / base["seconds"]
+        r["copies"] = r["seconds"] / rows[0]["seconds"]
     return rows
 
 
@@ -206,17 +212,6 @@ def bench_loop(k: int, h: int, w: int, args, device) -> float:
     return 1.0 / seconds
 
 
-def describe_cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -239,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.quick:
         args.repeats = args.loop_repeats = 1
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else describe_cpu()
+    where = describe(args.device)
     if args.clock == "cpu" and device.type != "cpu":
         parser.error("--clock cpu times the host only: use it with --device cpu")
     print(f"bench_eval: {where}, {args.threads} thread(s), {args.device}, {args.clock} clock, "
@@ -262,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             peak = "n/a" if r["peak_logits"] is None else f"{r['peak_logits']:.2f}"
             cells.append(f"{ratio} | {peak}")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    limits = {"CalibrationMeter": 3.0, "apply boundary_ts": 1.5, "apply lts": 5.0,
+    print()
+    print("| in copies of the logits (logits.clone()) | " + " | ".join(heads) + " |")
+    print("|---|" + "---:|" * len(heads))
+    for i, name in enumerate(names[1:], start=1):
+        cells = [f"{results[label][i]['copies']:.2f}" for label in args.shapes]
+        print(f"| {name}, copies | " + " | ".join(cells) + " |")
+    limits = {"CalibrationMeter": 2.0, "apply boundary_ts": 1.5, "apply lts": 5.0,
               "BoundaryCalibrationMeter (groups given)": 1.0,
               "ObjectSizeCalibrationMeter (groups given)": 1.0}
     for label in args.shapes:
