@@ -19,34 +19,22 @@ from cals_seg.evaluation.inference import (
     segment_logits,
 )
 from cals_seg.runs.export import export_run, written_files
-from cals_seg.tasks import build_task
 from cals_seg.tasks.segmentation import build_model
-from cals_seg.training.engine import seed_everything
-from cals_seg.training.trainer import fit
 from cals_seg.utils.io import load_checkpoint
 
-from .conftest import load_tool
+from .conftest import copy_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"
 # Sides that are and are not multiples of the output stride (16), batch sizes 1 to 3.
 SHAPES = [(1, 3, 37, 45), (3, 3, 64, 64), (2, 3, 50, 33)]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("export")
-    cfg = load_config(CONFIG, [
-        "name=exported", f"output_dir={tmp / 'runs'}", f"data.root={tmp / 'data'}",
-        "data.synthetic={num_train: 8, num_test: 4, image_size: 32}", "data.crop_size=32",
-        "train.epochs=1", "train.batch_size=4", "eval.batch_size=4", "train.progress=false",
-        "train.threads=1", "eval.num_maps=0",
-        "model.params={encoder_output_stride: 16, decoder_channels: 16}",
-    ])
-    seed_everything(0)
-    fit(cfg, build_task(cfg))
-    run_dir = cfg.run_dir
-    model = build_model(cfg)
+def run(trained_run):
+    """The session's one-epoch run (the setup's ResNet-18 DeepLabV3, its fitted temperature;
+    read only), its network and its temperature."""
+    run_dir = trained_run.folder
+    model = build_model(load_config(run_dir / "config.yaml"))
     model.load_state_dict(load_checkpoint(run_dir / "checkpoint_best.pt")["model"])
     temperature = json.loads((run_dir / "temperature.json").read_text())["temperature"]
     return run_dir, model.eval(), temperature
@@ -136,7 +124,7 @@ def test_calibrator_ts_without_a_fit_is_the_run_s_temperature(run, tmp_path, cap
 
 
 def test_bad_requests_give_one_line_errors(run, tmp_path, capsys, monkeypatch):
-    run_dir, _, _ = run
+    run_dir = copy_run(run[0], tmp_path)  # its temperature.json is moved away for a while
     tool = load_tool("export")
     assert tool.main([str(tmp_path / "nowhere"), "--format", "pt2", "--out", "m.pt2"]) == 2
     assert "does not exist" in capsys.readouterr().err
