@@ -9,8 +9,11 @@ two criteria alternate step by step (after warm-up) so that drift of the machine
 clocks) affects both alike; the median step time of each is reported with the ratio. ``--amp
 auto`` is resolved with ``cals_seg.utils.precision.resolve_amp`` (bf16 where native, else float32)
 and the resolved precision is printed. Peak memory (CUDA: ``torch.cuda.max_memory_allocated``,
-reset before one extra step per criterion) is reported per criterion. The ``TARGET`` line states
-the target: a CALS-ALM step at most 1.02x a CE step.
+reset before one extra step per criterion) is reported per criterion. A copy of a logits-sized
+float32 tensor (``clone``) is timed in the same turns: "over CE (copies)" is what a criterion's
+step adds to CE's, in copies of the logits (the loss's own cost against the memory limit); the
+CPU is named with the instruction set of torch's kernels. The ``TARGET`` line states the target:
+a CALS-ALM step at most 1.02x a CE step.
 
 The criteria run with ``deferred_checks`` as in the trainer (the label check stays on the
 device). ``--compile`` adds the step of ``train.compile``: the model and each criterion
@@ -27,6 +30,7 @@ import statistics
 import time
 
 import torch
+from _machine import describe
 
 from cals_seg.losses import _functional as penalty_blocks
 from cals_seg.losses import build_loss
@@ -116,10 +120,24 @@ def main() -> None:
         step(name)
         first[name] = time.perf_counter() - t0
         step(name)
+    like = torch.randn(args.batch, args.classes, args.size, args.size, device=device)
+
+    def copy() -> float:  # the bound: one copy of a logits-sized tensor
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = clock()
+        like.clone()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return clock() - t0
+
+    copy()
     times: dict[str, list[float]] = {name: [] for name in criteria}
+    copies: list[float] = []
     for _ in range(args.steps):
         for name in criteria:
             times[name].append(step(name))
+        copies.append(copy())
     peak: dict[str, float] = {}
     for name in criteria:
         if device.type == "cuda":
@@ -129,22 +147,26 @@ def main() -> None:
             peak[name] = torch.cuda.max_memory_allocated(device) / 2**20
         else:
             peak[name] = float("nan")  # not measured on CPU
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    dev = describe(args.device)
     print(f"# DeepLabV3-{args.encoder}, batch {args.batch} x 3 x {args.size} x {args.size}, "
           f"{args.classes} classes, {dev}, {torch.get_num_threads()} threads, amp={args.amp}, "
           f"channels_last={args.channels_last}, {args.clock} clock, torch {torch.__version__}")
     if args.compile:
         print(f"# compiled rows: torch.compile(backend={args.compile!r}) of the model and of "
               "the criterion; time / CE is to the compiled CE step")
-    print("| criterion | step (ms, median) | images/s | time / CE | peak memory (MiB) "
-          "| compile (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    copy_t = statistics.median(copies)
+    print(f"# copy of the logits ({args.batch} x {args.classes} x {args.size} x {args.size} "
+          f"float32): {copy_t * 1e3:.2f} ms (median)")
+    print("| criterion | step (ms, median) | images/s | time / CE | over CE (copies) "
+          "| peak memory (MiB) | compile (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     med = {name: statistics.median(ts) for name, ts in times.items()}
     for name in times:
         ref = med["ce" + COMPILED] if name.endswith(COMPILED) else med["ce"]
         comp = f"{first[name] - med[name]:.1f}" if name.endswith(COMPILED) else ""
         print(f"| {name} | {med[name] * 1e3:.1f} | {args.batch / med[name]:.1f} | "
-              f"{med[name] / ref:.3f}x | {peak[name]:.0f} | {comp} |")
+              f"{med[name] / ref:.3f}x | {(med[name] - ref) / copy_t:.2f} | {peak[name]:.0f} | "
+              f"{comp} |")
     ratio = med["cals_alm"] / med["ce"]
     print(f"TARGET | train step ({args.amp}): cals_alm step time / ce | {ratio:.4g} | <= 1.02 | "
           f"{'MET' if ratio <= 1.02 else 'NOT MET'}")
