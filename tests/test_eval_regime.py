@@ -17,6 +17,8 @@ from torch import nn
 from cals_seg.commands import eval_seg, import_model
 
 K = 11
+# eval_seg's figures are saved undrawn: the cases check its line and metrics.json.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
 
 
 class Background(nn.Module):
