@@ -33,6 +33,11 @@ same as above):
 and a ``RATIO`` line per pixel count gives the boundary (and size) meter's throughput as a
 fraction of ``calibration``'s in the same run.
 
+The bound: a ``copy`` configuration streams the same batches through ``logits.clone()`` (one
+read and one write of the logits, the least a pass over them costs); "copies" is each
+configuration's time in copies. The header names the CPU and the instruction set of torch's
+kernels (or the GPU).
+
 torchmetrics is NOT a dependency of cals_seg; when it is not installed its column is skipped
 (``pip install torchmetrics==1.9.0`` to add it).
 
@@ -66,8 +71,10 @@ import sys
 import time
 
 import torch
+from _machine import describe
 
-CONFIGS = ["ours cw=False", "ours cw=True", "torchmetrics", "calibration", "boundary", "size"]
+CONFIGS = ["ours cw=False", "ours cw=True", "torchmetrics", "calibration", "boundary", "size",
+           "copy"]
 REGION_CONFIGS = ("calibration", "boundary", "size")  # timed on label maps with objects
 VOID = 255
 TM_LIMIT_GB = 12.0  # skip torchmetrics where its estimated memory is above this
@@ -104,6 +111,8 @@ def make_batches(shape: list[int], count: int = 2, device: str = "cpu",
 
 def make_pair(config: str, k: int, device: str = "cpu"):
     """(update(logits, target), compute(), meters) of one configuration."""
+    if config == "copy":  # the bound: one copy of the logits per batch
+        return lambda x, y: x.clone(), lambda: None, ()
     if config in REGION_CONFIGS:
         from cals_seg.metrics import (
             BoundaryCalibrationMeter,
@@ -237,8 +246,7 @@ def main() -> None:
 
     have_tm = importlib.util.find_spec("torchmetrics") is not None
     print(f"torch {torch.__version__}, threads per child: {args.threads or torch.get_num_threads()}"
-          f", batch {'x'.join(map(str, args.batch))}, "
-          f"{torch.cuda.get_device_name() if cuda else 'CPU'}")
+          f", batch {'x'.join(map(str, args.batch))}, {describe(args.device)}")
     if not have_tm:
         print("torchmetrics is not installed (it is not a dependency of cals_seg): its column is "
               "skipped. `pip install torchmetrics==1.9.0` to compare.")
@@ -268,19 +276,21 @@ def main() -> None:
                       f"peak {r['peak_mb']:.0f} MB", flush=True)
 
     peak_name = "peak CUDA memory (MiB)" if cuda else "peak RSS (MB)"
-    print(f"\n| pixels | configuration | time (s) | Mpx/s | time / torchmetrics | {peak_name} "
-          "| above setup | peak RSS, pinned malloc (MB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n| pixels | configuration | time (s) | Mpx/s | time / torchmetrics | copies "
+          f"| {peak_name} | above setup | peak RSS, pinned malloc (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (pixels, config), r in rows.items():
         if isinstance(r, str):
-            print(f"| {pixels:.0e} | {config} | {r} | | | | | |")
+            print(f"| {pixels:.0e} | {config} | {r} | | | | | | |")
             continue
         tm = rows.get((pixels, "torchmetrics"))
         ratio = f"{r['seconds'] / tm['seconds']:.2f}" if isinstance(tm, dict) else "n/a"
+        cp = rows.get((pixels, "copy"))
+        copies = f"{r['seconds'] / cp['seconds']:.2f}" if isinstance(cp, dict) else "n/a"
         pin = pinned.get((pixels, config))
         pin_mb = f"{pin['peak_mb']:.0f}" if pin else "n/a"
         print(f"| {r['pixels']:.3g} | {config} | {r['seconds']:.2f} | "
-              f"{r['pixels'] / r['seconds'] / 1e6:.2f} | {ratio} | {r['peak_mb']:.0f} | "
+              f"{r['pixels'] / r['seconds'] / 1e6:.2f} | {ratio} | {copies} | {r['peak_mb']:.0f} | "
               f"{r['peak_mb'] - r['setup_mb']:.0f} | {pin_mb} |")
 
     if len(args.pixels) >= 2:
