@@ -12,19 +12,23 @@ the calibrator's own cost, per megapixel of validation). Apply: one ``height x w
 process; the peak memory is the process' largest resident set (``getrusage``) minus the RSS after
 the data was made (on CUDA, ``max_memory_allocated`` minus the data). ``lts`` and ``selective``
 run their default epochs (early stopping may end them sooner); ``vector`` / ``dirichlet`` their
-L-BFGS to convergence (at most ``max_iter`` passes).
+L-BFGS to convergence (at most ``max_iter`` passes). One copy of the apply image's logits
+(``logits.clone()``, the least a pass over them costs) is timed in the same process: "apply
+(copies)" is the apply time in copies; the header names the CPU and the instruction set of
+torch's kernels (or the GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _machine import copy_seconds, describe
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts"]
@@ -84,10 +88,16 @@ def one(name: str, args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         apply_s = time.perf_counter() - start
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    copy_s = copy_seconds(test, repeats=3, sync=sync)
     mp = args.height * args.width / 1e6
     out = {
         "name": name, "fit_s": fit_s, "fit_s_per_mp": fit_s / (fh * fw / 1e6 * args.images),
-        "apply_s": apply_s, "apply_s_per_mp": apply_s / mp,
+        "apply_s": apply_s, "apply_s_per_mp": apply_s / mp, "apply_copies": apply_s / copy_s,
         "peak_extra_rss_mib": rss_mib() - base, "fit_peak_extra_rss_mib": fit_peak,
         "passes": info.get("passes") or (info.get("epochs_run", 0) + 1),
     }
@@ -112,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(one(args.child, args)))
         return 0
-    print(f"{platform.processor() or platform.machine()}, {args.threads} thread(s), "
+    print(f"{describe(args.device)}, {args.threads} thread(s), "
           f"{args.device}; fit on {args.images} images of {args.fit_size[1]} x "
           f"{args.fit_size[0]}, apply on one of {args.width} x {args.height}; K = {args.classes}")
-    print("| calibrator | fit s | fit s / MP | passes | apply s / MP | peak extra memory MiB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| calibrator | fit s | fit s / MP | passes | apply s / MP | apply (copies) "
+          "| peak extra memory MiB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     base = [a for a in (argv if argv is not None else sys.argv[1:])]
     for name in args.names:
         res = subprocess.run([sys.executable, __file__, *base, "--child", name],
@@ -127,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         r = json.loads(res.stdout.strip().splitlines()[-1])
         mem = r.get("peak_gpu_extra_mib", r["peak_extra_rss_mib"])
         print(f"| {name} | {r['fit_s']:.1f} | {r['fit_s_per_mp']:.3f} | {r['passes']} | "
-              f"{r['apply_s_per_mp']:.3f} | {mem:.0f} |", flush=True)
+              f"{r['apply_s_per_mp']:.3f} | {r['apply_copies']:.2f} | {mem:.0f} |", flush=True)
     return 0
 
 
