@@ -341,13 +341,20 @@ BROKEN = {
 
 def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
     """Every broken fit file ends predict_seg (and export) with one line naming the file and
-    the refit command, a non-zero exit, no traceback and no output."""
+    the refit command, a non-zero exit, no traceback and no output, when the validation images
+    cannot be read to refit it; when they can, it is refitted with a line naming it."""
     run = _run(tmp_path, "r")
     assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"), "--conformal",
                                        "alpha=0.3"]) == 0
     path = run / "calibrators" / "conformal_risk_lac_a0.3_s0.json"
     text = path.read_text()
     d = json.loads(text)
+    path.write_text("{")  # damaged, the data readable: refitted
+    code, out, err = _predict(run, tmp_path, "remade", ["alpha=0.3"], capsys)
+    assert code == 0 and path.name in out and "refitting" in out, err
+    assert json.loads(path.read_text())["threshold"] == d["threshold"]
+    data = tmp_path / "data30"
+    data.rename(tmp_path / "data30.away")  # the validation images cannot be read: refused
     for i, (name, make) in enumerate(BROKEN.items()):
         broken = make(text, d)
         if name in ("alpha NaN", "bands inf"):
@@ -365,6 +372,7 @@ def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
             line = _one_line_error(capsys.readouterr().err)
             assert str(path) in line and "eval_seg" in line
             assert not (tmp_path / f"m{i}.pt2").exists()
+    (tmp_path / "data30.away").rename(data)
     path.write_text(text)
     code, _, err = _predict(run, tmp_path, "ok", ["alpha=0.3"], capsys)
     assert code == 0, err

@@ -433,6 +433,12 @@ def test_entropy_reference_is_validated_and_recorded(tmp_path, capsys):
     record = saved["fitted_for"]
     assert record["network"] == file_digest(run / "checkpoint_best.pt")
     assert record["calibration"] == "T1.0000" and record["num_classes"] == 11 and "ids" in record
+    path.write_text("{")  # damaged, the validation images readable: recomputed, said
+    code, out, _ = call("remade")
+    assert code == 0 and path.name in out and "recomputing" in out
+    assert json.loads(path.read_text())["fitted_for"] == record
+    data = tmp_path / "data"
+    data.rename(tmp_path / "data.away")  # they cannot be read: every damage refused
     for i, (name, make) in enumerate(ENTROPY_BROKEN.items()):
         broken = make(text, saved)
         assert broken != text, name
@@ -441,6 +447,7 @@ def test_entropy_reference_is_validated_and_recorded(tmp_path, capsys):
         line = error_line(err)
         assert code != 0 and str(path) in line and "--no-ood-check" in line, (name, line)
         assert call(f"n{i}", "--no-ood-check")[0] == 0  # the way out named works
+    (tmp_path / "data.away").rename(data)
     # each recorded field changed: recomputed, the record restored
     for key in sorted(record):
         path.write_text(json.dumps({**saved, "fitted_for": {**record, key: _other(record[key])}}))

@@ -280,6 +280,21 @@ def collect(jobs: list[tuple], results: list[tuple], rows: dict[str, dict[str, A
     return first_run, SCORE_NAMES.get(metric, metric or "mIoU")
 
 
+def run_or_fail(config: Path, method: str | None, seed: int, out: Path, sets: list[str],
+                checkpoints: str) -> tuple[Path, str | None]:
+    """:func:`cals_seg.training.study.run_one`, a user error (a damaged file of a run left by
+    an earlier call) reported as that run's failure, in one line, not as a traceback."""
+    from cals_seg.commands._cli import one_line
+    from cals_seg.training.study import run_one
+
+    try:
+        return run_one(config, method, seed, out, sets, checkpoints)
+    except UntrustedCheckpointError:
+        raise
+    except UserError as err:
+        return out / "runs", one_line(err)
+
+
 def eval_folder(out: Path, row: str, run_dir: Path) -> Path:
     """Where compare has tools/eval_seg.py evaluate ``run_dir`` of ``row``:
     ``OUT/eval/<row>/<run folder name>``."""
@@ -585,7 +600,6 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
-    from cals_seg.training.study import run_one
     from cals_seg.training.tables import write_results
 
     start = time.perf_counter()
@@ -616,7 +630,7 @@ def _main(args: argparse.Namespace) -> int:
         results = list(
             pool.map(
                 lambda j: (j[1], None) if j[2] == GIVEN else
-                run_one(j[1], j[2], j[3], args.out, args.set, args.checkpoints), jobs
+                run_or_fail(j[1], j[2], j[3], args.out, args.set, args.checkpoints), jobs
             )
         )
     try:

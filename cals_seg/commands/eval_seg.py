@@ -60,6 +60,7 @@ probability of the runs given (their data and protocol must match).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -503,7 +504,9 @@ def run_fit(run, name: str, record: dict) -> tuple[dict, dict] | None:
         return None
     try:
         cal = load_calibrator(path, run.device, num_classes=run.task.num_classes)
-    except CalibratorFileError:
+    except CalibratorFileError as err:  # damaged: said; this evaluation fits its own
+        print(f"notice: {path} {err.reason}; not used (this evaluation fits its own; "
+              f"{err.hint})", file=sys.stderr, flush=True)
         return None
     if fit_problem(cal.fitted_for, record) is not None:
         return None

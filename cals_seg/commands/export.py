@@ -82,7 +82,7 @@ def _main(args: argparse.Namespace) -> int:
         check_folder("--out", str(out.parent), must_exist=False, writable=True)
         outputs = OutputFolder(out.parent, "export", inputs=[])
         outputs.check_free([out.name, f"{out.name}.json"])
-        conformal = None
+        conformal = loaded = None
         if args.conformal is not None:
             from cals_seg.commands._conformal import load_or_fit_conformal, parse_conformal
             from cals_seg.evaluation.conformal_score import refuse_onnx
@@ -94,11 +94,11 @@ def _main(args: argparse.Namespace) -> int:
                                 "is not exported; use mode=risk, image:TAU or class.")
             if args.format == "onnx":
                 refuse_onnx(spec["score"])
-            conformal = load_or_fit_conformal(
-                load_run(args.run, args.checkpoint, device="cpu", amp="none",
-                         family="segmentation"), spec)
+            loaded = load_run(args.run, args.checkpoint, device="cpu", amp="none",
+                              family="segmentation")  # read once: the export uses it too
+            conformal = load_or_fit_conformal(loaded, spec)
         info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,
-                          args.checkpoint, args.min_size, conformal)
+                          args.checkpoint, args.min_size, conformal, loaded)
         outputs.claim([out.name, f"{out.name}.json"])  # once written: a failed export claims none
     except (*USER_ERRORS, ImportError) as err:  # before OSError: a missing run is both
         return report(err)

@@ -369,7 +369,8 @@ def _calibration(loaded: Any, calibrator: str | None, logits: bool) -> dict[str,
 # Not split (over 80 lines): most of it is the docstring and the metadata written.
 def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: str | None = None,
                logits: bool = False, checkpoint: str = "best",
-               min_size: int | None = None, conformal: Any = None) -> dict[str, Any]:
+               min_size: int | None = None, conformal: Any = None,
+               loaded: Any = None) -> dict[str, Any]:
     """Export a trained segmentation run; writes ``out`` and ``<out>.json`` (what the program
     expects and returns: input name and range, smallest side, normalisation, class names, the
     forward precision, the calibration, and the conformal threshold).
@@ -391,6 +392,8 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         conformal: a fitted :class:`~cals_seg.evaluation.conformal.ConformalSets` (on the
             run's logits, mode ``risk``, ``image:TAU`` or ``class``): the program also returns
             its prediction sets, ``(N, K, H, W)`` bool (:class:`ConformalSegmenter`).
+        loaded: the run already loaded (:func:`~cals_seg.runs.run.load_run` of ``run`` and
+            ``checkpoint`` on the CPU in float32), so that it is read once.
 
     Returns:
         The metadata written to ``<out>.json``.
@@ -408,7 +411,8 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
         raise UserError(f"--format: expected one of {list(FORMATS)}, got {fmt!r}.")
     if (calibrator, fmt) in REFUSED:
         raise UserError(f"--format {fmt} --calibrator {calibrator}: {REFUSED[calibrator, fmt]}")
-    loaded = load_run(run, checkpoint, device="cpu", amp="none", family="segmentation")
+    if loaded is None:
+        loaded = load_run(run, checkpoint, device="cpu", amp="none", family="segmentation")
     run_dir, cfg, model = loaded.path, loaded.config, loaded.model
     calibration = _calibration(loaded, calibrator, logits)
     e = cfg.eval

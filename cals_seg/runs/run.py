@@ -296,6 +296,12 @@ class Run:
             print(f"notice: {self._history_problems(problems, 'dropped')}; kept the {len(kept)} "
                   f"whole line(s) of the {next_epoch} epoch(s) the checkpoint holds.",
                   file=sys.stderr, flush=True)
+        lost = sorted(set(range(next_epoch)) - {h["epoch"] for h in kept})
+        if lost and self.history_file.is_file():  # a file emptied or cut: said, not refused
+            shown = ", ".join(str(e + 1) for e in lost[:5]) + (", ..." if len(lost) > 5 else "")
+            print(f"notice: {self.history_file} has no line for epoch(s) {shown} of the "
+                  f"{next_epoch} the checkpoint holds (emptied or cut); the training goes on, "
+                  "and their curves lack those points.", file=sys.stderr, flush=True)
         text = "".join(json.dumps(h) + "\n" for h in kept)
         atomic_write(self.history_file, lambda tmp: Path(tmp).write_text(text))
 
@@ -308,8 +314,10 @@ class Run:
             try:
                 if load_checkpoint(self.best).get("epoch") == last["epoch"]:
                     return
-            except CheckpointError:
-                pass
+            except CheckpointError as err:  # damaged: remade from the same epoch's state
+                print(f"notice: {self.best} {err.problem or 'cannot be read'}; rewritten from "
+                      f"{self.last.name}, which holds the same (best) epoch.", file=sys.stderr,
+                      flush=True)
         save_checkpoint(last, self.best)
 
     def checkpoint_fix(self, file: str | Path) -> str:

@@ -340,19 +340,14 @@ def read_jsonl_lines(path: str | Path, keep: Callable[[Any], bool] | None = None
         ``(3, "torn (the process stopped while writing it)")``; ``([], [])`` for no file.
 
     Raises:
-        RunFileError: the file cannot be read, or is not text.
+        RunFileError: the file cannot be read.
     """
     path = Path(path)
     if not path.is_file():
         return [], []
     raw = _read_bytes(path)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise RunFileError(path, "is not a JSON-lines file (it holds binary bytes)",
-                           "delete it (its lines are a log; the checkpoints hold the run)"
-                           ) from None
-    lines = text.split("\n")
+    lines = [line.decode("utf-8", "replace") if b"\0" not in line else "\0"
+             for line in raw.split(b"\n")]
     records, problems = [], []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -407,8 +402,8 @@ def read_json_file(path: str | Path, fix: str, what: str = "a JSON object",
     except _NonFinite as err:
         raise RunFileError(path, f"holds {err.args[0]}, a number this toolkit never writes "
                            "(it writes null)", fix) from None
-    except json.JSONDecodeError as err:
-        truncated = err.pos >= len(text.rstrip())
+    except json.JSONDecodeError as err:  # a JSON object or list ends with its bracket
+        truncated = err.pos >= len(text.rstrip()) or not text.rstrip().endswith(("}", "]"))
         problem = ("is truncated (not JSON: it ends mid-value)" if truncated else
                    f"is not valid JSON (line {err.lineno} column {err.colno}: {err.msg})")
         raise RunFileError(path, problem, fix) from None
