@@ -15,24 +15,20 @@ from PIL import Image
 from cals_seg.config.schema import load_config
 from cals_seg.tasks.segmentation import build_model
 
-from .conftest import fake_run, load_tool
+from .conftest import UNTRAINED_T, fake_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
 MEAN, STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
-T_RUN = 1.7
+T_RUN = UNTRAINED_T
 STEP = 1 / 65535  # the storage precision of the 16-bit PNGs
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """A run directory with a random-weight model, its config.yaml and a fitted temperature."""
-    cfg = load_config(SETUP, ["train.amp=none", "train.threads=1", "train.device=cpu",
-                              "model.encoder_name=tu-mobilenetv3_small_050",
-                              "model.params={encoder_output_stride: 16, decoder_channels: 16}"],
-                      "ce")
-    return fake_run(tmp_path_factory.mktemp("predict") / "run", cfg, epoch=3, config=True,
-                    temperature=T_RUN)
+@pytest.fixture()
+def run_dir(untrained_run) -> Path:
+    """The session's run directory with a random-weight model, its config.yaml and a fitted
+    temperature (T_RUN; read only)."""
+    return untrained_run
 
 
 @pytest.fixture()
