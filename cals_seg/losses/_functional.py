@@ -275,8 +275,10 @@ class _CEPenalty(torch.autograd.Function):
                 ce, pen = _compiled_ce_penalty(ctx, logits, target, valid, terms)
             else:
                 ce, pen = _blocked_ce_penalty(ctx, logits, target, valid, terms)
-        ctx.mark_non_differentiable(ce, pen)
-        return (ce + pen).to(logits.dtype), ce.to(logits.dtype), pen.to(logits.dtype)
+        loss = (ce + pen).to(logits.dtype)
+        ce, pen = ce.to(logits.dtype), pen.to(logits.dtype)
+        ctx.mark_non_differentiable(ce, pen)  # the terms, for logging
+        return loss, ce, pen
 
     @staticmethod
     def backward(ctx, grad_out, _ce, _pen):  # type: ignore[override]
@@ -284,9 +286,15 @@ class _CEPenalty(torch.autograd.Function):
             return None, None, None, None
         if torch.compiler.is_compiling():
             return _compiled_ce_penalty_backward(ctx, grad_out), None, None, None
-        # The gradient written by forward, scaled in place: no second logits-sized tensor. A
-        # second backward through the same graph (retain_graph) raises: the saved gradient was
-        # modified (autograd's version check), it is never reused silently.
+        # The gradient written by forward, scaled in place: no second logits-sized tensor (and
+        # autograd hands it to the logits without a copy). So it serves one backward.
+        if getattr(ctx, "spent", False):
+            raise RuntimeError(
+                "The CE + penalty criterion writes its gradient in forward and hands it to the "
+                "logits at the first backward: a second backward through the same graph "
+                "(retain_graph=True) needs the loss computed again."
+            )
+        ctx.spent = True
         (grad,) = ctx.saved_tensors
         with autocast_off(grad.device):
             return grad.mul_(grad_out), None, None, None
