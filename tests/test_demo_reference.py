@@ -14,6 +14,7 @@ from cals_seg.commands import compare, demo
 from cals_seg.errors import UserError
 from cals_seg.training.study import (
     check_reference,
+    precision_words,
     read_reference,
     reference_entry,
     write_reference,
@@ -42,18 +43,19 @@ def _rows() -> dict:
 def test_the_writer_gives_what_the_demo_reads(tmp_path):
     entry = reference_entry(_rows(), ["ts", "boundary_ts"], command="python tools/compare.py X",
                             seeds=[0, 1, 2], machine="a CPU", date="2026-01-02",
-                            precision="bf16")
+                            precision=precision_words("bf16", "none"))
     path = tmp_path / "ref.json"
     write_reference(path, demo.SETUP, entry)
     read = read_reference(path)["setups"][demo.SETUP]
     assert read["ece"]["ce"]["raw"] == {"mean": 3.0, "std": 1.0, "n": 3}
     assert read["ece"]["ce"]["boundary_ts"] == {"mean": 0.7, "std": 0.2, "n": 3}
-    assert "boundary_ts" not in read["ece"]["cals_alm"] and read["precision"] == "bfloat16"
+    assert "boundary_ts" not in read["ece"]["cals_alm"]
+    assert read["precision"] == "training bfloat16, test pass float32"
     assert demo.reference_cell(read, "ce", "raw") == "3.00 ± 1.00"
     assert demo.reference_cell(read, "cals_alm", "ts") == "2.00 ± 0.00"
     assert demo.reference_cell(read, "cals_alm", "boundary_ts") == "-"
-    assert demo.provenance(read) == ("3 seeds (0, 1, 2), a CPU, bfloat16, 2026-01-02: "
-                                     "python tools/compare.py X")
+    assert demo.provenance(read) == ("3 seeds (0, 1, 2), a CPU, training bfloat16, test pass "
+                                     "float32, 2026-01-02: python tools/compare.py X")
     # the demo's table takes the entry as it is
     row = {"pre_ts": {"ece": 0.03}, "calibrators": {"ts": {"ece": 0.01}}}
     lines = demo.table({"ce": (row, row, {})}, read)
@@ -63,6 +65,13 @@ def test_the_writer_gives_what_the_demo_reads(tmp_path):
     write_reference(path, demo.SETUP, {**entry, "seeds": [0]})
     setups = read_reference(path)["setups"]
     assert set(setups) == {demo.SETUP, "configs/other.yaml"} and setups[demo.SETUP]["seeds"] == [0]
+
+
+def test_precision_in_words():
+    assert precision_words("bf16", "none") == "training bfloat16, test pass float32"
+    assert precision_words("none", "none") == "float32"
+    assert precision_words(None, "fp16") == "test pass float16"
+    assert precision_words(None, None) is None
 
 
 def test_one_seed_has_no_std_and_the_default_date_is_today():
@@ -82,7 +91,7 @@ def test_compare_writes_the_entry_of_its_setup(tmp_path, monkeypatch):
     compare.write_reference_out(args, _rows())
     entry = read_reference(tmp_path / "ref.json")["setups"]["configs/s.yaml"]
     assert entry["command"] == "python tools/compare.py configs/s.yaml --seeds 0 1 2"
-    assert entry["precision"] == "bfloat16" and set(entry["ece"]["ce"]) == {"raw", "ts"}
+    assert entry["precision"] == "test pass bfloat16" and set(entry["ece"]["ce"]) == {"raw", "ts"}
 
 
 def test_compare_refuses_a_reference_of_two_setups(tmp_path):

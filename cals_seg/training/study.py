@@ -237,8 +237,9 @@ def reference_entry(
     (method) the test ECE in % before calibration (``raw``) and after each of ``calibrators``
     (fitted on each run's validation split): mean, standard deviation over the seeds (None for
     one seed) and the number of seeds; with the command, the seeds, the machine
-    (:func:`describe_machine` unless given), the runs' precision (``test_metrics.json``'s
-    ``precision``: ``none`` is written ``float32``) and the date (today, UTC, unless given). A calibration no run of a row has is left out of that row."""
+    (:func:`describe_machine` unless given), the runs' precision in words
+    (:func:`precision_words`) and the date (today, UTC, unless given). A calibration no run
+    of a row has is left out of that row."""
     import datetime
 
     ece: dict[str, dict[str, Any]] = {}
@@ -258,9 +259,19 @@ def reference_entry(
         "ece": ece,
     }
     if precision:
-        entry["precision"] = {"none": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(
-            precision, precision)
+        entry["precision"] = precision
     return entry
+
+
+def precision_words(trained: str | None, tested: str | None) -> str | None:
+    """The precisions of a run in words: ``"training bfloat16, test pass float32"`` from its
+    training's and its test pass's ``none`` / ``bf16`` / ``fp16`` (one phrase when they agree,
+    None when neither is known)."""
+    names = {"none": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    train, test = (names.get(p, p) if p else None for p in (trained, tested))
+    if train and test:
+        return train if train == test else f"training {train}, test pass {test}"
+    return f"training {train}" if train else f"test pass {test}" if test else None
 
 
 def check_reference(data: Any, where: str) -> dict[str, Any]:
