@@ -16,7 +16,7 @@ from cals_seg.training.trainer import fit
 from cals_seg.utils.io import load_checkpoint
 from cals_seg.utils.precision import resolve_amp
 
-from .conftest import load_tool
+from .conftest import figures_undrawn, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"
@@ -102,8 +102,10 @@ def test_resume_reaches_the_same_result(straight, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_mod, "train_one_epoch", real)
     run_b = tmp_path / "runs" / "straight"
     assert load_checkpoint(run_b / "checkpoint_last.pt")["epoch"] == 0
-    # the command line form: the run folder alone (its own config.yaml), no CONFIG
-    assert load_tool("train_seg").main(["--resume", str(run_b)]) == 0
+    # the command line form: the run folder alone (its own config.yaml), no CONFIG; its plots
+    # are those of the straight run, drawn there
+    with figures_undrawn():
+        assert load_tool("train_seg").main(["--resume", str(run_b)]) == 0
     test_b = json.loads((run_b / "test_metrics.json").read_text())
 
     hist_a = [json.loads(x) for x in (cfg_a.run_dir / "history.jsonl").read_text().splitlines()]
@@ -142,8 +144,9 @@ def test_eval_seg_takes_the_run_folder(straight):
     older ``CONFIG --checkpoint FILE`` form and of test_metrics.json."""
     _, cfg, _ = straight
     out = cfg.run_dir / "eval_folder"
-    assert load_tool("eval_seg").main([str(cfg.run_dir), "--out", str(out), "--num-maps",
-                                       "0"]) == 0
+    with figures_undrawn():  # drawn by the test above
+        assert load_tool("eval_seg").main([str(cfg.run_dir), "--out", str(out), "--num-maps",
+                                           "0"]) == 0
     got = json.loads((out / "metrics.json").read_text())
     ref = json.loads((cfg.run_dir / "test_metrics.json").read_text())
     assert got["family"] == ref["family"] == "segmentation"
