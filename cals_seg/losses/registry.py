@@ -25,12 +25,11 @@ from cals_seg.utils.registry import Registry
 
 if TYPE_CHECKING:
     from cals_seg.losses._base import SegLoss
-    from cals_seg.losses.margin_rules import MarginRule
 
 # Losses kept beside the core: name -> the module of cals_seg/contrib/ that registers it.
 LOSSES: Registry[type[SegLoss]] = Registry("loss", error=UserError, discover="cals_seg.losses",
                                            beside={"cals_alm_bands": "cals_bands"})
-MARGIN_RULES: Registry[type[MarginRule]] = Registry("margin rule", error=UserError,
-                                                    beside={"auto": "auto_margin"})
+MARGIN_RULES: Registry[type] = Registry("margin rule", error=UserError,
+                                            beside={"auto": "auto_margin"})  # MarginRule types
 
 __all__ = ["LOSSES", "MARGIN_RULES"]
