@@ -405,6 +405,22 @@ def test_a_users_error_in_a_dataloader_worker_is_one_line(base, tmp_path, capsys
     assert code == 2 and "[200]" in line and "outside [0, 11)" in line
 
 
+def test_every_user_error_of_a_worker_is_known_again():
+    """A worker's error comes back rebuilt from its text: as its own type when that type takes
+    one message, else as a RuntimeError (CalibratorFileError, RunFileError's parts): both are
+    user errors again, one line; a bug's RuntimeError is not."""
+    from cals_seg.commands._cli import one_line, user_error
+
+    text = ("Caught CalibratorFileError in DataLoader worker process 0.\nOriginal Traceback "
+            "(most recent call last):\n  File \"x.py\", line 1, in f\ncals_seg.calibrators."
+            "CalibratorFileError: runs/x/calibrators/ts.pt is not a saved calibrator; refit it.\n")
+    found = user_error(RuntimeError(text))
+    assert found is not None
+    assert one_line(found) == "runs/x/calibrators/ts.pt is not a saved calibrator; refit it."
+    assert user_error(RuntimeError(text.replace("CalibratorFileError", "KeyError"))) is None
+    assert user_error(RuntimeError("CUDA error: out of memory")) is None
+
+
 def test_a_bad_test_mask_after_training_says_resume_finishes_the_test(tmp_path):
     from cals_seg.commands._cli import after_training
     from cals_seg.errors import DataError

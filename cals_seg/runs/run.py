@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from cals_seg.config.schema import Config, load_config
+from cals_seg.config.schema import Config, config_to_dict, load_config
 from cals_seg.errors import (
     CheckpointError,
     MissingPathError,
@@ -245,8 +245,11 @@ class Run:
         missing = [k for k in CONFIG_SECTIONS if k not in data]
         where = f" that {Path(checkpoint).name}'s own copy of the config holds" \
             if checkpoint is not None else ""
-        if isinstance(saved, Mapping):
-            missing = [k for k in _leaf_keys(saved) if not _has_key(data, k)]
+        if isinstance(saved, Mapping):  # keys this version still has (one retired since the
+            # checkpoint was written is not required)
+            known = config_to_dict(Config())
+            missing = [k for k in _leaf_keys(saved) if not _has_key(data, k)
+                       and _has_key(known, k)]
             where = where or " that the checkpoint's own copy of the config holds"
         if missing:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more"
