@@ -101,8 +101,9 @@ def test_paths_by_what_they_must_be(tmp_path):
 def test_set_values_that_are_not_yaml_name_the_key():
     with pytest.raises(ConfigError, match=r"^loss.params: expected a YAML value, got '\{a: 1'"):
         load_config(SETUP, ["loss.params={a: 1"], "ce")
+    # the value in force (the setup file's), not the dataclass default (issue 59)
     with pytest.raises(ConfigError, match=r"yaml: train.epochs: expected an integer, got 'ten'; "
-                                          r"e.g. --set train.epochs=30 \(the default\)"):
+                                          r"e.g. --set train.epochs=56 \(the config file's"):
         load_config(SETUP, ["train.epochs=ten"], "ce")
 
 

@@ -469,6 +469,10 @@ def test_a_wrong_override_suggests_the_value_in_force(tmp_path, capsys):
     epochs = yaml.safe_load(setup.read_text())["train"]["epochs"]
     with pytest.raises(ConfigError, match=rf"--set train.epochs={epochs} \(the config file's"):
         load_config(setup, ["train.epochs=three"], "ce")
+    from cals_seg.config.checks import check_config
+
+    with pytest.raises(ConfigError, match=rf"--set train.epochs={epochs} \(the config file's"):
+        check_config(load_config(setup, ["train.epochs=0"], "ce"))  # out of range: the rules
     assert "seed" not in yaml.safe_load(setup.read_text())["train"]
     with pytest.raises(ConfigError, match=r"--set train.seed=0 \(the default\)"):
         load_config(setup, ["train.seed=many"], "ce")

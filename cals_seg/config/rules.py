@@ -266,7 +266,28 @@ def check_rules(cfg: Config) -> None:
         if not ok:
             example = rule.example if rule.example is not None else defaults[key]
             fix = rule.fix or f"e.g. --set {key}={yaml_text(example)}"
+            given = _in_force(cfg, key)
+            if rule.fix is None and given is not None and given != value and _passes(rule, given):
+                fix = f"e.g. --set {key}={yaml_text(given)} (the config file's value)"
             raise refuse(key, rule.allowed, value, fix)
+
+
+def _in_force(cfg: Config, key: str) -> Any:
+    """The value of ``key`` in the config file ``cfg`` was read from, before ``--set`` (None
+    when the file does not set it, or ``cfg`` was not read from a file)."""
+    node: Any = cfg.__dict__.get("_in_force")
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _passes(rule: Rule, value: Any) -> bool:
+    try:
+        return bool(rule.ok(value))
+    except (TypeError, AttributeError, ValueError):
+        return False
 
 
 # Keys by what a difference in their value changes, for two configs of one run. A key in no group

@@ -525,9 +525,13 @@ def load_config(
             ) from None
         _set(data, key.strip(), value)
     try:
-        return config_from_dict(data, in_force)
+        cfg = config_from_dict(data, in_force)
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
+    # the file's own values, before --set: what a refused override's message suggests
+    # (cals_seg.config.rules.check_rules); not a field, so never saved
+    cfg.__dict__["_in_force"] = in_force
+    return cfg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

@@ -430,8 +430,9 @@ class Run:
         history = self.history() if self.history_file.is_file() else []
         if history and history[-1].get("precision"):
             return history[-1]["precision"]
-        if self.test_metrics.is_file():
-            return self.read_test_metrics().get("precision")
+        if self.test_metrics.is_file():  # any JSON object (an imported run's may hold no more)
+            return read_json_file(self.test_metrics, self.test_metrics_fix(),
+                                  "test metrics").get("precision")
         return None
 
     def drop_checkpoints(self, keep: str) -> None:
