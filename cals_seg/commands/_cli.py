@@ -101,6 +101,48 @@ def run_folder_command(args: argparse.Namespace, body: Callable[[argparse.Namesp
             return report(user)
 
 
+def enable_set_contrib(items: Sequence[str]) -> list[str]:
+    """Opt in to the experiments of ``cals_seg/contrib/`` that ``--set contrib=[NAME, ...]``
+    names (the user's own command line), before any name of theirs is checked; the run's own
+    ``contrib`` key is read with its config, later.
+
+    Raises:
+        UserError: a value that is not a list of contrib module names (the valid ones listed).
+    """
+    import yaml
+
+    from cals_seg.utils.registry import enable_contrib
+
+    names: list[str] = []
+    for item in items:
+        key, _, value = item.partition("=")
+        if key.strip() != "contrib":
+            continue
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        if not isinstance(parsed, list):
+            raise UserError(f"--set {item!r}: contrib: expected a list of module names, e.g. "
+                            "--set contrib=[boundary_conf_ts].")
+        names += enable_contrib(parsed, where=f"--set {item!r}: contrib")
+    return names
+
+
+def registered_or_refused(registry: Any, names: Sequence[str | None], flag: str) -> None:
+    """Refuse, in one line, a name of ``names`` that ``registry`` does not hold: a name kept
+    beside the core says how to opt in on this command line (``--set contrib=[MODULE]``)."""
+    for name in names:
+        if name is None or name in registry:
+            continue
+        hint = registry.beside_hint(name)
+        if hint is not None:
+            module = registry.beside[name]
+            raise UserError(f"{flag} {name}: {hint}; here: --set contrib=[{module}].")
+        raise UserError(f"{flag} {name}: unknown {registry.what}; valid names are "
+                        f"{sorted(registry)}.")
+
+
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
     """``--set KEY=VALUE ...``: repeated groups add up, in order (a later value wins); only
     ``KEY=VALUE`` words belong to it, so ``--set train.epochs=1 CONFIG`` keeps CONFIG."""

@@ -96,7 +96,7 @@ def calibrator_name(value: str) -> str:
     call (a calibrator registered later counts; --help never calls it, so imports no torch)."""
     from cals_seg.calibrators import CALIBRATORS
 
-    if value not in CALIBRATORS:
+    if value not in CALIBRATORS and value not in CALIBRATORS.beside:  # contrib: after --set
         raise argparse.ArgumentTypeError(f"unknown calibrator {value!r}; valid names are "
                                          f"{list(CALIBRATORS)}")
     return value
@@ -244,6 +244,11 @@ def _main(args: argparse.Namespace) -> int:
     try:
         if args.out:
             check_folder("--out", args.out, must_exist=False, writable=True)
+        from cals_seg.calibrators import CALIBRATORS
+        from cals_seg.commands._cli import enable_set_contrib, registered_or_refused
+
+        enable_set_contrib(args.set)
+        registered_or_refused(CALIBRATORS, args.calibrators, "--calibrators")
         args.calibrator_params = calibrator_params(args.calibrator_param)
         if args.conformal is not None:
             from cals_seg.commands._conformal import parse_conformal
