@@ -259,6 +259,9 @@ def hinge_gap_terms(weight: Tensor, margin: float | Tensor) -> GapTerms:
 
     def terms(t: Tensor) -> tuple[Tensor, Tensor]:
         z = constraint_of_gap(t, margin)
+        if torch.compiler.is_compiling():  # the value on its own (see phr_gap_terms)
+            value = (torch.relu(z) * weight).sum(dim=1, keepdim=True) * margin
+            return torch.gt(z, 0.0).to(z.dtype) * weight, value
         grad = torch.gt(z, 0.0).to(z.dtype).mul_(weight)
         return grad, (grad * z).sum(dim=1, keepdim=True).mul_(margin)
 
@@ -333,6 +336,11 @@ def _blocked_ce_penalty(ctx, logits: Tensor, target: Tensor, valid: Tensor,
     return ce * inv, pen * (inv / k)
 
 
+def _classes(k: int, device: torch.device) -> Tensor:
+    """``(1, K, 1)`` int32 class indices."""
+    return torch.arange(k, dtype=torch.int32, device=device).view(1, k, 1)
+
+
 def _compiled_ce_penalty(ctx, logits: Tensor, target: Tensor, valid: Tensor,
                          terms: GapTerms) -> tuple[Tensor, Tensor]:
     # The whole tensor at once (no blocks, no gradient): reductions over the classes of each
@@ -340,11 +348,16 @@ def _compiled_ce_penalty(ctx, logits: Tensor, target: Tensor, valid: Tensor,
     # per-position maps.
     k = logits.shape[1]
     inv = 1.0 / valid.sum().clamp(min=1).to(logits.dtype)
-    target = target.clamp(0, k - 1)  # void positions: any class (their weight is 0)
     maxima = logits.amax(dim=1, keepdim=True)
     t = logits - maxima
     log_norm = t.exp().sum(dim=1, keepdim=True).log()
-    t_y = t.gather(1, target.unsqueeze(1))
+    # t at the target as a masked sum over the classes: in the loop of the other reductions
+    # (a gather is a loop of its own, after the target is cleaned, that reads the logits
+    # again). Labels and classes compared in int32; a void label matches no class or gets
+    # weight 0.
+    target = target.to(torch.int32)
+    t_y = torch.where(_classes(k, logits.device) == target.unsqueeze(1), t, 0.0).sum(
+        dim=1, keepdim=True)
     ce = (log_norm - t_y).squeeze(1).masked_fill(~valid, 0.0).sum(dtype=torch.float64)
     grad_f, values = terms(logits - maxima)
     pen = values.squeeze(1).masked_fill(~valid, 0.0).sum(dtype=torch.float64)
@@ -364,7 +377,7 @@ def _compiled_ce_penalty_backward(ctx, grad_out: Tensor) -> Tensor:
     k = logits.shape[1]
     t = logits - maxima
     grad_f, _ = ctx.terms(logits - maxima)
-    one_hot = torch.arange(k, device=logits.device).view(1, k, 1) == target.unsqueeze(1)
+    one_hot = _classes(k, logits.device) == target.unsqueeze(1)
     scale = valid.unsqueeze(1).to(t.dtype) * (inv * grad_out)
     pen = grad_f - torch.where(t == 0, share, 0.0)
     return ((t - log_norm).exp() - one_hot.to(t.dtype)) * scale - pen * (scale * (1 / k))

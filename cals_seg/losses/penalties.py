@@ -50,6 +50,13 @@ def phr_gap_terms(rho: Tensor, lam: Tensor, margin: float | Tensor) -> GapTerms:
     floor = (lam * lam * 0.5 / rho).sum()  # sum_k lambda_k^2 / (2 rho_k)
 
     def terms(t: Tensor) -> tuple[Tensor, Tensor]:
+        if torch.compiler.is_compiling():
+            # No logits-sized term read twice from five inputs (the logits, their maximum,
+            # lambda, rho, m): inductor would store it (a logits-sized buffer and one more
+            # pass) instead of computing it inside the loop of the reductions. So the value
+            # squares its own copy of P' (written in another order: not merged with it).
+            value = (a + b * t).clamp(min=0.0).square().mul(weight).sum(dim=1, keepdim=True)
+            return (t * b + a).clamp(min=0.0), value.sub(floor)
         grad = t.mul_(b).add_(a).clamp_(min=0.0)
         return grad, (grad * weight).mul_(grad).sum(dim=1, keepdim=True).sub_(floor)
 
