@@ -41,7 +41,11 @@ from PIL import Image
 from cals_seg.config import schema as config_mod
 from cals_seg.config.schema import load_config
 
-from .conftest import load_tool
+from .conftest import copy_run, load_tool
+
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -104,19 +108,22 @@ def setup_keys() -> dict[tuple[str, str], tuple[Any, str]]:
         family = family_of(data["data"]["name"])
         for key, value in _flat(data).items():
             keys.setdefault((family, key), (value, ""))
-        for loss in methods.values():
+        for entry in methods.values():
+            loss = {k: v for k, v in entry.items() if k != "contrib"}  # contrib: top-level key
             for key, value in _flat({"loss": loss}).items():
-                keys.setdefault((family, key), (value, _loss_items(loss, key)))
+                keys.setdefault((family, key), (value, _loss_items(entry, key)))
     return keys
 
 
 def _loss_items(loss: dict[str, Any], key: str) -> str:
     """The ``--set`` items that give a base config the shipped loss section of ``key`` (so
     that its parameter is one the loss takes), as one tab-separated string."""
+    opt_in = f"contrib={json.dumps(loss['contrib'])}" if loss.get("contrib") else ""
     if key == "loss.name":
-        return ""
+        return opt_in
     params = json.dumps(loss.get("params", {}))
-    return f"loss.name={loss['name']}\tloss.params={params}"
+    return "\t".join(filter(None, (opt_in, f"loss.name={loss['name']}",
+                                    f"loss.params={params}")))
 
 
 def _field_type(key: str) -> Any:
@@ -322,29 +329,22 @@ def check_case(tool: str, family: str, key: str, loss: str, value: str, env: dic
 
 # --------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict[str, Any]:
-    """The tiny data of each family, a finished segmentation run (for eval_seg and
-    predict_seg), an image, a file and a folder for the path values."""
+def env(tmp_path_factory, trained_run) -> dict[str, Any]:
+    """The tiny data of each family, a finished segmentation run (a copy of the session's
+    one-epoch run, for eval_seg and predict_seg), an image, a file and a folder for the path
+    values."""
     tmp = tmp_path_factory.mktemp("fuzz")
     (tmp / "a_file").write_text("not a folder\n")
     (tmp / "a_folder").mkdir()
     from cals_seg.tasks import build_task
-    from cals_seg.training.engine import seed_everything
-    from cals_seg.training.trainer import fit
 
     for setup, tiny in BASE.values():  # generate each family's data once
         sets = [_fill(s, tmp) for s in tiny] + COMMON
         build_task(load_config(CONFIGS / setup, sets, "ce"))
-    setup, tiny = BASE["segmentation"]
-    cfg = load_config(CONFIGS / setup, [*(_fill(s, tmp) for s in tiny), *COMMON,
-                                        "name=finished", f"output_dir={tmp / 'runs'}"], "ce")
-    seed_everything(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        fit(cfg, build_task(cfg))
     image = tmp / "photo.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), np.uint8)).save(image)
-    return {"tmp": tmp, "run": cfg.run_dir, "image": image}
+    run = copy_run(trained_run.folder, tmp / "runs")
+    return {"tmp": tmp, "run": run, "image": image}
 
 
 def tools(family: str, key: str, value: str, everything: bool, tmp: Path) -> list[str]:
