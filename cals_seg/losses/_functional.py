@@ -255,15 +255,17 @@ def elementwise_gap_terms(value_fn: ElementFn, grad_fn: ElementFn,
 
 def hinge_gap_terms(weight: Tensor, margin: float | Tensor) -> GapTerms:
     """:data:`GapTerms` of the hinge ``f_k(z) = w_k m relu(z) = w_k relu(d - m)`` (CALS-HR, per
-    class ``weight (1, K, 1)``): ``f'_k(z) / m = w_k [z > 0]``, and ``f = (f' / m) m z``."""
+    class ``weight (1, K, 1)``), in the gaps ``t = -d``: the value ``-sum_k w_k min(t_k + m, 0)``
+    and ``f'_k(z) / m = w_k [t_k < -m]`` (written as a float in place: a comparison that
+    writes a bool tensor is not vectorised on the CPU)."""
 
     def terms(t: Tensor) -> tuple[Tensor, Tensor]:
-        z = constraint_of_gap(t, margin)
-        if torch.compiler.is_compiling():  # the value on its own (see phr_gap_terms)
-            value = (torch.relu(z) * weight).sum(dim=1, keepdim=True) * margin
-            return torch.gt(z, 0.0).to(z.dtype) * weight, value
-        grad = torch.gt(z, 0.0).to(z.dtype).mul_(weight)
-        return grad, (grad * z).sum(dim=1, keepdim=True).mul_(margin)
+        shifted = t + margin  # d - m = -(t + m)
+        if torch.compiler.is_compiling():  # two expressions: see phr_gap_terms
+            value = (shifted.clamp(max=0.0) * weight).sum(dim=1, keepdim=True).neg()
+            return (t < -margin).to(t.dtype) * weight, value
+        value = shifted.clamp_(max=0.0).mul_(weight).sum(dim=1, keepdim=True).neg_()
+        return t.lt_(-margin).mul_(weight), value
 
     return terms
 
