@@ -54,10 +54,28 @@ def _images(shape, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, shape, generator=g).float()
 
 
-def test_pt2_program_equals_pytorch(run, tmp_path):
-    run_dir, model, temperature = run
-    out = tmp_path / "model.pt2"
-    info = export_run(run_dir, out, "pt2")
+@pytest.fixture(scope="module")
+def pt2_export(run, tmp_path_factory) -> tuple[Path, dict]:
+    """The run's default .pt2 export (``export_run(RUN, OUT, "pt2")``) and what it returned."""
+    out = tmp_path_factory.mktemp("pt2") / "model.pt2"
+    return out, export_run(run[0], out, "pt2")
+
+
+@pytest.fixture(scope="module")
+def onnx_export(run, tmp_path_factory) -> Path:
+    """The run's default ONNX export, written into a folder that held a stale
+    ``model.onnx.data`` sidecar of an older export."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    out = tmp_path_factory.mktemp("onnx") / "model.onnx"
+    Path(f"{out}.data").write_bytes(b"stale sidecar of an older export")
+    export_run(run[0], out, "onnx")
+    return out
+
+
+def test_pt2_program_equals_pytorch(run, pt2_export):
+    _, model, temperature = run
+    out, info = pt2_export
     assert info["temperature"] == temperature and info["num_classes"] == 11
     assert json.loads(Path(f"{out}.json").read_text())["class_names"][0] == "background"
     program = torch.export.load(out).module()
@@ -72,15 +90,12 @@ def test_pt2_program_equals_pytorch(run, tmp_path):
         assert torch.allclose(got.sum(dim=1), torch.ones(()), atol=1e-5)
 
 
-def test_onnx_model_equals_pytorch(run, tmp_path):
+def test_onnx_model_equals_pytorch(run, onnx_export, tmp_path):
     ort = pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
-    run_dir, model, temperature = run
-    out = tmp_path / "model.onnx"
-    (tmp_path / "model.onnx.data").write_bytes(b"stale sidecar of an older export")
-    export_run(run_dir, out, "onnx")
+    _, model, temperature = run
+    out = onnx_export
     # one self-contained file: no sidecar, and the .onnx copied alone elsewhere loads
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.json"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.json"]
     assert written_files(out) == [out, Path(f"{out}.json")]
     alone = tmp_path / "copy"
     alone.mkdir()
@@ -157,19 +172,19 @@ def _doc_block(contains: str) -> str:
     return found[0]
 
 
-def test_documented_loading_runs_without_cals_seg(run, tmp_path):
-    """docs/integrations.md's loading block, run as written in a folder holding a .pt2 and an
-    .onnx export and an image, in a process where cals_seg cannot be imported."""
-    pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
+def test_documented_loading_runs_without_cals_seg(pt2_export, onnx_export, tmp_path):
+    """docs/integrations.md's loading block, run as written in a folder holding the default
+    .pt2 and .onnx exports (with their .json) and an image, in a process where cals_seg cannot
+    be imported."""
+    import shutil
     import subprocess
 
     import numpy as np
     from PIL import Image
 
-    run_dir, _, temperature = run
-    export_run(run_dir, tmp_path / "model.pt2", "pt2")
-    export_run(run_dir, tmp_path / "model.onnx", "onnx")
+    for program in (pt2_export[0], onnx_export):
+        for path in (program, Path(f"{program}.json")):
+            shutil.copyfile(path, tmp_path / path.name)
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 256, (37, 45, 3), dtype=np.uint8)).save(tmp_path / "photo.png")
     code = "import sys\nsys.modules['cals_seg'] = None  # torch and onnxruntime alone\n" + \
