@@ -30,7 +30,7 @@ from cals_seg.losses._base import autocast_off
 
 ElementFn = Callable[[Tensor], Tensor]
 
-BLOCK_ELEMENTS = 1 << 18  # ~1 MiB of float32 per temporary: CPU cache-sized
+BLOCK_ELEMENTS = 1 << 18  # ~1 MiB of float32 per temporary and thread: CPU cache-sized
 # On a GPU a block is a kernel launch per operation, and a 1 MiB block is launch-bound. Measured
 # on an H100 (docs/gpu/, DeepLabV3-ResNet50 bf16 step at 8 x 512 x 512): CALS-ALM / CE = 2.34x
 # with CPU-sized blocks, 1.12x with 16 blocks, 1.05x with 4; the loss's peak memory was CE's plus
@@ -41,10 +41,12 @@ GPU_MIN_BLOCK = 1 << 22
 
 
 def default_block(logits: Tensor) -> int:
-    """Elements per block for ``logits``: :data:`BLOCK_ELEMENTS` on the CPU, a
-    :data:`GPU_BLOCKS`-th of the tensor (at least :data:`GPU_MIN_BLOCK`) on an accelerator."""
+    """Elements per block for ``logits``: :data:`BLOCK_ELEMENTS` per torch thread on the CPU
+    (each thread's share stays cache-sized, and with more threads there are fewer operations,
+    each a parallel region whose threads all wait for the slowest), a :data:`GPU_BLOCKS`-th
+    of the tensor (at least :data:`GPU_MIN_BLOCK`) on an accelerator."""
     if logits.device.type == "cpu":
-        return BLOCK_ELEMENTS
+        return BLOCK_ELEMENTS * max(1, torch.get_num_threads())
     return max(GPU_MIN_BLOCK, -(-logits.numel() // GPU_BLOCKS))
 
 
