@@ -28,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-from _machine import copy_seconds, describe
-
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ["ts", "vector", "dirichlet", "lts", "selective", "boundary_ts"]
 
@@ -49,6 +47,31 @@ def make_data(n: int, k: int, h: int, w: int, device, seed: int = 0):
         target[i] = torch.multinomial(p, 1, generator=g).view(h, w)
     image = torch.randn(n, 3, h, w, generator=g)
     return logits.to(device), target.to(device), image.to(device)
+
+
+def describe(device: str) -> str:
+    """The device in words: the GPU's name, or the CPU's model and cores
+    (``cals_seg.training.study.describe_machine``) with the instruction set of torch's kernels
+    (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` run the AVX2 kind of the machine)."""
+    import torch
+
+    from cals_seg.training.study import describe_machine
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{describe_machine()}; torch kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
+def copy_seconds(logits, sync) -> float:
+    """Fastest of three copies of ``logits`` after a warm-up one (the bound of the apply)."""
+    best = float("inf")
+    for _ in range(4):
+        sync()
+        start = time.perf_counter()
+        logits.clone()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def rss_mib() -> float:
@@ -93,7 +116,7 @@ def one(name: str, args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    copy_s = copy_seconds(test, repeats=3, sync=sync)
+    copy_s = copy_seconds(test, sync)
     mp = args.height * args.width / 1e6
     out = {
         "name": name, "fit_s": fit_s, "fit_s_per_mp": fit_s / (fh * fw / 1e6 * args.images),

@@ -41,13 +41,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from _machine import COPY, describe
-
 SHAPES = {"cityscapes": (19, 1024, 2048), "ade20k": (150, 512, 683)}
 QUICK_SHAPES = {"cityscapes": (5, 32, 48), "ade20k": (12, 24, 30)}
 METERS = ["CalibrationMeter", "SegmentationMeter", "BoundaryCalibrationMeter",
           "ObjectSizeCalibrationMeter"]
 CALIBRATORS = ["ts", "vector", "dirichlet", "selective", "boundary_ts", "lts"]
+COPY = "copy (logits.clone())"  # the bound: one read and one write of the logits
 
 
 def make_batch(k: int, h: int, w: int, device, seed: int = 0):
@@ -210,6 +209,19 @@ def bench_loop(k: int, h: int, w: int, args, device) -> float:
 
     seconds = timed(step, args.loop_repeats, device, args.clock)
     return 1.0 / seconds
+
+
+def describe(device: str) -> str:
+    """The device in words: the GPU's name, or the CPU's model and cores
+    (``cals_seg.training.study.describe_machine``) with the instruction set of torch's kernels
+    (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` run the AVX2 kind of the machine)."""
+    import torch
+
+    from cals_seg.training.study import describe_machine
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{describe_machine()}; torch kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 def main(argv: list[str] | None = None) -> int:

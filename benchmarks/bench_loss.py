@@ -37,14 +37,28 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _machine import COPY, describe, in_copies
 
 import cals_seg.contrib.cals_bands  # noqa: F401  (the opt-in cals_alm_bands is measured too)
 from cals_seg.losses import LOSSES, build_loss
 from cals_seg.losses import _functional as penalty_blocks
+from cals_seg.training.study import describe_machine
 
 NAMES = ["F.cross_entropy", *LOSSES]
 COMPILED = " (compiled)"
+COPY = "copy (logits.clone())"  # the bound, timed with the losses
+
+
+def describe(device: str) -> str:
+    """The device in words: the GPU's name, or the CPU's model and cores
+    (``cals_seg.training.study.describe_machine``) with the instruction set of torch's kernels
+    (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` run the AVX2 kind of the machine)."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{describe_machine()}; torch kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
+def in_copies(seconds: float, copy_seconds: float) -> str:
+    return f"{seconds / copy_seconds:.2f}" if copy_seconds > 0 else "n/a"
 
 
 def make_inputs(shape: list[int], void: float, device: str) -> tuple[torch.Tensor, torch.Tensor]:

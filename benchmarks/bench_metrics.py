@@ -71,13 +71,23 @@ import sys
 import time
 
 import torch
-from _machine import describe
 
 CONFIGS = ["ours cw=False", "ours cw=True", "torchmetrics", "calibration", "boundary", "size",
            "copy"]
 REGION_CONFIGS = ("calibration", "boundary", "size")  # timed on label maps with objects
 VOID = 255
 TM_LIMIT_GB = 12.0  # skip torchmetrics where its estimated memory is above this
+
+
+def describe(device: str) -> str:
+    """The device in words: the GPU's name, or the CPU's model and cores
+    (``cals_seg.training.study.describe_machine``) with the instruction set of torch's kernels
+    (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` run the AVX2 kind of the machine)."""
+    from cals_seg.training.study import describe_machine
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{describe_machine()}; torch kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _maxrss_mb() -> float:

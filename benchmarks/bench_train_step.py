@@ -30,15 +30,24 @@ import statistics
 import time
 
 import torch
-from _machine import describe
 
 from cals_seg.losses import _functional as penalty_blocks
 from cals_seg.losses import build_loss
 from cals_seg.models import build_segmentation_model
+from cals_seg.training.study import describe_machine
 from cals_seg.utils.precision import AMP_CHOICES, precision_name, resolve_amp
 
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 COMPILED = " (compiled)"
+
+
+def describe(device: str) -> str:
+    """The device in words: the GPU's name, or the CPU's model and cores
+    (``cals_seg.training.study.describe_machine``) with the instruction set of torch's kernels
+    (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` run the AVX2 kind of the machine)."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{describe_machine()}; torch kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 # Not split (over 80 lines): a benchmark script that reads top to bottom, as nanoGPT's.
