@@ -199,7 +199,9 @@ def test_documented_loading_runs_without_cals_seg(pt2_export, onnx_export, tmp_p
 
 def test_docs_table_lists_every_calibrator_in_both_formats():
     """The calibrator x format table of docs/integrations.md has a row per registered
-    calibrator, each exported in both formats (none is refused at present)."""
+    calibrator, each exported in both formats (none is refused at present); the contrib one
+    too (imported here, as tests/test_export_calibrators.py does, whatever else ran before)."""
+    import cals_seg.contrib.boundary_conf_ts  # noqa: F401  (registers boundary_ts_conf)
     from cals_seg.calibrators import CALIBRATORS
     from cals_seg.runs.export import REFUSED
 
