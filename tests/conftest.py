@@ -8,7 +8,7 @@ import importlib
 import math
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -229,17 +229,36 @@ def copy_run(run: Path, where: Path, name: str | None = None) -> Path:
     return copy
 
 
+def untrained_seg_run(run: Path, data: Path, seed: int = 0, sets: Sequence[str] = (),
+                      temperature: float | None = None) -> Path:
+    """A run folder without training (:func:`fake_run`, epoch 0, ``config.yaml``): the
+    random-weight network of the synthetic setup's ``ce`` after ``torch.manual_seed(seed)``,
+    with a MobileNetV3 encoder (``tu-mobilenetv3_small_050``, output stride 16, 16 decoder
+    channels), float32 on one CPU thread, no confidence maps, its data under ``data``
+    (generated when a command first reads it); ``sets``: more ``--set`` values (the data's
+    sizes, ...); ``temperature``: also ``temperature.json``."""
+    import torch
+
+    from cals_seg.config.schema import load_config
+    from cals_seg.tasks.segmentation import build_model
+
+    cfg = load_config(SEG_SETUP, [
+        f"data.root={data}", "train.amp=none", "train.threads=1", "train.progress=false",
+        "eval.num_maps=0", "train.device=cpu", "model.encoder_name=tu-mobilenetv3_small_050",
+        "model.params={encoder_output_stride: 16, decoder_channels: 16}", *sets], "ce")
+    torch.manual_seed(seed)
+    return fake_run(run, cfg, epoch=0, model=build_model(cfg), config=True,
+                    temperature=temperature)
+
+
 @pytest.fixture(scope="session")
 def untrained_run(tmp_path_factory) -> Path:
-    """A run folder without training: the random-weight network of the synthetic setup's ``ce``
-    (a MobileNetV3 encoder, :func:`tiny_seg_sets`, ``train.amp: auto`` as the setup files) after
-    ``torch.manual_seed(0)``, its ``config.yaml``, epoch 0 and T = :data:`UNTRAINED_T`."""
-    from cals_seg.config.schema import load_config
-
+    """:func:`untrained_seg_run` of seed 0 with T = :data:`UNTRAINED_T` (read only): 8 images
+    of 32 x 32 (5 train, 3 validation), 4 test images."""
     root = tmp_path_factory.mktemp("untrained")
-    cfg = load_config(SEG_SETUP, [*tiny_seg_sets(root / "synthetic"), "train.amp=auto",
-                                  "model.encoder_name=tu-mobilenetv3_small_050"], "ce")
-    return fake_run(root / "run", cfg, epoch=0, config=True, temperature=UNTRAINED_T)
+    return untrained_seg_run(root / "run", root / "synthetic", sets=[
+        "data.synthetic={num_train: 8, num_test: 4, image_size: 32}", "data.crop_size=32",
+        "data.val_fraction=0.375"], temperature=UNTRAINED_T)
 
 
 @pytest.fixture(scope="session")

@@ -13,32 +13,25 @@ import pytest
 import torch
 from PIL import Image
 
-from .conftest import load_tool
+from .conftest import load_tool, untrained_seg_run
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings("ignore:.*temperature.json",
-                                        "ignore:The validation NLL is minimal")
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:.*temperature.json", "ignore:The validation NLL is minimal"),
+    pytest.mark.usefixtures("undrawn_figures"),
+]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
     """A random-weight run of the synthetic setup and a folder of two images whose sides are
     no multiple of the network's stride."""
-    from cals_seg.config.schema import load_config, save_config
-    from cals_seg.tasks.segmentation import build_model
-
     tmp = tmp_path_factory.mktemp("export_conformal")
-    sets = [f"data.root={tmp / 'data'}", "data.synthetic={num_train: 30, num_test: 2, "
-            "image_size: 32}", "train.amp=none", "train.threads=1", "train.progress=false",
-            "eval.num_maps=0", "train.device=cpu", "model.encoder_name=tu-mobilenetv3_small_050",
-            "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
-    cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", sets, "ce")
-    torch.manual_seed(0)
-    run = tmp / "run"
-    run.mkdir()
-    save_config(cfg, run / "config.yaml")
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
-               run / "checkpoint_best.pt")
+    run = untrained_seg_run(tmp / "run", tmp / "data", sets=[
+        "data.synthetic={num_train: 30, num_test: 2, image_size: 32}"])
     images = tmp / "images"
     images.mkdir()
     rng = np.random.default_rng(0)

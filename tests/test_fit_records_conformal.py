@@ -19,38 +19,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from .conftest import load_tool
+from .conftest import load_tool, untrained_seg_run
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*temperature.json", "ignore:The validation NLL is minimal",
-    "ignore:.*search boundary", "ignore:no far-from-validation check")
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:.*temperature.json", "ignore:The validation NLL is minimal",
+        "ignore:.*search boundary", "ignore:no far-from-validation check"),
+    pytest.mark.usefixtures("undrawn_figures"),
+]
 
 RECORD_KEYS = {"network", "num_classes", "split", "ids", "score", "alpha", "mode", "seed",
                "every", "calibrator", "calibrator_state", "grid", "protocol"}
 
 
 def _run(tmp: Path, name: str, seed: int = 0, num_train: int = 30) -> Path:
-    """A random-weight run of the synthetic setup; ``num_train // 5`` validation images (the
-    data folder is shared by the runs of the same ``num_train``)."""
-    from cals_seg.config.schema import load_config, save_config
-    from cals_seg.tasks.segmentation import build_model
-
-    sets = [f"data.root={tmp / f'data{num_train}'}",
-            f"data.synthetic={{num_train: {num_train}, num_test: 2, image_size: 32}}",
-            "train.amp=none", "train.threads=1", "train.progress=false", "eval.num_maps=0",
-            "train.device=cpu", "model.encoder_name=tu-mobilenetv3_small_050",
-            "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
-    cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", sets, "ce")
-    torch.manual_seed(seed)
-    run = tmp / name
-    run.mkdir()
-    save_config(cfg, run / "config.yaml")
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
-               run / "checkpoint_best.pt")
-    return run
+    """A random-weight run of the synthetic setup (conftest.untrained_seg_run); ``num_train //
+    5`` validation images (the data folder is shared by the runs of the same ``num_train``)."""
+    return untrained_seg_run(tmp / name, tmp / f"data{num_train}", seed, [
+        f"data.synthetic={{num_train: {num_train}, num_test: 2, image_size: 32}}"])
 
 
 def _images(tmp: Path) -> Path:

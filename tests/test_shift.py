@@ -23,6 +23,12 @@ from cals_seg.data.corruptions import (
 )
 from cals_seg.errors import UserError
 
+from .conftest import untrained_seg_run
+
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 ROOT = Path(__file__).resolve().parents[1]
 # ImageNet-C's own parameters are not monotone in PSNR for these (glass blur: severity 2 has one
 # iteration, 1 and 3 two and three; pixelate: the sampling grid's phase; fog: the fractal's
@@ -246,22 +252,10 @@ def test_a_member_given_twice_is_refused(tmp_path: Path):
 
 
 def _tiny_run(tmp_path: Path, name: str, seed: int, extra: tuple[str, ...] = ()) -> Path:
-    from cals_seg.config.schema import load_config, save_config
-    from cals_seg.tasks.segmentation import build_model
-
-    sets = [f"data.root={tmp_path / 'data'}",
-            "data.synthetic={num_train: 20, num_test: 3, image_size: 32}",
-            "train.amp=none", "train.threads=1", "train.progress=false", "eval.num_maps=0",
-            "train.device=cpu", "model.encoder_name=tu-mobilenetv3_small_050",
-            "model.params={encoder_output_stride: 16, decoder_channels: 16}", *extra]
-    cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", sets, "ce")
-    torch.manual_seed(seed)
-    run = tmp_path / name
-    run.mkdir()
-    save_config(cfg, run / "config.yaml")
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
-               run / "checkpoint_best.pt")
-    return run
+    """A random-weight run (conftest.untrained_seg_run) of 20 training and 3 test images; the
+    data folder is shared by the runs of one test."""
+    return untrained_seg_run(tmp_path / name, tmp_path / "data", seed, [
+        "data.synthetic={num_train: 20, num_test: 3, image_size: 32}", *extra])
 
 
 def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
