@@ -34,6 +34,10 @@ from cals_seg.tasks import build_task
 
 from .conftest import load_tool, recomputed_test_accuracy
 
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 ROOT = Path(__file__).resolve().parents[1]
 def _png(path: Path, value: int = 0, size: int = 8) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,7 +194,9 @@ def test_pretrained_offline_is_a_clear_error(monkeypatch):
 
 
 def test_classification_config_rejects_void_label_255(tmp_path):
-    cfg = load_config(ROOT / "configs" / "synthetic_cls_ce.yaml", ["data.ignore_index=255"])
+    cfg = load_config(ROOT / "configs" / "synthetic_cls_ce.yaml", [
+        "data.ignore_index=255", f"data.root={tmp_path / 'data'}",
+        "data.synthetic={max_train: 8, min_train: 2, num_val: 1, num_test: 1, image_size: 16}"])
     with pytest.raises(ValueError, match="-100"):
         build_task(cfg)
 
@@ -251,10 +257,6 @@ def test_group_metrics_equal_meters_on_the_group_subsets():
 
 
 # ----------------------------------------------------------------------------- end to end
-def _train_cls():
-    return load_tool("train_cls")
-
-
 @pytest.mark.parametrize("method", ["ce", "cals_alm"])
 def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
     overrides = [
@@ -263,8 +265,8 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
         "train.batch_size=32", "eval.batch_size=64", "train.progress=false", "train.threads=1",
         "train.amp=none",  # float32, like the per-sample recomputation below
     ]
-    code = _train_cls().main([str(ROOT / "configs" / f"synthetic_cls_{method}.yaml"),
-                              "--set", *overrides])
+    config = ROOT / "configs" / f"synthetic_cls_{method}.yaml"
+    code = load_tool("train_cls").main([str(config), "--set", *overrides])
     assert code == 0, capsys.readouterr().err
     run = tmp_path / "runs" / f"run_{method}"
     for name in ("config.yaml", "history.jsonl", "checkpoint_last.pt", "checkpoint_best.pt",

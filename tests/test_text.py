@@ -25,6 +25,10 @@ from cals_seg.tasks import build_task
 
 from .conftest import load_tool, recomputed_test_accuracy
 
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 POST = (
@@ -160,10 +164,6 @@ def test_synthetic_corpus_layout_and_determinism(tmp_path):
 
 
 # ----------------------------------------------------------------------------- end to end
-def _train_cls():
-    return load_tool("train_cls")
-
-
 @pytest.mark.parametrize("method", ["ce", "cals_alm"])
 def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
     overrides = [
@@ -172,8 +172,8 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
         "train.batch_size=16", "train.progress=false", "train.threads=1",
         "train.amp=none",  # float32, like the per-sample recomputation below
     ]
-    code = _train_cls().main([str(ROOT / "configs" / f"synthetic_text_{method}.yaml"),
-                              "--set", *overrides])
+    config = ROOT / "configs" / f"synthetic_text_{method}.yaml"
+    code = load_tool("train_cls").main([str(config), "--set", *overrides])
     assert code == 0, capsys.readouterr().err
     run = tmp_path / "runs" / f"run_{method}"
     for name in ("config.yaml", "history.jsonl", "checkpoint_last.pt", "checkpoint_best.pt",
@@ -223,7 +223,7 @@ def test_resume_continues_and_rewrites_groups(tmp_path, capsys):
         "train.progress=false", "train.threads=1",
     ]
     config = str(ROOT / "configs" / "synthetic_text_cals_alm.yaml")
-    tool = _train_cls()
+    tool = load_tool("train_cls")
     assert tool.main([config, "--set", *base, "train.epochs=1"]) == 0
     run = tmp_path / "runs" / "r"
     assert tool.main([config, "--set", *base, "train.epochs=1"]) == 2  # the run exists
