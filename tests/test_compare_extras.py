@@ -17,9 +17,14 @@ from .conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 CE = ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*temperature.json", "ignore:The validation NLL is minimal",
-    "ignore:.*search boundary:UserWarning", "ignore:.*have no validation pixel")
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:.*temperature.json", "ignore:The validation NLL is minimal",
+        "ignore:.*search boundary:UserWarning", "ignore:.*have no validation pixel"),
+    pytest.mark.usefixtures("undrawn_figures"),
+]
 EXACT = 1e-9  # relative: the tables hold eval_seg's numbers (times 100), not near ones
 
 

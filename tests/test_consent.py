@@ -27,6 +27,10 @@ from cals_seg.models.consent import (
 )
 from cals_seg.runs.run import load_run
 
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 K = 11
 PAYLOAD = "cals_seg_test_payload"  # a module that, if imported, leaves a marker file
 

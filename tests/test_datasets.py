@@ -33,6 +33,10 @@ from ._trees import (
 )
 from .conftest import load_tool
 
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 

@@ -31,6 +31,10 @@ from cals_seg.tasks.segmentation import build_model
 from .conftest import fake_run, load_tool
 from .test_predict_seg import MEAN, STD, STEP, _lines, _read16
 
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 NAME = "class_ts"
 SETUP = Path(__file__).resolve().parents[1] / "configs" / "synthetic_deeplabv3.yaml"
 # The validation batches every fit of the test calibrator saw (logits, target), for the reference.

@@ -32,9 +32,14 @@ NAME = "ratio"
 GRID = 2**12
 CALLS: list[int] = []  # one entry per call of the test score, its batch size
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:.*temperature.json", "ignore:The validation NLL is minimal",
-    "ignore:.*search boundary")
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:.*temperature.json", "ignore:The validation NLL is minimal",
+        "ignore:.*search boundary"),
+    pytest.mark.usefixtures("undrawn_figures"),
+]
 
 
 class RatioScore(ConformalScore):

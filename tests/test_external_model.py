@@ -34,8 +34,11 @@ from cals_seg.models.external import (
 from cals_seg.runs.run import load_run
 
 K = 11  # the embedded synthetic dataset's classes
-# A random network's validation NLL may be lowest at the largest temperature searched.
-pytestmark = pytest.mark.filterwarnings("ignore:.*search boundary:UserWarning")
+# A random network's validation NLL may be lowest at the largest temperature searched. The
+# library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file checks
+# numbers, messages and which files are written, not how a figure looks.
+pytestmark = [pytest.mark.filterwarnings("ignore:.*search boundary:UserWarning"),
+              pytest.mark.usefixtures("undrawn_figures")]
 
 
 # ----------------------------------------------------------------------------- a factory

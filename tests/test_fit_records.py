@@ -54,8 +54,13 @@ from .test_compile_sync import HostReads
 
 K, VOID = 4, 255
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings("ignore:boundary_ts", "ignore:selective",
-                                        "ignore:.*identity")
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore:boundary_ts", "ignore:selective", "ignore:.*identity"),
+    pytest.mark.usefixtures("undrawn_figures"),
+]
 
 
 def _params(name: str) -> dict:

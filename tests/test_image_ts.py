@@ -27,6 +27,10 @@ from cals_seg.calibrators.image_ts import (
 )
 from cals_seg.metrics.distance import int_thresholds
 
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 VOID = 255
 MEAN, STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
 

@@ -27,6 +27,10 @@ from cals_seg.tasks.segmentation import eval_protocol
 
 from .conftest import fake_run, load_tool
 
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
 

@@ -18,6 +18,10 @@ from cals_seg.calibrators import build_calibrator, load_calibrator, save_calibra
 from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.metrics import SegmentationMeter
 
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
+# checks numbers, messages and which files are written, not how a figure looks.
+pytestmark = pytest.mark.usefixtures("undrawn_figures")
+
 VOID = 255
 K = 3
 
