@@ -263,9 +263,11 @@ def hinge_gap_terms(weight: Tensor, margin: float | Tensor) -> GapTerms:
 
     def terms(t: Tensor) -> tuple[Tensor, Tensor]:
         shifted = t + margin  # d - m = -(t + m)
-        if torch.compiler.is_compiling():  # two expressions: see phr_gap_terms
+        if torch.compiler.is_compiling():
+            # Two expressions (see phr_gap_terms); the derivative a where, since AOTAutograd
+            # kept the logits-sized bool of a comparison cast to float for backward.
             value = (shifted.clamp(max=0.0) * weight).sum(dim=1, keepdim=True).neg()
-            return (t < -margin).to(t.dtype) * weight, value
+            return torch.where(shifted < 0.0, weight, 0.0), value
         value = shifted.clamp_(max=0.0).mul_(weight).sum(dim=1, keepdim=True).neg_()
         return t.lt_(-margin).mul_(weight), value
 
