@@ -4,6 +4,8 @@ float32 and float64, compiled), the terms, what is kept for backward, and one ba
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,3 +135,32 @@ def test_compiled_equals_eager(name):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cals_alm", "cals_hr"])
+def test_compiled_keeps_no_logits_sized_tensor(name):
+    """inductor (its partitioner chooses what backward keeps): per-position maps only, no
+    tensor of the logits' size (a float derivative or a bool mask) besides the logits."""
+    from cals_seg.losses import build_loss
+
+    k = 16
+    x = torch.randn(2, k, 32, 32) * 6
+    y = torch.randint(0, k, (2, 32, 32))
+    loss = build_loss(name, k, ignore_index=IGN)
+    loss.lambdas.fill_(0.5)
+    loss.deferred_checks = True
+    compiled = torch.compile(loss)
+    compiled(x.clone().requires_grad_(True), y).backward()  # compile
+    a = x.clone().requires_grad_(True)
+    shapes = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != a.untyped_storage().data_ptr():
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compiled(a, y)
+    out.backward()
+    assert all(math.prod(s) <= 2 * 32 * 32 for s in shapes), shapes
