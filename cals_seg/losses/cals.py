@@ -27,7 +27,7 @@ from torch import Tensor
 
 from cals_seg.losses._alm import ALMRules, ALMSettings
 from cals_seg.losses._class_adaptive import ClassAdaptiveLoss
-from cals_seg.losses._functional import ce_sum, class_penalty
+from cals_seg.losses._functional import ce_penalty
 from cals_seg.losses.cals_hr import CALSHRLoss  # registered first: the order of the tables
 from cals_seg.losses.registry import LOSSES
 
@@ -90,18 +90,13 @@ class CALSALMLoss(ALMRules, ClassAdaptiveLoss):
         self.add_statistic("_sum_z", k)
 
     def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
-        ce = ce_sum(logits, target, self.ignore_index) / valid.sum().clamp(min=1)
+        # CE and the penalty in one walk over the logits (shared max and log-sum-exp; the
+        # gradient of both written at once): cals_seg.losses._functional.ce_penalty
         lam, rho = self._per_class(self.lambdas, logits), self._per_class(self.rhos, logits)
-        value, derivative = self.penalty.value, self.penalty.derivative
-        pen = class_penalty(
-            logits,
-            valid,
-            self._margin_for(logits),
-            lambda z: value(z, rho, lam),
-            lambda z: derivative(z, rho, lam),
-        )
-        self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
-        return ce + pen
+        terms = self.penalty.gap_terms(rho, lam, self._margin_for(logits))
+        loss, ce, pen = ce_penalty(logits, target, valid, terms)
+        self.terms = {"ce": ce, "penalty": pen}
+        return loss
 
     def _class_statistics(self) -> list[str]:
         return ["_sum_grad", "_sum_z"]

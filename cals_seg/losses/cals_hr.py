@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from cals_seg.losses._class_adaptive import ClassAdaptiveLoss
-from cals_seg.losses._functional import ce_sum, class_penalty
+from cals_seg.losses._functional import ce_penalty, hinge_gap_terms
 from cals_seg.losses.registry import LOSSES
 
 SCORE_RULES = ("weighted", "unweighted")
@@ -100,19 +100,12 @@ class CALSHRLoss(ClassAdaptiveLoss):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _forward(self, logits: Tensor, target: Tensor, valid: Tensor) -> Tensor:
-        ce = ce_sum(logits, target, self.ignore_index) / valid.sum().clamp(min=1)
-        # lambda_k relu(d - m) = lambda_k m relu(z); derivative in z: lambda_k m [z > 0].
-        margin = self._margin_for(logits)
-        w = self._per_class(self.lambdas, logits) * margin
-        pen = class_penalty(
-            logits,
-            valid,
-            margin,
-            lambda z: z.clamp_(min=0.0).mul_(w),
-            lambda z: (z > 0).to(z.dtype).mul_(w),
-        )
-        self.terms = {"ce": ce.detach(), "penalty": pen.detach()}
-        return ce + pen
+        # lambda_k relu(d - m) = lambda_k m relu(z), with CE in one walk over the logits
+        # (cals_seg.losses._functional.ce_penalty)
+        terms = hinge_gap_terms(self._per_class(self.lambdas, logits), self._margin_for(logits))
+        loss, ce, pen = ce_penalty(logits, target, valid, terms)
+        self.terms = {"ce": ce, "penalty": pen}
+        return loss
 
     def _class_statistics(self) -> list[str]:
         return ["_sum_pen"]
