@@ -452,7 +452,7 @@ def test_ensemble_fits_live_in_its_output(tmp_path, capsys):
     assert "--out" in _one_line_error(capsys.readouterr().err)
     # M1's own fits
     assert eval_seg.main([str(m1), "--out", str(tmp_path / "own"), "--calibrators", "ts",
-                          "--conformal", "alpha=0.3"]) == 0
+                          "--conformal", "alpha=0.3", "--save-calibrators-to-run"]) == 0
     own = _tree(m1 / "calibrators")
     assert "ts.pt" in own and "conformal_risk_lac_a0.3_s0.json" in own
 
