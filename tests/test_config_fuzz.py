@@ -54,6 +54,7 @@ BASE = {  # family -> (setup file, tiny settings); {tmp} is the test's folder
     "segmentation": ("synthetic_deeplabv3.yaml", [
         "data.root={tmp}/data_seg", "data.synthetic={num_train: 8, num_test: 4, image_size: 32}",
         "data.crop_size=32", "model.params={encoder_output_stride: 16, decoder_channels: 16}",
+        "model.encoder_name=tu-mobilenetv3_small_050",  # a tenth of ResNet-18's weights to draw
         "train.batch_size=4", "eval.batch_size=4", "eval.num_maps=0",
         "eval.temperature_scaling=false"]),
     "classification": ("synthetic_cls.yaml", [
