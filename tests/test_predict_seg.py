@@ -15,7 +15,7 @@ from PIL import Image
 from cals_seg.config.schema import load_config
 from cals_seg.tasks.segmentation import build_model
 
-from .conftest import UNTRAINED_T, fake_run, load_tool
+from .conftest import UNTRAINED_T, copy_run, fake_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "configs" / "synthetic_deeplabv3.yaml"
@@ -24,11 +24,11 @@ T_RUN = UNTRAINED_T
 STEP = 1 / 65535  # the storage precision of the 16-bit PNGs
 
 
-@pytest.fixture()
-def run_dir(untrained_run) -> Path:
-    """The session's run directory with a random-weight model, its config.yaml and a fitted
-    temperature (T_RUN; read only)."""
-    return untrained_run
+@pytest.fixture(scope="module")
+def run_dir(untrained_run, tmp_path_factory) -> Path:
+    """A copy of the session's run directory with a random-weight model, its config.yaml and a
+    fitted temperature (T_RUN): predict_seg saves its far-from-validation reference into it."""
+    return copy_run(untrained_run, tmp_path_factory.mktemp("predict"))
 
 
 @pytest.fixture()

@@ -315,11 +315,11 @@ def test_a_link_out_of_the_root_is_refused_by_inside(tmp_path):
 
 
 # ===================================================== 2. no tool overwrites a user's file
-@pytest.fixture()
-def model_run(untrained_run) -> Path:
-    """The session's run folder with a random-weight model and a temperature (predict_seg,
-    export; read only: every case checks that it is left as it was)."""
-    return untrained_run
+@pytest.fixture(scope="module")
+def model_run(untrained_run, tmp_path_factory) -> Path:
+    """A copy of the session's run folder with a random-weight model and a temperature
+    (predict_seg, export; predict_seg saves its far-from-validation reference into it)."""
+    return copy_run(untrained_run, tmp_path_factory.mktemp("reliab_run"))
 
 
 def _photos(tmp: Path) -> Path:
