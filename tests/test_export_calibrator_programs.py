@@ -24,7 +24,7 @@ from cals_seg.calibrators.boundary_ts import predicted_bands
 from cals_seg.metrics.distance import int_thresholds
 
 from .conftest import load_tool
-from .test_export_calibrators import NAMES, K, _check, _pixels, _predicted, _structured, fitted_run
+from .test_export_calibrators import NAMES, K, _check, _pixels, _predictor, _structured, fitted_run
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -154,11 +154,12 @@ def test_conformal_sets_after_a_calibrator_are_predict_seg_s(run, tmp_path, caps
     info = json.loads(Path(f"{out}.json").read_text())
     assert info["calibrator"] == "boundary_ts" and info["outputs"] == ["probs", "sets"]
     program = torch.export.load(out).module()
+    predicted = _predictor(run, "boundary_ts", tmp_path)
     for path in sorted(images.glob("*.png")):
         image = np.asarray(Image.open(path).convert("RGB"))
         with torch.no_grad():
             probs, sets = program(_pixels(image))
-        want_probs, _ = _predicted(run, "boundary_ts", image, tmp_path)
+        want_probs, _ = predicted(image)
         assert (probs - want_probs).abs().max() <= 1e-5
         want_sets = np.load(pred / f"{path.stem}_sets.npz")["sets"]
         assert np.array_equal(sets[0].numpy(), want_sets)
