@@ -152,7 +152,7 @@ def test_compare_sees_a_run_of_another_resolved_precision(tmp_path, monkeypatch)
 
     run = Run(tmp_path / "r")
     run.path.mkdir()
-    save_config(cfg, run.config)
+    save_config(cfg, run.config_file)
     here = precision.resolve_amp("auto", torch.device("cpu"), warn=False)
     there = "bf16" if here == "none" else "none"
     run.test_metrics.write_text(json.dumps({"precision": here}))
@@ -183,7 +183,8 @@ def test_compare_reads_one_data_folder_spelled_two_ways_as_the_same(tmp_path, mo
         run = Run(tmp_path / f"r{i}")
         run.path.mkdir()
         save_config(load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
-                                [f"output_dir={tmp_path}", f"data.root={saved_root}"]), run.config)
+                                [f"output_dir={tmp_path}", f"data.root={saved_root}"]),
+                    run.config_file)
         expected = load_config(CONFIGS / "synthetic_deeplabv3_ce.yaml",
                                [f"output_dir={tmp_path}", f"data.root={expected_root}"])
         assert config_differences(run.path, expected) == [], (saved_root, expected_root)

@@ -115,7 +115,7 @@ def fitted_run(tmp: Path) -> Path:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             calibrator.fit(lambda: iter(batches), ignore_index=255)
-        save_calibrator(calibrator.eval(), loaded.run.calibrator_file(name),
+        save_calibrator(calibrator.eval(), loaded.calibrator_file(name),
                         fitted_for=calibrator_record(loaded, name))
     images = tmp / "images"
     images.mkdir()

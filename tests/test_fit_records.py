@@ -200,7 +200,7 @@ def test_an_older_file_without_a_record_loads_with_none(fitted, tmp_path):
 # ------------------------------------------------------------------ what a fit is for
 def _fake_run(tmp: Path, name: str = "run", *, members: list[Path] | None = None,
               precision: str = "none", k: int = K) -> SimpleNamespace:
-    """What calibrator_record reads of a LoadedRun: a checkpoint file, the data section,
+    """What calibrator_record reads of a loaded Run: a checkpoint file, the data section,
     class names, precision, protocol, the ensemble's members."""
     folder = tmp / name
     folder.mkdir(parents=True, exist_ok=True)

@@ -55,20 +55,20 @@ def test_run_file_names_are_spelt_in_one_module():
 
 def test_run_paths_and_files(tmp_path):
     run = Run(tmp_path / "r")
-    assert run.config == tmp_path / "r" / "config.yaml"
+    assert run.config_file == tmp_path / "r" / "config.yaml"
     assert run.history_file.name == "history.jsonl"
     assert (run.last.name, run.best.name) == ("checkpoint_last.pt", "checkpoint_best.pt")
-    assert run.checkpoint("best") == run.best and run.checkpoint("last") == run.last
+    assert run.checkpoint_file("best") == run.best and run.checkpoint_file("last") == run.last
     assert run.test_metrics.name == "test_metrics.json"
     assert run.temperature_file.name == "temperature.json"
     assert run.plots.name == "plots" and run.calibrator_file("ts") == run.path / "calibrators/ts.pt"
     assert Run.eval_metrics(run.eval_dir("test")) == run.path / "eval_test" / "metrics.json"
-    assert run.holds_run() == [] and not run.finished() and run.precision() is None
+    assert run.holds_run() == [] and not run.finished() and run.trained_precision() is None
     run.check_start(resume=False)  # nothing there: a new run may start
     run.path.mkdir()
     run.append_history({"epoch": 0, "precision": "bf16"})
     run.append_history({"epoch": 1, "precision": "bf16"})
-    assert run.precision() == "bf16"
+    assert run.trained_precision() == "bf16"
     with pytest.raises(RunExistsError, match=r"history.jsonl.*--resume"):
         run.check_start(resume=False)
     with pytest.raises(FileNotFoundError, match="no checkpoint_last.pt"):
@@ -77,7 +77,7 @@ def test_run_paths_and_files(tmp_path):
     assert [h["epoch"] for h in run.history()] == [0]
     run.write_test_metrics({"precision": "none", "pre_ts": {"ece": float("nan")}})
     # the training's precision (history), not the test pass's inference precision
-    assert run.finished() and run.precision() == "bf16"
+    assert run.finished() and run.trained_precision() == "bf16"
     assert json.loads(run.test_metrics.read_text())["pre_ts"]["ece"] is None  # standard JSON
     run.write_temperature(1.5)
     assert run.read_temperature() == 1.5

@@ -172,7 +172,7 @@ def calibrator_record(
     ``partial=True`` (:func:`fit_problem`) on the keys it has.
 
     Args:
-        run: a :class:`cals_seg.runs.run.LoadedRun` (``checkpoint``, ``config``,
+        run: a loaded :class:`cals_seg.runs.run.Run` (``checkpoint``, ``config``,
             ``class_names``, ``precision``, ``protocol``, ``extra``).
         name, params: the calibrator and the parameters given for it.
         split_ids: the ids of the images the fit sees (``task.val_set.ids``).
@@ -333,7 +333,7 @@ def load_run_calibrator(run: Any, name: str, folder: str | Path | None = None) -
     pass, clean data, ignore_index), compared with ``partial=True``.
 
     Args:
-        run: a :class:`cals_seg.runs.run.LoadedRun` (its ``precision`` and ``protocol`` are the
+        run: a loaded :class:`cals_seg.runs.run.Run` (its ``precision`` and ``protocol`` are the
             ones the calibrator will see).
 
     Raises:

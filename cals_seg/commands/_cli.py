@@ -238,8 +238,8 @@ def run_config(args: argparse.Namespace) -> Config:
             from cals_seg.models.consent import check_consent
 
             # a run folder is data: its factory needs --trust-code or remembered consent
-            check_consent(cfg.model.factory, run.config, bool(getattr(args, "trust_code", False)),
-                          run.path)
+            check_consent(cfg.model.factory, run.config_file,
+                          bool(getattr(args, "trust_code", False)), run.path)
         return cfg
     if args.config is None:
         raise MissingPathError("give a CONFIG (a YAML config or setup file), or --resume "

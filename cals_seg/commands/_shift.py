@@ -109,7 +109,7 @@ def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
     first.task.model = model
     digest = members_digest([r.checkpoint for r in runs])
     args.calibrator_folder = ensemble_folder(args.out, digest)
-    return dataclasses.replace(first, model=model, extra={
+    return first.replace(model=model, extra={
         **first.extra, "ensemble": {"members": [str(r.checkpoint) for r in runs],
                                     "size": len(runs), "forward_passes_per_image": len(runs),
                                     "network": digest,

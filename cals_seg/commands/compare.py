@@ -190,7 +190,7 @@ def given_run_identity(folder: Path) -> tuple[str, str]:
     from cals_seg.runs.run import Run
 
     run = Run(folder)
-    return file_digest(run.best), file_digest(run.config)
+    return file_digest(run.best), file_digest(run.config_file)
 
 
 def given_run_row(folder: Path, rows: dict[str, dict[str, Any]]) -> str:
@@ -206,7 +206,7 @@ def given_run_row(folder: Path, rows: dict[str, dict[str, Any]]) -> str:
     run = Run(folder)
     if not run.has_config() or not run.best.is_file():
         raise MissingPathError(
-            f"{folder} is a folder but not a run (it needs {run.config.name} and "
+            f"{folder} is a folder but not a run (it needs {run.config_file.name} and "
             f"{run.best.name}); give a config, or make the run with tools/import_model.py.")
     if task_family(run.read_config()) != "segmentation":
         raise UserError(f"{folder}: only segmentation runs can be given as folders; give the "
@@ -581,7 +581,7 @@ def write_reference_out(args: argparse.Namespace, rows: dict[str, dict[str, Any]
         setup = config.as_posix()
     first = next(((Path(d), m) for row in rows.values() for d, m in row.get("metrics", [])[:1]),
                  None)
-    precision = precision_words(Run(first[0]).precision(), first[1].get("precision")) \
+    precision = precision_words(Run(first[0]).trained_precision(), first[1].get("precision")) \
         if first else None
     command = "python tools/compare.py " + shlex.join(args.argv)
     write_reference(args.reference_out, setup, reference_entry(

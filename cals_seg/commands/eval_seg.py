@@ -278,7 +278,7 @@ def claim_outputs(run, args: argparse.Namespace) -> None:
 
     if not is_main_process():
         return
-    folder = run.run
+    folder = run
     if not args.out or args.calibrators:
         args.run_lock = RunLock(folder.path, "eval").acquire()  # held until the process ends
     out = Path(args.out) if args.out else folder.eval_dir(args.split)
@@ -352,7 +352,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.utils.distributed import is_distributed
 
         # the drift fits (named by their seed, reused by their record): with the run's
-        cal_folder = getattr(args, "calibrator_folder", None) or run.run.calibrators
+        cal_folder = getattr(args, "calibrator_folder", None) or run.calibrators
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
@@ -362,7 +362,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
             try:  # reused only when fitted for this network, classes, images, params, precision
                 record = calibrator_record(run, name, params.get(name, {}), task.val_set.ids,
                                            precision=infer.amp, protocol=infer.protocol)
-                found = None if args.refit_calibrators or folder == run.run.calibrators else \
+                found = None if args.refit_calibrators or folder == run.calibrators else \
                     run_fit(run, name, record)  # the run's own fit, read only, when it is this
                 one, fit = found or load_or_fit_calibrators(
                     [name], folder, task.num_classes, infer, val_loader, task.ignore_index,
@@ -399,7 +399,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.commands._conformal import conformal_sets
 
         try:
-            out = Path(args.out) if args.out else run.run.eval_dir(args.split)
+            out = Path(args.out) if args.out else run.eval_dir(args.split)
             num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
             # an ensemble's fits live in its --out (args.calibrator_folder), never in a member's
             sets = conformal_sets(run, args.conformal, task.val_set, split_set, out / "maps",
@@ -421,7 +421,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
                   precision=infer.amp, family=run.family, score_metric=run.score_metric)
     figures = Background()
     if is_main_process():  # the clean figures are drawn while the corrupted splits stream
-        out = Path(args.out) if args.out else run.run.eval_dir(args.split)
+        out = Path(args.out) if args.out else run.eval_dir(args.split)
         out.mkdir(parents=True, exist_ok=True)
         figures.start(draw_clean_figures, result, out, cfg.name, args.split)
     from cals_seg.evaluation.confidence_regime import KEY as REGIME_KEY
@@ -468,11 +468,11 @@ def fits_home(run, args: argparse.Namespace, name: str | None = None
     if getattr(args, "calibrator_folder", None):  # an ensemble: never a member's folder
         return Path(args.calibrator_folder), "an ensemble's fit"
     if getattr(args, "save_calibrators_to_run", False):
-        return run.run.calibrators, None
+        return run.calibrators, None
     reasons = []
-    if args.out and Path(args.out).resolve() != run.run.eval_dir(args.split).resolve():
+    if args.out and Path(args.out).resolve() != run.eval_dir(args.split).resolve():
         reasons.append("--out elsewhere")
-    if Path(run.checkpoint).resolve() != run.run.best.resolve():
+    if Path(run.checkpoint).resolve() != run.best.resolve():
         reasons.append(f"checkpoint {Path(run.checkpoint).name}")
     if args.set or protocol_overrides(args) or Path(str(args.run)).is_file():
         reasons.append("the run's config overridden")
@@ -480,7 +480,7 @@ def fits_home(run, args: argparse.Namespace, name: str | None = None
     if given and not default_params(name, given):
         reasons.append("parameters other than the defaults")
     if not reasons:
-        return run.run.calibrators, None
+        return run.calibrators, None
     return evaluation_fits(run, args), ", ".join(reasons)
 
 
@@ -489,7 +489,7 @@ def evaluation_fits(run, args: argparse.Namespace) -> Path:
     ensemble's: its own folder there)."""
     if getattr(args, "calibrator_folder", None):
         return Path(args.calibrator_folder)
-    return (Path(args.out) if args.out else run.run.eval_dir(args.split)) / "calibrators"
+    return (Path(args.out) if args.out else run.eval_dir(args.split)) / "calibrators"
 
 
 def default_params(name: str, params: dict) -> bool:
@@ -504,7 +504,7 @@ def run_fit(run, name: str, record: dict) -> tuple[dict, dict] | None:
     for this use (its record is ``record``); None otherwise."""
     from cals_seg.calibrators import CalibratorFileError, fit_problem, load_calibrator
 
-    path = run.run.calibrator_file(name)
+    path = run.calibrator_file(name)
     if not path.is_file():
         return None
     try:
@@ -526,7 +526,7 @@ def fit_notice(run, name: str, file: str, why: str | None) -> str:
         return (f"calibrator {name}: fitted on the validation split and saved as the run's own "
                 f"fit, {file} (predict_seg --calibrator {name} and export use it)")
     return (f"calibrator {name}: fitted on the validation split for this evaluation ({why}), "
-            f"saved to {file}; the run's own fit, {run.run.calibrator_file(name)}, which "
+            f"saved to {file}; the run's own fit, {run.calibrator_file(name)}, which "
             "predict_seg and export use, is left as it is (--save-calibrators-to-run replaces "
             "it)")
 
@@ -592,7 +592,7 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set,
     from cals_seg.visualization import plotting
 
     cfg, task = run.config, run.task
-    folder = run.run
+    folder = run
     out = Path(args.out) if args.out else folder.eval_dir(args.split)
     out.mkdir(parents=True, exist_ok=True)
     write_json(Run.eval_metrics(out), result)

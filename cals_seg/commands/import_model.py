@@ -118,7 +118,7 @@ def import_model(config: str | Path, out: str | Path, overrides: list[str] | tup
             ignore_index=task.ignore_index)
 
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run.config)
+    save_config(cfg, run.config_file)
     remember(out, cfg.model.factory)  # the user named this config: their consent, kept off the run
     state = {name: t.detach().cpu() for name, t in model.state_dict().items()}
     save_checkpoint({

@@ -99,7 +99,7 @@ def open_run(args: argparse.Namespace):
     if temperature is None:
         temperature = run.temperature
         if temperature is None:
-            warnings.warn(f"{run.path} has no {run.run.temperature_file.name} (the run did not "
+            warnings.warn(f"{run.path} has no {run.temperature_file.name} (the run did not "
                           "finish, or eval.temperature_scaling is false): confidences are not "
                           "calibrated (T = 1).", stacklevel=1)
             temperature = 1.0

@@ -19,7 +19,7 @@ its record is the use's (:func:`saved_fit_mismatch`); every file read back is va
 A ``spec`` is the dictionary of ``--conformal`` (``alpha``, ``mode`` a list, ``score``,
 ``calibrator``, ``seed``, ``every`` or None); a ``run`` has ``model``, ``task``, ``device``,
 ``precision``, ``config``, ``checkpoint``, ``class_names``, ``protocol`` and ``extra``
-(:class:`cals_seg.runs.run.LoadedRun`); ``loader`` makes the evaluation loader of a dataset
+(a loaded :class:`cals_seg.runs.run.Run`); ``loader`` makes the evaluation loader of a dataset
 (in order, e.g. ``lambda ds: make_loader(ds, batch_size, False, workers)``).
 """
 
@@ -144,7 +144,7 @@ def saved_fit_mismatch(run: Any, spec: dict[str, Any], mode: str, cs: ConformalS
 def fits_folder(run: Any, folder: Path | None = None) -> Path:
     """Where a run's fits live: ``folder`` (an ensemble's, in its --out), else
     ``<run>/calibrators``."""
-    return Path(folder) if folder is not None else run.run.calibrators
+    return Path(folder) if folder is not None else run.calibrators
 
 
 def conformal_file(folder: Path, mode: str, score: str, alpha: float, seed: int) -> Path:

@@ -153,8 +153,8 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
             validation images whose mean entropy is not finite.
     """
     how = f"calibrator-{calibrator_name}" if calibrator_name else f"T{temperature:.4f}"
-    path = run.run.calibrators / ENTROPY_FILE.format(q=round(100 * QUANTILE), how=how)
-    cal_file = run.run.calibrator_file(calibrator_name) if calibrator_name else None
+    path = run.calibrators / ENTROPY_FILE.format(q=round(100 * QUANTILE), how=how)
+    cal_file = run.calibrator_file(calibrator_name) if calibrator_name else None
     fix = (f"delete it to have it recomputed from the validation images of {run.path}, or "
            "give --no-ood-check")
     val_ids = None if val is None else getattr(val, "ids", None) or list(range(len(val)))

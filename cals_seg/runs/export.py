@@ -338,8 +338,8 @@ def _calibration(loaded: Any, calibrator: str | None, logits: bool) -> dict[str,
         return {"name": "none", "temperature": None, "module": None, "file": None}
     if calibrator == "none":
         return {"name": "none", "temperature": 1.0, "module": None, "file": None}
-    temperature_file = loaded.run.temperature_file
-    if calibrator == "ts" and not loaded.run.calibrator_file("ts").is_file():
+    temperature_file = loaded.temperature_file
+    if calibrator == "ts" and not loaded.calibrator_file("ts").is_file():
         calibrator = None  # the run's own temperature scaling (what --calibrator ts meant)
     if calibrator is None:
         if loaded.temperature is None:
@@ -358,12 +358,12 @@ def _calibration(loaded: Any, calibrator: str | None, logits: bool) -> dict[str,
     except UserError as err:
         if "[precision]" not in str(err):
             raise
-        raise UserError(f"{loaded.run.calibrator_file(calibrator)} was fitted on logits of a "
+        raise UserError(f"{loaded.calibrator_file(calibrator)} was fitted on logits of a "
                         "lower-precision forward pass; the exported program's is float32: refit "
                         f"it with tools/eval_seg.py {run_dir} --calibrators {calibrator} "
                         "--refit-calibrators --set train.amp=none.") from None
     return {"name": calibrator, "temperature": None, "module": module,
-            "file": str(loaded.run.calibrator_file(calibrator))}
+            "file": str(loaded.calibrator_file(calibrator))}
 
 
 # Not split (over 80 lines): most of it is the docstring and the metadata written.

@@ -50,12 +50,12 @@ exporting) nothing but the run folder is read.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,30 +109,96 @@ CONFIG_SECTIONS = ("name", "data", "model", "loss", "train", "eval")
 
 
 class Run:
-    """The files of one run folder (see the module docstring). Only the main process writes.
+    """One run folder: every file it may hold, each read by one typed reader and written by one
+    atomic writer (see the module docstring), and, once loaded (:func:`load_run`,
+    :meth:`load`), its network ready to evaluate. Only the main process writes.
 
-    Args:
-        path: the run folder (it need not exist yet).
+    ``Run(path)`` is the folder alone (it need not exist yet): its files, their readers and
+    writers. Loading fills in the rest.
+
+    Attributes:
+        path: the run folder as given.
+        checkpoint: the checkpoint file read (None before loading).
+        config: the run's resolved config (with the overrides given when loaded; read from
+            ``config.yaml`` on first use otherwise).
+        model: the network with the checkpoint's weights, in eval mode, on ``device``.
+        device, precision: where and in which precision (``none``/``bf16``/``fp16``) to run it
+            (:meth:`trained_precision` is the one it was trained at).
+        family, score_metric: the task family (``segmentation``/``classification``) and its
+            headline metric (``miou``/``acc``), from the registry of ``data.name``.
+        class_names: K names. ``protocol``: the evaluation protocol (segmentation), else None.
+        temperature: the temperature fitted on validation (``temperature.json``), None if none.
+        epoch: the epoch the checkpoint holds. ``task``: the task (splits), with ``with_data``.
+        extra: what else the loader knows (an ensemble's members: ``extra["ensemble"]``).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, checkpoint: Path | None = None,
+                 config: Config | None = None, model: nn.Module | None = None,
+                 device: torch.device | None = None,
+                 precision: str = "none", family: str | None = None,
+                 score_metric: str | None = None, class_names: list[str] | None = None,
+                 protocol: EvalProtocol | None = None, temperature: float | None = None,
+                 epoch: int | None = None, task: Task | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
+        self.checkpoint = checkpoint
+        self._config = config
+        self.model, self.device, self.precision = model, device, precision
+        self.family, self.score_metric = family, score_metric
+        self.class_names = list(class_names) if class_names is not None else []
+        self.protocol, self.temperature, self.epoch, self.task = protocol, temperature, epoch, task
+        self.extra = dict(extra) if extra is not None else {}
+
+    @property
+    def config(self) -> Config:
+        """The run's resolved config: the one loaded, else ``config.yaml`` read on first use
+        (:meth:`read_config`)."""
+        if self._config is None:
+            self._config = self.read_config()
+        return self._config
+
+    @config.setter
+    def config(self, value: Config) -> None:
+        self._config = value
+
+    def replace(self, **changes: Any) -> Run:
+        """A copy with ``changes`` (e.g. an ensemble's ``model`` and ``extra``)."""
+        other = copy.copy(self)
+        for key, value in changes.items():
+            setattr(other, key, value)
+        return other
 
     def __repr__(self) -> str:
-        return f"Run({str(self.path)!r})"
+        loaded = f", checkpoint={self.checkpoint.name!r}" if self.checkpoint is not None else ""
+        return f"Run({str(self.path)!r}{loaded})"
 
-    config = property(lambda self: self.path / CONFIG_FILE)
-    history_file = property(lambda self: self.path / HISTORY_FILE)
-    last = property(lambda self: self.path / LAST_CHECKPOINT)
-    best = property(lambda self: self.path / BEST_CHECKPOINT)
-    test_metrics = property(lambda self: self.path / TEST_METRICS_FILE)
-    temperature_file = property(lambda self: self.path / TEMPERATURE_FILE)
-    plots = property(lambda self: self.path / PLOTS_DIR)
-    calibrators = property(lambda self: self.path / CALIBRATORS_DIR)
+    @property
+    def folder(self) -> Path:
+        """Where the files are read and written: the folder of the checkpoint read (symbolic
+        links resolved, so that nothing is written through a link), else :attr:`path`."""
+        if self.checkpoint is None:
+            return self.path
+        real = Path(self.checkpoint).resolve().parent
+        return self.path if self.path.resolve() == real else real
 
-    def checkpoint(self, which: str) -> Path:
+    @property
+    def run(self) -> Run:
+        """Deprecated: the run itself (``LoadedRun.run`` of earlier versions, when the loaded
+        network and the folder's files were two objects)."""
+        return self
+
+    config_file = property(lambda self: self.folder / CONFIG_FILE)
+    history_file = property(lambda self: self.folder / HISTORY_FILE)
+    last = property(lambda self: self.folder / LAST_CHECKPOINT)
+    best = property(lambda self: self.folder / BEST_CHECKPOINT)
+    test_metrics = property(lambda self: self.folder / TEST_METRICS_FILE)
+    temperature_file = property(lambda self: self.folder / TEMPERATURE_FILE)
+    plots = property(lambda self: self.folder / PLOTS_DIR)
+    calibrators = property(lambda self: self.folder / CALIBRATORS_DIR)
+
+    def checkpoint_file(self, which: str) -> Path:
         """The file of checkpoint ``which`` (``best`` or ``last``)."""
-        return self.path / CHECKPOINTS[which]
+        return self.folder / CHECKPOINTS[which]
 
     def calibrator_file(self, name: str) -> Path:
         """Where the post-hoc calibrator ``name`` fitted on validation is saved."""
@@ -140,7 +206,7 @@ class Run:
 
     def eval_dir(self, split: str) -> Path:
         """The default output folder of ``eval_seg`` on ``split``."""
-        return self.path / f"eval_{split}"
+        return self.folder / f"eval_{split}"
 
     @staticmethod
     def eval_metrics(folder: str | Path) -> Path:
@@ -150,10 +216,10 @@ class Run:
     # ------------------------------------------------------------------------- state
     def holds_run(self) -> list[str]:
         """The files of a run found here (empty for a new or empty folder)."""
-        return [name for name in RUN_FILES if (self.path / name).exists()]
+        return [name for name in RUN_FILES if (self.folder / name).exists()]
 
     def has_config(self) -> bool:
-        return self.config.is_file()
+        return self.config_file.is_file()
 
     def finished(self) -> bool:
         """The run was tested (its ``test_metrics.json`` exists)."""
@@ -164,7 +230,7 @@ class Run:
         otherwise), a resumed one a resumable folder (:meth:`check_resumable`). A run stopped
         before its first checkpoint (a data error in epoch 1, Ctrl-C) starts again, with or
         without --resume, instead of asking for the folder to be deleted."""
-        if self.config.is_file() and not any(p.is_file() for p in (self.last, self.best,
+        if self.config_file.is_file() and not any(p.is_file() for p in (self.last, self.best,
                                                                      self.test_metrics)):
             self.history_file.unlink(missing_ok=True)
             return
@@ -182,7 +248,7 @@ class Run:
         Raises:
             FileNotFoundError: naming what is missing and what to do instead.
         """
-        if self.config.is_file() and (self.last.is_file() or not (
+        if self.config_file.is_file() and (self.last.is_file() or not (
                 self.best.is_file() or self.test_metrics.is_file())):
             return  # a checkpoint to continue from, or none yet: the run starts again
         found = self.holds_run()
@@ -201,7 +267,7 @@ class Run:
         """The run's resolved ``config.yaml`` (``overrides`` on top), checked first as a saved
         run's config (:meth:`check_config_file`; ``saved``: the checkpoint's own copy)."""
         self.check_config_file(saved)
-        return load_config(self.config, list(overrides), method)
+        return load_config(self.config_file, list(overrides), method)
 
     def config_fix(self) -> str:
         """The way out of a damaged ``config.yaml``."""
@@ -221,7 +287,7 @@ class Run:
         """
         import yaml
 
-        path, fix = self.config, self.config_fix()
+        path, fix = self.config_file, self.config_fix()
         if not path.is_file():
             return
         try:
@@ -343,7 +409,7 @@ class Run:
         """Checkpoint ``which`` (``best``, ``last`` or a file) read safely
         (:func:`~cals_seg.utils.io.load_checkpoint`), refused in one line naming the other
         checkpoint and the flag that selects it."""
-        file = self.checkpoint(which) if which in CHECKPOINTS else Path(which)
+        file = self.checkpoint_file(which) if which in CHECKPOINTS else Path(which)
         return load_checkpoint(file, map_location, fix=self.checkpoint_fix(file))
 
     def test_metrics_fix(self) -> str:
@@ -423,7 +489,7 @@ class Run:
         return read_json_file(path, fix, "an evaluation's metrics",
                               {"pre_ts": of_type(dict, "an object of metrics")})
 
-    def precision(self) -> str | None:
+    def trained_precision(self) -> str | None:
         """The precision the run was trained at (``none``/``bf16``/``fp16``), from its history
         (else its test metrics: an imported run); None if unknown. Its test pass may have run at
         another, the inference precision (``test_metrics.json["precision"]``)."""
@@ -440,7 +506,7 @@ class Run:
         ``"best"`` the last one, anything else both."""
         drop = {"all": [], "best": [LAST_CHECKPOINT]}.get(keep, list(CHECKPOINT_FILES))
         for name in drop:
-            (self.path / name).unlink(missing_ok=True)
+            (self.folder / name).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------------- loading
     @staticmethod
@@ -451,9 +517,76 @@ class Run:
         folder, file = resolve_run(path, checkpoint, need_config)
         return Run(folder), file
 
-    def load(self, checkpoint: str = "best", **kwargs: Any) -> LoadedRun:
+    def load(self, checkpoint: str = "best", **kwargs: Any) -> Run:
         """This run loaded for evaluation or prediction (:func:`load_run`)."""
         return load_run(self.path, checkpoint, **kwargs)
+
+    # ------------------------------------------------------------------------- the network
+    def _loaded(self, what: str) -> None:
+        if self.model is None:
+            raise UserError(f"{self.path}: {what} needs the run loaded (cals_seg.load_run("
+                            f"{str(self.path)!r}) or Run.load()).")
+
+    @property
+    def inference(self) -> Inference:
+        """The model, device, precision and protocol as one
+        :class:`~cals_seg.evaluation.stream.Inference`."""
+        self._loaded("inference")
+        return Inference(self.model, self.device, self.precision, self.protocol)
+
+    def validation_set(self) -> tuple[Any, str | None]:
+        """``(the validation split, None)``, from the task when built, else read without the
+        model (nothing generated or downloaded); ``(None, why it cannot be read)``."""
+        if self.task is not None:
+            return self.task.val_set, None
+        root = Path(self.config.data.root)
+        if not root.is_dir():
+            return None, f"data.root {root} does not exist"
+        try:
+            from cals_seg.tasks.segmentation import segmentation_splits
+
+            return segmentation_splits(self.config)["val"], None
+        except (OSError, UserError, ValueError) as err:
+            return None, short_text(str(err) or type(err).__name__)
+
+    def refit_temperature(self) -> float | None:
+        """T fitted on the validation split (as the training's test pass fits it), or None
+        when the split cannot be read or holds no image."""
+        from torch.utils.data import DataLoader
+
+        from cals_seg.evaluation.engine import fit_post_temperature
+        from cals_seg.evaluation.stream import eval_collate
+
+        val, _ = self.validation_set()
+        if val is None or len(val) == 0:
+            return None
+        loader = DataLoader(val, batch_size=self.config.eval.batch_size, shuffle=False,
+                            collate_fn=eval_collate)
+        try:
+            return fit_post_temperature(self.inference, loader, self.config.data.ignore_index)
+        except (OSError, UserError) as err:
+            print(f"warning: the validation split of {self.path} cannot be read to refit T "
+                  f"({short_text(str(err))}).", file=sys.stderr, flush=True)
+            return None
+
+    def meters(self) -> Callable[[], dict[str, Any]]:
+        """The factory of the task's test meter sets (``eval.n_bins`` bins)."""
+        task, n_bins = self.task, self.config.eval.n_bins
+        return lambda: task.meters(n_bins, test=True)
+
+    def test(self, loader: Any, *, temperature: float | None = None,
+             calibrators: Mapping[str, Any] | None = None,
+             progress: bool | None = None) -> dict[str, Any]:
+        """The one test pass (:func:`cals_seg.evaluation.engine.run_test_pass`) of this run's
+        model over ``loader`` with the task's test meters."""
+        if progress is None:
+            progress = self.config.train.progress
+        return run_test_pass(self.inference, loader, self.meters(), temperature, calibrators,
+                             progress)
+
+
+# Deprecated: the loaded run was a second class; it is the one :class:`Run` now.
+LoadedRun = Run
 
 
 def _is_epoch_record(record: Mapping[str, Any]) -> bool:
@@ -548,104 +681,6 @@ def load_weights(model: Any, state: dict[str, Any], checkpoint: Path, config: Pa
         ) from None
 
 
-@dataclass
-class LoadedRun:
-    """A run folder loaded by :func:`load_run`: the network ready to evaluate, its config and
-    task, and (:attr:`run`) the :class:`Run` of the folder its files are read from and written
-    to. Commands reach a run's files only through :attr:`run` (``loaded.run.calibrators``,
-    ``loaded.run.eval_dir("test")``), never by joining names themselves.
-
-    Attributes:
-        path: the run folder as given; ``checkpoint``: the checkpoint file read.
-        config: the run's resolved config (with the overrides given).
-        model: the network with the checkpoint's weights, in eval mode, on ``device``.
-        device, precision: where and in which precision (``none``/``bf16``/``fp16``) to run it.
-        family, score_metric: the task family (``segmentation``/``classification``) and its
-            headline metric (``miou``/``acc``), from the registry of ``data.name``.
-        class_names: K names. ``protocol``: the evaluation protocol (segmentation), else None.
-        temperature: the temperature fitted on validation (``temperature.json``), None if none.
-        epoch: the epoch the checkpoint holds. ``task``: the task (splits), with ``with_data``.
-        extra: what else the loader knows (an ensemble's members: ``extra["ensemble"]``).
-    """
-
-    path: Path
-    checkpoint: Path
-    config: Config
-    model: nn.Module
-    device: torch.device
-    precision: str
-    family: str
-    score_metric: str
-    class_names: list[str]
-    protocol: EvalProtocol | None = None
-    temperature: float | None = None
-    epoch: int | None = None
-    task: Task | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def run(self) -> Run:
-        """The files of the folder holding the checkpoint read (symbolic links resolved, so
-        that nothing is written through a link): calibrators, evaluations, temperature."""
-        return Run(self.checkpoint.resolve().parent)
-
-    @property
-    def inference(self) -> Inference:
-        """The model, device, precision and protocol as one
-        :class:`~cals_seg.evaluation.stream.Inference`."""
-        return Inference(self.model, self.device, self.precision, self.protocol)
-
-    def validation_set(self) -> tuple[Any, str | None]:
-        """``(the validation split, None)``, from the task when built, else read without the
-        model (nothing generated or downloaded); ``(None, why it cannot be read)``."""
-        if self.task is not None:
-            return self.task.val_set, None
-        root = Path(self.config.data.root)
-        if not root.is_dir():
-            return None, f"data.root {root} does not exist"
-        try:
-            from cals_seg.tasks.segmentation import segmentation_splits
-
-            return segmentation_splits(self.config)["val"], None
-        except (OSError, UserError, ValueError) as err:
-            return None, short_text(str(err) or type(err).__name__)
-
-    def refit_temperature(self) -> float | None:
-        """T fitted on the validation split (as the training's test pass fits it), or None
-        when the split cannot be read or holds no image."""
-        from torch.utils.data import DataLoader
-
-        from cals_seg.evaluation.engine import fit_post_temperature
-        from cals_seg.evaluation.stream import eval_collate
-
-        val, _ = self.validation_set()
-        if val is None or len(val) == 0:
-            return None
-        loader = DataLoader(val, batch_size=self.config.eval.batch_size, shuffle=False,
-                            collate_fn=eval_collate)
-        try:
-            return fit_post_temperature(self.inference, loader, self.config.data.ignore_index)
-        except (OSError, UserError) as err:
-            print(f"warning: the validation split of {self.path} cannot be read to refit T "
-                  f"({short_text(str(err))}).", file=sys.stderr, flush=True)
-            return None
-
-    def meters(self) -> Callable[[], dict[str, Any]]:
-        """The factory of the task's test meter sets (``eval.n_bins`` bins)."""
-        task, n_bins = self.task, self.config.eval.n_bins
-        return lambda: task.meters(n_bins, test=True)
-
-    def test(self, loader: Any, *, temperature: float | None = None,
-             calibrators: Mapping[str, Any] | None = None,
-             progress: bool | None = None) -> dict[str, Any]:
-        """The one test pass (:func:`cals_seg.evaluation.engine.run_test_pass`) of this run's
-        model over ``loader`` with the task's test meters."""
-        if progress is None:
-            progress = self.config.train.progress
-        return run_test_pass(self.inference, loader, self.meters(), temperature, calibrators,
-                             progress)
-
-
 def load_run(
     path: str | Path,
     checkpoint: str = "best",
@@ -658,7 +693,7 @@ def load_run(
     config: str | Path | None = None,
     method: str | None = None,
     trust_code: bool | None = None,
-) -> LoadedRun:
+) -> Run:
     """Load a trained run for evaluation or prediction (see the module docstring).
 
     Args:
@@ -682,7 +717,7 @@ def load_run(
             the fix.
     """
     folder, file = resolve_run(path, checkpoint, need_config=config is None)
-    config_file = Path(config) if config is not None else Run(folder).config
+    config_file = Path(config) if config is not None else Run(folder).config_file
     given = [f"train.{key}={value}" for key, value in (("device", device), ("amp", amp))
              if value is not None]  # checked by the rules of the keys they replace
     if config is None:  # the run's own config.yaml: checked as a saved run's first
@@ -709,12 +744,13 @@ def _consent_for(cfg: Config, config_file: Path, folder: Path, trust_code: bool 
 
 def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: bool,
           family: str | None, device: str | None, amp: str | None, own_config: bool = True,
-          overridden: bool = False) -> LoadedRun:
+          overridden: bool = False) -> Run:
     """:func:`load_run` once the config is read and its factory allowed."""
     import torch
 
     from cals_seg.config.checks import check_config
     from cals_seg.tasks import TASK_TYPES, build_task, task_family
+    from cals_seg.tasks.base import DATASETS, class_names_or_default
     from cals_seg.utils.precision import resolve_amp, resolve_device
 
     try:
@@ -734,10 +770,20 @@ def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: b
 
         model = build_model(cfg, encoder_weights=None)  # every weight comes from the checkpoint
         protocol, names = eval_protocol(cfg, model), class_names(cfg)
-    else:
-        raise UserError(f"{folder} is a {found} run: loading it needs its data (with_data).")
+    elif DATASETS[cfg.data.name].kind == "classification":  # images: the timm model alone
+        from cals_seg.models.classification import build_classification_model
+
+        model = build_classification_model(cfg.model.encoder_name, cfg.data.num_classes, None,
+                                           **cfg.model.params)
+        protocol, names = None, None  # the names the checkpoint records, read below
+    else:  # text: the vocabulary is made from the training split
+        raise UserError(f"{folder} is a text run: its vocabulary is built from the training "
+                        "split, so loading it needs its data (with_data=True).")
     run = Run(folder)
     state = run.read_checkpoint(file)
+    if names is None:
+        names = class_names_or_default(cfg.data.class_names or state.get("class_names"),
+                                       cfg.data.num_classes)
     if own_config and isinstance(state.get("config"), Mapping):  # cut short: not "another" one
         run.check_config_file(state["config"], file)
     load_weights(model, state, file, config_file, cfg.data.num_classes)
@@ -747,8 +793,8 @@ def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: b
     precision = resolve_amp(cfg.train.amp, dev, warn=False, inference=True)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    loaded = LoadedRun(
-        path=folder, checkpoint=file, config=cfg, model=model.to(dev).eval(), device=dev,
+    loaded = Run(
+        folder, checkpoint=file, config=cfg, model=model.to(dev).eval(), device=dev,
         precision=precision, family=found, score_metric=TASK_TYPES[found].score_metric,
         class_names=list(names), protocol=protocol, epoch=state.get("epoch"), task=task,
     )

@@ -56,7 +56,7 @@ def config_differences(run_dir: Path, expected: Config) -> list[str]:
     now = config_to_dict(expected)
     differ = [k for k in changed_keys(saved, now)
               if k not in neutral and not (k in PATH_KEYS and _same_folder(saved, now, k))]
-    there = run.precision()
+    there = run.trained_precision()
     here = resolve_amp(expected.train.amp, resolve_device(expected.train.device), warn=False)
     if there is not None and there != here:
         differ.append(f"train.amp (resolved: {there} there, {here} here)")
@@ -124,7 +124,7 @@ def backfill_test_metrics(run_dir: Path) -> list[str]:
     file lacks (a run finished before those meters existed); return them (``[]``: none missing).
 
     The run's ``checkpoint_best.pt`` is evaluated once on its test split (the one test pass,
-    :meth:`cals_seg.runs.run.LoadedRun.test`), in the precision it was tested in, with the saved
+    :meth:`cals_seg.runs.run.Run.test`), in the precision it was tested in, with the saved
     temperature for the post-TS view (no refit); keys already in the file are kept as they are.
     Raises ``FileNotFoundError`` when keys are missing and the checkpoint is not there.
     """

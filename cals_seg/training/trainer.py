@@ -109,6 +109,7 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer):
 def training_state(
     model: nn.Module, optimizer, scheduler, criterion: nn.Module, scaler, config: dict[str, Any],
     num_classes: int, epoch: int, score: float, best_score: float, best_epoch: int,
+    class_names: list[str] | None = None,
 ) -> dict[str, Any]:
     """Everything an exact resume needs; read back by :func:`restore_training_state`."""
     return {
@@ -122,6 +123,7 @@ def training_state(
         "best_score": best_score,
         "best_epoch": best_epoch,
         "num_classes": num_classes,
+        "class_names": list(class_names) if class_names is not None else None,
         "config": config,  # config_to_dict of the run's config
         "rng": rng_state(),
     }
@@ -132,7 +134,7 @@ def restore_training_state(
     num_classes: int, where: Path,
 ) -> tuple[int, float | None, int | None]:
     """Inverse of :func:`training_state`; returns ``(next epoch, best score, best epoch)``."""
-    load_weights(model, state, where, Run(where.parent).config, num_classes)
+    load_weights(model, state, where, Run(where.parent).config_file, num_classes)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     criterion.load_state_dict(state["criterion"])
@@ -319,7 +321,8 @@ def train_and_test(cfg: Config, task: Task, resume: str | Path | None = None) ->
         }
         if main:  # history line, last, best: a consistent run whenever the process dies
             state = training_state(model, s.optimizer, s.scheduler, s.criterion, s.scaler,
-                                   s.config, k, epoch, score, best_score, best_epoch)
+                                   s.config, k, epoch, score, best_score, best_epoch,
+                                   task.class_names)
             run.append_history(record)
             loggers.log_epoch(record, val, run.history())
             save_checkpoint(state, run.last)
@@ -408,7 +411,7 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
             run.trim_history(s.start_epoch)
             run.repair_best(state)
     if main:
-        save_config(cfg, run.config)
+        save_config(cfg, run.config_file)
         if cfg.model.arch == "external" and isinstance(cfg.model.factory, str):
             from cals_seg.models.consent import remember
 
