@@ -203,7 +203,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="alpha"):
         ConformalSets(3, 1.5)
     with pytest.raises(ValueError, match="score"):
-        ConformalSets(3, 0.1, score="raps")
+        ConformalSets(3, 0.1, score="no_such_score")
     with pytest.raises(ValueError, match="grid"):
         ConformalSets(3, 0.1, grid=1000)
 
@@ -490,7 +490,7 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
     after = json.loads((tmp_path / "eval" / "metrics.json").read_text())["conformal"]["risk"]
     assert after["calibrator"] == "ts" and after["calibrator_fit"]["temperature"] > 0
     assert after["calibration_ids"] == metrics["conformal"]["risk"]["calibration_ids"]
-    for bad in (["alpha=2"], ["mode=wide"], ["alpha=0.1", "colour=red"], ["score=raps"]):
+    for bad in (["alpha=2"], ["mode=wide"], ["alpha=0.1", "colour=red"], ["score=rapz"]):
         with pytest.raises(UserError, match="--conformal"):
             parse_conformal(bad)
 

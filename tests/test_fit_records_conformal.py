@@ -318,7 +318,7 @@ BROKEN = {
     "alpha text": lambda text, d: {**d, "alpha": "0.3"},
     "no alpha": lambda text, d: {k: v for k, v in d.items() if k != "alpha"},
     "mode wide": lambda text, d: {**d, "mode": "wide"},
-    "score raps": lambda text, d: {**d, "score": "raps"},
+    "score rapz": lambda text, d: {**d, "score": "rapz"},
     "seed -1": lambda text, d: {**d, "seed": -1},
     "bands down": lambda text, d: {**d, "bands": [8.0, 3.0]},
     "bands inf": lambda text, d: text.replace('"bands": [\n  3.0', '"bands": [\n  Infinity'),

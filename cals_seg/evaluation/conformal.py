@@ -227,6 +227,39 @@ def image_risk_curves(cells: Tensor, valid: Tensor, group: Tensor, num_groups: i
     return out, totals
 
 
+def flat_risk_sum(cells: Tensor, valid: Tensor, group: Tensor, num_groups: int,
+                  grid: int = GRID) -> tuple[Tensor, Tensor]:
+    """:func:`image_risk_curves` summed over the images when each image has one position (a
+    classification batch): image ``i``'s loss at ``g`` is 1 when its true-class cell exceeds
+    ``g``, 0 otherwise, so the summed curve of group ``c`` is ``2^32`` times the number of its
+    images whose cell exceeds ``g``: one histogram instead of a ``(N, G, grid + 1)`` tensor,
+    equal to the per-image sum bit for bit.
+
+    Shape:
+        - cells / valid / group: ``(N, 1)``; returns ``(num_groups, grid + 1)`` int64 (the
+          summed curves) and ``(num_groups,)`` int64 (images per group).
+    """
+    width = grid + 1
+    keep = valid.reshape(-1) & (group.reshape(-1) < num_groups)
+    key = group.reshape(-1)[keep] * width + cells.reshape(-1)[keep]
+    hist = torch.bincount(key, minlength=num_groups * width).view(num_groups, width)
+    total = hist.sum(dim=1, keepdim=True)
+    return (total - hist.cumsum(dim=1)) * FIXED_POINT, total[:, 0]
+
+
+def as_spatial(logits: Tensor, target: Tensor | None = None
+               ) -> tuple[Tensor, Tensor | None]:
+    """A classification batch as the segmentation case of 1 x 1 images: logits ``(N, K)`` to
+    ``(N, K, 1, 1)`` and targets ``(N,)`` to ``(N, 1, 1)`` (views); 4-D logits (and their
+    targets) are returned as they are. The one place where the conformal sets and their meter
+    take one label per input."""
+    if isinstance(logits, Tensor) and logits.dim() == 2:
+        logits = logits[:, :, None, None]
+        if target is not None and target.dim() == 1:
+            target = target[:, None, None]
+    return logits, target
+
+
 def image_scores(cells: Tensor, valid: Tensor, tau: float, grid: int = GRID) -> Tensor:
     """Per image, the smallest grid index at which its coverage reaches ``tau``
     (``covered(g) >= ceil(tau * valid pixels)``); -1 for an image without a valid pixel.
@@ -287,6 +320,8 @@ class ConformalSets(nn.Module):
 
     Shape:
         - logits: ``(N, K, H, W)``; target: ``(N, H, W)``; sets: ``(N, K, H, W)`` bool.
+          Classification: logits ``(N, K)``, target ``(N,)``, sets ``(N, K)`` (an input is a
+          1 x 1 image, :func:`as_spatial`; modes ``risk`` and ``class``).
 
     Example:
         >>> cs = ConformalSets(num_classes=3, alpha=0.1)
@@ -362,10 +397,13 @@ class ConformalSets(nn.Module):
 
     @torch.no_grad()
     def update(self, logits: Tensor, target: Tensor) -> None:
-        """Add calibration images: logits ``(N, K, H, W)``, target ``(N, H, W)``."""
+        """Add calibration images: logits ``(N, K, H, W)``, target ``(N, H, W)``; or
+        classification inputs, logits ``(N, K)`` and target ``(N,)`` (:func:`as_spatial`)."""
+        logits, target = as_spatial(logits, target)
         if not isinstance(logits, Tensor) or logits.dim() != 4:
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-            raise ValueError(f"Expected `logits` of shape (N, K, H, W), but got {shape}.")
+            raise ValueError(f"Expected `logits` of shape (N, K, H, W) or (N, K), but got "
+                             f"{shape}.")
         cells, y, valid = self.cells(logits, target)
         true_cell = cells.gather(1, y.unsqueeze(1)).squeeze(1)
         self.seen += valid.any(dim=1).sum()
@@ -374,6 +412,11 @@ class ConformalSets(nn.Module):
             self.image_hist.add_(torch.bincount(s[s >= 0], minlength=self.grid + 1))
             return
         group = self.pixel_groups(logits, cells, y)
+        if true_cell.shape[1] == 1:  # one position per image: the summed curves at once
+            summed, images = flat_risk_sum(true_cell, valid, group, self.num_groups, self.grid)
+            self.risk_sum.add_(summed)
+            self.images.add_(images)
+            return
         curves, totals = image_risk_curves(true_cell, valid, group, self.num_groups, self.grid)
         self.risk_sum.add_(curves.sum(dim=0))
         self.images.add_((totals > 0).sum(dim=0))

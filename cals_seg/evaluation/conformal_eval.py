@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cals_seg.evaluation.conformal import as_spatial
 from cals_seg.evaluation.conformal_fit import Loader, calibrated, fit_conformal
 from cals_seg.evaluation.inference import normalise, segment_logits
 from cals_seg.evaluation.stream import predict
@@ -46,8 +47,10 @@ class ConformalTestView:
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, target: torch.Tensor, image: torch.Tensor) -> None:
-        """One batch: logits ``(N, K, H, W)``, target ``(N, H, W)``, image ``(N, 3, H, W)``."""
-        out = calibrated(self.calibrator, logits, image)
+        """One batch: logits ``(N, K, H, W)``, target ``(N, H, W)``, image ``(N, 3, H, W)``;
+        or a classification batch, logits ``(N, K)`` and target ``(N,)`` (each input a 1 x 1
+        image, :func:`~cals_seg.evaluation.conformal.as_spatial`)."""
+        out, target = as_spatial(calibrated(self.calibrator, logits, image), target)
         first, self.seen = self.seen, self.seen + len(logits)
         for m, cs in self.fits.items():
             if self.maps_dir is not None and first < self.num_maps:

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, default_collate
 from tqdm import tqdm
 
 from cals_seg.evaluation.inference import EvalProtocol, FiniteLogits, segment_logits
+from cals_seg.evaluation.logit_cache import cached_logits
 from cals_seg.metrics import BoundaryAwareECEMeter
 from cals_seg.utils.distributed import is_main_process
 from cals_seg.utils.precision import autocast_context
@@ -221,14 +222,20 @@ def _predict(
                     inputs = inputs.to(device, non_blocking=True)
                     if protocol is not None:
                         logits = segment_logits(model, inputs, protocol, amp, finite)
-                    else:
-                        with autocast_context(device, amp):
-                            logits = model(inputs)
+                    else:  # classification: served by the logit cache as segment_logits is
+                        logits = cached_logits(model, inputs, ("whole", amp),
+                                               lambda x=inputs: _forward(model, x, device, amp))
                     bar.update(len(target))
                     target = target.to(device, non_blocking=True)
                     groups = {k: v.to(device, non_blocking=True) for k, v in groups.items()}
                     yield logits.float(), target, inputs, groups
     finite.check()
+
+
+def _forward(model: nn.Module, inputs: Tensor, device: torch.device, amp: str) -> Tensor:
+    """``model(inputs)`` in precision ``amp`` (a network without an evaluation protocol)."""
+    with autocast_context(device, amp):
+        return model(inputs)
 
 
 def _pieces(inputs: Tensor, target: Tensor, protocol: EvalProtocol | None,
