@@ -459,7 +459,7 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
         # 6 validation images: every is lowered from 5 to 2, the 3 that alpha = 0.3 needs
         assert r["every"] == 2 and r["calibration_images"] == 3 and r["needs_images"] == 3
         assert r["guarantee"] == (mode in ("risk", "image:0.5")), mode
-        assert r["fitted_for"]["seed"] == 0 and r["fitted_for"]["every"] == 2
+        assert r["fitted_for"]["seed"] == 0 and r["fitted_for"]["params"]["every"] == 2
     assert isinstance(metrics["conformal"]["class"]["threshold"], list)
     assert "| band |" in (tmp_path / "eval" / "conformal.md").read_text()
     assert len(list((tmp_path / "eval" / "maps").glob("*_set_size_image-0.5.png"))) == 1

@@ -83,7 +83,7 @@ def fitted_run(tmp: Path) -> Path:
     calibrator fitted on ten structured validation-like images (targets: the network's labels
     with noise) and saved as eval_seg saves it, for this network; ``tmp/images``: one image of
     each of :data:`SIZES`."""
-    from cals_seg.calibrators import calibrator_record, save_calibrator
+    from cals_seg.calibrators import calibrator_key, save_calibrator
     from cals_seg.config.schema import load_config, save_config
     from cals_seg.evaluation.inference import normalise, segment_logits
     from cals_seg.runs.run import load_run
@@ -116,7 +116,7 @@ def fitted_run(tmp: Path) -> Path:
             warnings.simplefilter("ignore")
             calibrator.fit(lambda: iter(batches), ignore_index=255)
         save_calibrator(calibrator.eval(), loaded.calibrator_file(name),
-                        fitted_for=calibrator_record(loaded, name))
+                        fitted_for=calibrator_key(loaded, name).record())
     images = tmp / "images"
     images.mkdir()
     for i, (h, w) in enumerate(SIZES):

@@ -135,7 +135,7 @@ def test_a_calibrator_registered_outside_the_package_runs_through_the_tools(
     assert metrics["calibrators"][NAME].keys() == metrics["pre_ts"].keys()
     assert metrics["calibrator_fits"][NAME]["loaded"] is False
     cal = load_calibrator(run / "calibrators" / f"{NAME}.pt")
-    assert type(cal) is PerClassTemperature and cal.fitted_for["calibrator"] == NAME
+    assert type(cal) is PerClassTemperature and cal.fitted_for["name"] == NAME
     assert SEEN, "eval_seg did not fit the registered calibrator"
     want = _reference_temperatures(SEEN, cfg.data.ignore_index)
     got = cal.temperatures.double().numpy()

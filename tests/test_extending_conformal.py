@@ -115,7 +115,7 @@ def test_a_registered_score_runs_through_eval_seg(registered, tmp_path, capsys):
     assert load_tool("eval_seg").main(args) == 0, capsys.readouterr().err
     assert CALLS, "the registered score was never computed"
     result = json.loads((tmp_path / "eval" / "metrics.json").read_text())["conformal"]["risk"]
-    assert result["score"] == NAME and result["fitted_for"]["score"] == NAME
+    assert result["score"] == NAME and result["fitted_for"]["params"]["score"] == NAME
 
     calibration = _reference_cells(run, "val")
     assert result["calibration_images"] == len(calibration)

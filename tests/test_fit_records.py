@@ -8,13 +8,14 @@ validated when read back; NaN or infinite logits stop an evaluation in one line.
   field changed (or added, dropped, missing, the file broken) refits with one line.
 - ``load_run_calibrator`` (``predict_seg``): refused in one line naming the file, the key and
   the command, on every field such a use can know; params and image ids are not compared.
-- ``fit_problem`` against an independent reference (canonical JSON equality), generated.
+- ``FitKey.problem`` against an independent reference (canonical JSON equality), generated.
 - ``FiniteLogits``: at once on the CPU, once per pass when deferred (no host read per batch);
   ``eval_seg`` and ``predict_seg`` of a network with NaN weights end in one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -29,11 +30,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from cals_seg.calibrators import (
     CALIBRATORS,
-    RECORD_KEYS,
     CalibratorFileError,
     build_calibrator,
-    calibrator_record,
-    fit_problem,
+    calibrator_key,
     load_calibrator,
     load_run_calibrator,
     save_calibrator,
@@ -47,7 +46,7 @@ from cals_seg.evaluation.inference import (
     segment_logits,
 )
 from cals_seg.evaluation.stream import Inference, evaluate
-from cals_seg.utils.fits import file_digest, ids_digest, members_digest
+from cals_seg.utils.fits import KEY_FIELDS, FitKey, file_digest, ids_digest, members_digest
 
 from .test_calibrators import batches_of, structured
 from .test_compile_sync import HostReads
@@ -200,7 +199,7 @@ def test_an_older_file_without_a_record_loads_with_none(fitted, tmp_path):
 # ------------------------------------------------------------------ what a fit is for
 def _fake_run(tmp: Path, name: str = "run", *, members: list[Path] | None = None,
               precision: str = "none", k: int = K) -> SimpleNamespace:
-    """What calibrator_record reads of a loaded Run: a checkpoint file, the data section,
+    """What calibrator_key reads of a loaded Run: a checkpoint file, the data section,
     class names, precision, protocol, the ensemble's members."""
     folder = tmp / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -216,32 +215,35 @@ def _fake_run(tmp: Path, name: str = "run", *, members: list[Path] | None = None
 
 def test_the_record_names_the_network_by_content(tmp_path):
     a = _fake_run(tmp_path, "a")
-    record = calibrator_record(a, "vector", {}, ["x1", "x2"])
-    assert set(record) == set(RECORD_KEYS)
+    record = calibrator_key(a, "vector", {}, ["x1", "x2"]).record()
+    assert set(record) == set(KEY_FIELDS)
     assert record == json.loads(json.dumps(record))  # plain values
+    assert record["kind"] == "calibrator" and record["name"] == "vector"
     assert record["network"] == file_digest(a.checkpoint)
     assert record["classes"] == {"num_classes": K, "names": ["c0", "c1", "c2", "c3"]}
     assert record["ids"] == ids_digest(["x1", "x2"]) and record["split"] == "val"
-    assert record["params"] == {"max_iter": 100}  # the defaults filled in
-    assert record == calibrator_record(a, "vector", {"max_iter": 100}, ["x1", "x2"])
-    assert record != calibrator_record(a, "vector", {"max_iter": 5}, ["x1", "x2"])
-    assert record != calibrator_record(a, "vector", {}, ["x2", "x1"])  # ids in order
+    assert record["params"] == {"max_iter": 100, "ignore_index": VOID}  # defaults filled in
+    assert record == calibrator_key(a, "vector", {"max_iter": 100}, ["x1", "x2"]).record()
+    assert record != calibrator_key(a, "vector", {"max_iter": 5}, ["x1", "x2"]).record()
+    assert record != calibrator_key(a, "vector", {}, ["x2", "x1"]).record()  # ids in order
     copy = tmp_path / "copy"
     shutil.copytree(a.path, copy)  # a byte-identical copy is the same network
-    assert calibrator_record(_fake_run(tmp_path, "copy"), "vector", {}, ["x1", "x2"]) == record
+    assert record == calibrator_key(_fake_run(tmp_path, "copy"), "vector", {},
+                                    ["x1", "x2"]).record()
     b = _fake_run(tmp_path, "b")  # other bytes: another network
-    assert calibrator_record(b, "vector", {}, ["x1", "x2"])["network"] != record["network"]
+    assert calibrator_key(b, "vector", {}, ["x1", "x2"]).network != record["network"]
     ens = _fake_run(tmp_path, "a", members=[a.checkpoint, b.checkpoint])
     swapped = _fake_run(tmp_path, "a", members=[b.checkpoint, a.checkpoint])
-    assert calibrator_record(ens, "ts")["network"] == calibrator_record(swapped, "ts")["network"]
-    assert calibrator_record(ens, "ts")["network"] == members_digest([a.checkpoint,
-                                                                      b.checkpoint])
-    assert calibrator_record(ens, "ts")["network"] != record["network"]
-    partial = calibrator_record(a, "vector")
-    assert set(partial) == set(RECORD_KEYS) - {"params", "split", "ids"}
-    assert calibrator_record(a, "ts", data="fog:3 seed 0")["data"] == "fog:3 seed 0"
+    assert calibrator_key(ens, "ts").network == calibrator_key(swapped, "ts").network
+    assert calibrator_key(ens, "ts").network == members_digest([a.checkpoint, b.checkpoint])
+    assert calibrator_key(ens, "ts").network != record["network"]
+    partial = calibrator_key(a, "vector")
+    assert set(partial.record()) == set(KEY_FIELDS) - {"params", "split", "ids"}
+    with pytest.raises(ValueError, match="unknown fields"):  # a use's key is never saved
+        save_calibrator(build_calibrator("vector", K), tmp_path / "v.pt", fitted_for=partial)
+    assert calibrator_key(a, "ts", data="fog:3 seed 0").record()["after"] == "fog:3 seed 0"
     with pytest.raises(UserError, match="bogus"):
-        calibrator_record(a, "vector", {"bogus": 1}, [])
+        calibrator_key(a, "vector", {"bogus": 1}, [])
 
 
 def _random_value(rng: random.Random, depth: int = 0):
@@ -259,10 +261,11 @@ def _random_value(rng: random.Random, depth: int = 0):
     return {rng.choice("xyz"): _random_value(rng, depth + 1) for _ in range(rng.randrange(3))}
 
 
-def test_fit_problem_against_canonical_json(tmp_path):
-    """Generated records and edits of them: the fit is for the use exactly when both records
-    are equal as canonical JSON (tuples and lists alike, numbers compared by value); the key
-    returned is one where they differ; ``partial`` compares the use's keys only."""
+def test_key_problem_against_canonical_json(tmp_path):
+    """Generated keys and saved records edited from them: the fit is for the use exactly when
+    the record, its unknown fields left out, equals the key's record as canonical JSON (tuples
+    and lists alike, numbers compared by value) and says what kind of fit it is; the field
+    returned is one where they differ."""
     rng = random.Random(0)
 
     def numbers(v):  # as Python compares them: True == 1 == 1.0
@@ -273,32 +276,37 @@ def test_fit_problem_against_canonical_json(tmp_path):
         return float(v) if isinstance(v, bool | int | float) else v
 
     canon = lambda d: json.dumps(numbers(d), sort_keys=True)  # noqa: E731
+    fields = [f for f in KEY_FIELDS if f != "kind"]
     for _ in range(400):
-        keys = rng.sample(list(RECORD_KEYS), rng.randrange(1, 6))
-        saved = {k: _random_value(rng) for k in keys}
-        wanted = json.loads(json.dumps(saved))
+        unknown = tuple(rng.sample(fields, rng.randrange(3)))
+        key = FitKey(rng.choice(["calibrator", "conformal", "entropy"]),
+                     **{f: _random_value(rng) for f in fields}, unknown=unknown)
+        saved = {f: _random_value(rng) for f in KEY_FIELDS}  # unknown fields: any value
+        saved.update(key.record())
         edit = rng.randrange(5)
         if edit == 1:
-            k = rng.choice(keys)
-            wanted[k] = _random_value(rng)
-        elif edit == 2 and len(keys) > 1:
-            del wanted[rng.choice(keys)]
+            saved[rng.choice(list(KEY_FIELDS))] = _random_value(rng)
+        elif edit == 2:
+            del saved[rng.choice(list(KEY_FIELDS))]
         elif edit == 3:
-            wanted[rng.choice([k for k in RECORD_KEYS if k not in keys] or ["extra"])] = 1
+            saved[rng.choice(["extra", "data", "calibrator"])] = 1
         elif edit == 4:
             saved = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()}
-        problem = fit_problem(saved, wanted)
-        equal = canon(json.loads(json.dumps(saved))) == canon(wanted)
-        assert (problem is None) == equal, (saved, wanted, problem)
-        if problem is not None:
-            key = problem[0]
-            plain = json.loads(json.dumps(saved))
-            assert key not in plain or key not in wanted or plain[key] != wanted[key]
-        restricted = {k: v for k, v in json.loads(json.dumps(saved)).items() if k in wanted}
-        assert (fit_problem(saved, wanted, partial=True) is None) == (
-            canon(restricted) == canon(wanted))
+        problem = key.problem(saved)
+        plain = json.loads(json.dumps(saved))
+        known = {k: v for k, v in plain.items() if k not in unknown}
+        equal = "kind" in plain and canon(known) == canon(key.record())
+        assert (problem is None) == equal, (saved, key, problem)
+        if problem is not None and problem[0] != "record":
+            field = problem[0]
+            assert field not in unknown
+            assert field not in plain or field not in known or plain[field] != \
+                json.loads(json.dumps(key.record())).get(field, object()), (field, saved, key)
+        elif problem is not None:
+            assert "kind" not in plain
+    key = FitKey("calibrator", "ts", "n", {})
     for nothing in (None, {}, [], "x"):
-        assert fit_problem(nothing, {"a": 1})[0] == "record"
+        assert key.problem(nothing)[0] == "record"
 
 
 # ------------------------------------------------------------------ reuse or refit
@@ -336,12 +344,12 @@ def test_a_fit_is_reused_only_for_its_record(tmp_path, capsys):
     run = _fake_run(tmp_path)
     folder = tmp_path / "run" / "calibrators"
     names = ["ts", "vector"]
-    records = {n: calibrator_record(run, n, {}, [f"im{i}" for i in range(6)]) for n in names}
+    keys = {n: calibrator_key(run, n, {}, [f"im{i}" for i in range(6)]) for n in names}
+    records = {n: k.record() for n, k in keys.items()}
 
-    def call(fitted_for=records):
+    def call(keys=keys):
         capsys.readouterr()
-        cals, info = load_or_fit_calibrators(names, folder, K, infer, loader, VOID,
-                                             fitted_for=fitted_for)
+        cals, info = load_or_fit_calibrators(names, folder, K, infer, loader, VOID, keys=keys)
         return cals, info, capsys.readouterr().err
 
     first, info, err = call()
@@ -362,8 +370,9 @@ def test_a_fit_is_reused_only_for_its_record(tmp_path, capsys):
                  "other images" if key == "ids" else f"was fitted for {key}=")
                 for key in sorted(record)]
     variants += [(f"{key} dropped", {k: v for k, v in record.items() if k != key},
-                  f"does not record {key}") for key in sorted(record)]
-    variants += [("extra key", {**record, "seed": 1}, "records seed=1"),
+                  "written by an older version" if key == "kind" else f"does not record {key}")
+                 for key in sorted(record)]
+    variants += [("extra key", {**record, "data": 1}, "records data=1"),
                  ("no record", None, "records nothing of what it was fitted for")]
     for label, saved_record, reason in variants:
         torch.save({**good, "fitted_for": saved_record}, path)
@@ -382,7 +391,7 @@ def test_a_fit_is_reused_only_for_its_record(tmp_path, capsys):
     _, info, err = call()
     assert info["vector"]["loaded"] is False and f"was fitted for {K + 1} classes" in err
     # the use changes instead of the file: another precision refits, and is then reused
-    other = {n: {**r, "precision": "bf16"} for n, r in records.items()}
+    other = {n: dataclasses.replace(k, precision="bf16") for n, k in keys.items()}
     _, info, err = call(other)
     assert not any(info[n]["loaded"] for n in names) and err.count("refitting") == 2
     _, info, _ = call(other)
@@ -398,11 +407,11 @@ def test_predict_uses_a_fit_only_for_this_run(tmp_path):
     run = _fake_run(tmp_path)
     path = run.path / "calibrators" / "vector.pt"
     cal = build_calibrator("vector", K)
-    full = calibrator_record(run, "vector", {"max_iter": 7}, ["a", "b"])
+    full = calibrator_key(run, "vector", {"max_iter": 7}, ["a", "b"]).record()
     save_calibrator(cal, path, fitted_for=full)
     assert isinstance(load_run_calibrator(run, "vector"), type(cal))
     command = f"tools/eval_seg.py {run.path} --calibrators vector --refit-calibrators"
-    for key in sorted(calibrator_record(run, "vector")):
+    for key in sorted(calibrator_key(run, "vector").record()):
         save_calibrator(cal, path, fitted_for={**full, key: _changed(full[key])})
         with pytest.raises(UserError) as info:
             load_run_calibrator(run, "vector")

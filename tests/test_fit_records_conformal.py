@@ -32,8 +32,8 @@ pytestmark = [
     pytest.mark.usefixtures("undrawn_figures"),
 ]
 
-RECORD_KEYS = {"network", "num_classes", "split", "ids", "score", "alpha", "mode", "seed",
-               "every", "calibrator", "calibrator_state", "grid", "protocol"}
+RECORD_KEYS = {"kind", "name", "network", "classes", "split", "ids", "params", "precision",
+               "protocol", "seed", "after"}
 
 
 def _run(tmp: Path, name: str, seed: int = 0, num_train: int = 30) -> Path:
@@ -176,7 +176,7 @@ def test_conformal_arguments_are_refused_in_one_line(tmp_path, capsys):
            "every": ["0", "²", "٣", " 2", "2.0", "-1", "", "x", "+2"],
            "seed": ["-1", "²", "٣", "1.5", "", " 1"],
            "mode": ["wide", "image:", "image:0", "image:1.5", "rísk", ""],
-           "score": ["raps", ""], "calibrator": ["nope", ""]}
+           "score": ["rapz", ""], "calibrator": ["nope", ""]}
     items = [[f"alpha={v}"] if k == "alpha" else ["alpha=0.1", f"{k}={v}"]
              for k, vs in bad.items() for v in vs]
     items += [["alpha=0.1", "colour=red"], ["mode=risk"],  # unknown key; no alpha
@@ -237,7 +237,9 @@ def test_a_fit_is_used_only_for_what_it_was_fitted_for(tmp_path, capsys):
     assert set(record) == RECORD_KEYS
     val = segmentation_splits(load_config(run / "config.yaml"))["val"]
     assert record["network"] == file_digest(run / "checkpoint_best.pt")
-    assert record["every"] == 2 and record["seed"] == 0 and record["num_classes"] == 11
+    assert record["params"]["every"] == 2 and record["seed"] == 0
+    assert record["classes"]["num_classes"] == 11 and record["kind"] == "conformal"
+    assert record["name"] == "risk" and record["after"] == {"calibrator": None, "state": None}
     assert record["ids"] == ids_digest(calibration_ids(val, 2)) == ids_digest(
         saved["calibration_ids"])
     assert json.loads(s1.read_text())["fitted_for"]["seed"] == 1
@@ -262,7 +264,7 @@ def test_a_fit_is_used_only_for_what_it_was_fitted_for(tmp_path, capsys):
         assert again["fitted_for"] == record and again["threshold_index"] == \
             saved["threshold_index"], key
     # a field added or taken away: refit too
-    for variant in ({**record, "extra": 1}, {k: v for k, v in record.items() if k != "grid"}, {}):
+    for variant in ({**record, "extra": 1}, {k: v for k, v in record.items() if k != "seed"}, {}):
         s0.write_text(json.dumps({**saved, "fitted_for": variant}))
         code, out, _ = _predict(run, tmp_path, "pv", ["alpha=0.3"], capsys)
         assert code == 0 and "refitting" in out

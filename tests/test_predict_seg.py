@@ -114,7 +114,7 @@ def test_calibrator_boundary_ts_gives_the_confidence_maps(run_dir, tmp_path, cap
     divided by the temperature of each pixel's predicted band (bands by a brute-force loop)."""
     import shutil
 
-    from cals_seg.calibrators import build_calibrator, calibrator_record, save_calibrator
+    from cals_seg.calibrators import build_calibrator, calibrator_key, save_calibrator
     from cals_seg.runs.run import load_run
 
     run = tmp_path / "run"
@@ -141,7 +141,7 @@ def test_calibrator_boundary_ts_gives_the_confidence_maps(run_dir, tmp_path, cap
     save_calibrator(cal, run / "calibrators" / "boundary_ts.pt")  # no record: refused
     assert load_tool("predict_seg").main([*args, "--calibrator", "boundary_ts"]) == 2
     assert "records nothing of what it was fitted for" in capsys.readouterr().err
-    record = calibrator_record(load_run(run, family="segmentation"), "boundary_ts")
+    record = calibrator_key(load_run(run, family="segmentation"), "boundary_ts").record()
     save_calibrator(cal, run / "calibrators" / "boundary_ts.pt", fitted_for=record)
     assert load_tool("predict_seg").main([*args, "--calibrator", "boundary_ts"]) == 0
 

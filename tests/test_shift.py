@@ -274,14 +274,14 @@ def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
         assert entry["temperature"] == m["temperature"]
     assert m["shift"]["contrast:5"]["pre_ts"]["ece"] != m["pre_ts"]["ece"]
     assert (r1 / "calibrators" / "drift_s0" / "ts.pt").is_file()
-    assert m["calibrator_fits"]["ts+drift"]["fitted_for"]["data"].endswith("seed 0")
+    assert m["calibrator_fits"]["ts+drift"]["fitted_for"]["after"].endswith("seed 0")
     assert "mean at severity 5" in (out / "shift.md").read_text()
     # another corruption seed: another drift fit (its own file), never the seed-0 one
     assert eval_seg.main([str(r1), "--out", str(out), "--shift", "fog:1", "--shift-seed", "1",
                           "--calibrators", "ts", "--calibrator-fit-shift"]) == 0
     m1 = json.loads((out / "metrics.json").read_text())
     assert m1["calibrator_fits"]["ts+drift"]["loaded"] is False
-    assert m1["calibrator_fits"]["ts+drift"]["fitted_for"]["data"].endswith("seed 1")
+    assert m1["calibrator_fits"]["ts+drift"]["fitted_for"]["after"].endswith("seed 1")
     assert (r1 / "calibrators" / "drift_s1" / "ts.pt").is_file()
     assert m1["shift"]["fog:1"]["pre_ts"]["ece"] != m["shift"]["fog:1"]["pre_ts"]["ece"]
     # the ensemble of one run is the run
@@ -426,7 +426,8 @@ def test_entropy_reference_is_validated_and_recorded(tmp_path, capsys):
     saved = json.loads(text)
     record = saved["fitted_for"]
     assert record["network"] == file_digest(run / "checkpoint_best.pt")
-    assert record["calibration"] == "T1.0000" and record["num_classes"] == 11 and "ids" in record
+    assert record["name"] == "T1.0000" and record["classes"]["num_classes"] == 11
+    assert record["kind"] == "entropy" and "ids" in record
     path.write_text("{")  # damaged, the validation images readable: recomputed, said
     code, out, _ = call("remade")
     assert code == 0 and path.name in out and "recomputing" in out

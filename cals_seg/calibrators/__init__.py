@@ -27,19 +27,18 @@ Example::
     probs = cal(model(x)).softmax(dim=1)
     save_calibrator(cal, "runs/my_run/calibrators/boundary_ts.pt", fitted_for=record)
 
-A saved calibrator records what it was fitted for (:func:`calibrator_record`: the network by
-content digest, the classes, the split and the digest of its image ids, the calibrator and its
-parameters, the precision and protocol of the forward pass, the data variant, ignore_index),
-and every file read back is validated (:func:`load_calibrator`); a fit is reused only when its
-record equals the record of the use at hand
-(:func:`cals_seg.evaluation.engine.load_or_fit_calibrators`).
+A saved calibrator records what it was fitted for (the record of its
+:class:`~cals_seg.utils.fits.FitKey`, made by :func:`calibrator_key`: the network by content
+digest, the classes, the split and the digest of its image ids, the calibrator and its
+parameters with ignore_index, the precision and protocol of the forward pass, and the data it
+was fitted after), and every file read back is validated (:func:`load_calibrator`); a fit is
+reused only when its record equals the key of the use at hand
+(:meth:`cals_seg.utils.fits.FitStore.reuse`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import json
 import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,7 +49,14 @@ import torch
 from cals_seg.calibrators._base import Batches, Calibrator
 from cals_seg.calibrators.registry import CALIBRATORS
 from cals_seg.errors import MissingPathError, UserError
-from cals_seg.utils.fits import file_digest, ids_digest, members_digest, plain_record
+from cals_seg.utils.fits import (
+    FitKey,
+    file_digest,
+    ids_digest,
+    members_digest,
+    plain_record,
+    protocol_record,
+)
 from cals_seg.utils.io import atomic_write
 
 # The built-in calibrators register themselves in this order (that of the docs' tables and the
@@ -86,10 +92,6 @@ def build_calibrator(name: str, num_classes: int, **params: Any) -> Calibrator:
     return cls(num_classes, **params)
 
 
-# The keys of a calibrator's ``fitted_for`` record (:func:`calibrator_record`).
-RECORD_KEYS = ("network", "classes", "split", "ids", "calibrator", "params", "precision",
-               "protocol", "data", "ignore_index")
-
 # Fitted state that must be positive (a temperature of 0 or below is no calibration).
 _POSITIVE_STATE = ("temperature", "temperatures")
 
@@ -119,16 +121,6 @@ def network_digest(run: Any) -> str:
     return file_digest(run.checkpoint)
 
 
-def protocol_record(protocol: Any) -> dict[str, Any] | None:
-    """The evaluation protocol as plain values, ``tile_batch`` left out (how many tiles share a
-    forward pass does not change the logits)."""
-    if protocol is None or not dataclasses.is_dataclass(protocol):
-        return None
-    fields = dataclasses.asdict(protocol)
-    fields.pop("tile_batch", None)
-    return plain_record(fields)
-
-
 def resolved_params(name: str, num_classes: int | None,
                     params: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every constructor parameter of calibrator ``name`` with ``params`` applied (the
@@ -146,7 +138,7 @@ def resolved_params(name: str, num_classes: int | None,
         raise UserError(f"calibrator {name}: {' '.join(str(err).split())}") from None
 
 
-def calibrator_record(
+def calibrator_key(
     run: Any,
     name: str,
     params: Mapping[str, Any] | None = None,
@@ -156,20 +148,17 @@ def calibrator_record(
     data: str = "clean",
     precision: str | None = None,
     protocol: Any = None,
-) -> dict[str, Any]:
-    """What a fit of calibrator ``name`` on ``run`` is for: the ``fitted_for`` record that
-    :func:`save_calibrator` writes and
-    :func:`cals_seg.evaluation.engine.load_or_fit_calibrators` compares.
+) -> FitKey:
+    """What a fit of calibrator ``name`` on ``run`` is for: the key that
+    :func:`save_calibrator` records and :meth:`~cals_seg.utils.fits.FitStore.reuse` compares.
 
-    ``{"network": content digest of the checkpoint (ensemble: of the members),
-    "classes": {"num_classes": K, "names": [...]}, "split": split, "ids": digest of the fit
-    images' ids in order, "calibrator": name, "params": every constructor parameter,
-    "precision": of the forward pass, "protocol": the evaluation protocol (resize, pad, slide;
-    None for none), "data": "clean" or the drift mixture's key, "ignore_index": ...}``.
+    The network (content digest of the checkpoint; an ensemble: of the members), the classes
+    (count and names), the split and the digest of the fit images' ids in order, the
+    calibrator's every constructor parameter and ``ignore_index``, the precision and protocol
+    of the forward pass, and ``after`` the data it saw (``clean`` or the drift mixture's key).
 
-    A caller that has no data (``predict_seg``) leaves ``params`` and ``split_ids`` None: the
-    record then holds neither ``params`` nor ``split`` / ``ids``, and is compared with
-    ``partial=True`` (:func:`fit_problem`) on the keys it has.
+    A caller that has no data (``predict_seg``, ``export``) leaves ``params`` and ``split_ids``
+    None: they are then unknown fields of the key, not compared.
 
     Args:
         run: a loaded :class:`cals_seg.runs.run.Run` (``checkpoint``, ``config``,
@@ -185,72 +174,30 @@ def calibrator_record(
     """
     cfg = run.config.data
     names = getattr(run, "class_names", None)
-    record: dict[str, Any] = {
-        "network": network_digest(run),
-        "classes": {"num_classes": cfg.num_classes,
-                    "names": list(names) if names is not None else None},
-        "calibrator": name,
-        "precision": precision if precision is not None else run.precision,
-        "protocol": protocol_record(protocol if protocol is not None
-                                    else getattr(run, "protocol", None)),
-        "data": data,
-        "ignore_index": cfg.ignore_index,
-    }
-    if params is not None:
-        record["params"] = resolved_params(name, cfg.num_classes, params)
-    if split_ids is not None:
-        record.update(split=split, ids=ids_digest(split_ids))
-    return plain_record(record)
-
-
-def fit_problem(saved: Any, wanted: Mapping[str, Any],
-                partial: bool = False) -> tuple[str, str] | None:
-    """``(key, reason)`` of the first recorded field on which a fit whose record is ``saved``
-    differs from the use ``wanted``; None when the fit is for this use.
-
-    The rule of :func:`cals_seg.utils.fits.fit_mismatch`: every key equal (as plain JSON), no
-    key on one side only; ``partial`` compares only the keys of ``wanted`` (a use that cannot
-    know them all: ``predict_seg`` has no data). A fit without a record is for no use.
-
-    Returns:
-        e.g. ``("network", "was fitted for another network (checkpoint digest 3fa2..., this
-        one 8b1c...)")`` or ``("record", "records nothing of what it was fitted for ...")``.
-    """
-    if not isinstance(saved, Mapping) or not saved:
-        return "record", "records nothing of what it was fitted for (written by an older version)"
-    saved, wanted = plain_record(saved), plain_record(wanted)
-    if partial:
-        saved = {k: v for k, v in saved.items() if k in wanted}
-    for key in sorted(set(saved) | set(wanted)):
-        if key not in wanted:
-            return key, f"records {key}={_short(saved[key])}, which this use does not have"
-        if key not in saved:
-            return key, f"does not record {key} (this use has {key}={_short(wanted[key])})"
-        if saved[key] == wanted[key]:
-            continue
-        if key == "network":
-            return key, (f"was fitted for another network (checkpoint digest "
-                         f"{str(saved[key])[:12]}, this one {str(wanted[key])[:12]})")
-        if key == "ids":
-            return key, "was fitted on other images (another list of image ids)"
-        return key, f"was fitted for {key}={_short(saved[key])}, not {key}={_short(wanted[key])}"
-    return None
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True, default=str)
-    return text if len(text) <= 60 else text[:57] + "..."
+    unknown = (() if params is not None else ("params",)) + \
+        (() if split_ids is not None else ("split", "ids"))
+    return FitKey(
+        "calibrator", name, network_digest(run),
+        {"num_classes": cfg.num_classes, "names": list(names) if names else None},
+        split=split if split_ids is not None else None,
+        ids=ids_digest(split_ids) if split_ids is not None else None,
+        params={**(resolved_params(name, cfg.num_classes, params) if params is not None
+                   else {}), "ignore_index": cfg.ignore_index},
+        precision=precision if precision is not None else run.precision,
+        protocol=protocol_record(protocol if protocol is not None
+                                 else getattr(run, "protocol", None)),
+        after=data, unknown=unknown)
 
 
 def save_calibrator(calibrator: Calibrator, path: str | Path,
-                    fitted_for: Mapping[str, Any] | None = None) -> Path:
+                    fitted_for: FitKey | Mapping[str, Any] | None = None) -> Path:
     """Write ``{"name", "num_classes", "params", "fit_info", "state", "fitted_for"}`` (tensors
     and plain types only, readable with ``torch.load(weights_only=True)``) to ``path``,
     atomically (a crash leaves the old file or the new one).
 
     Args:
-        fitted_for: what the fit is for (:func:`calibrator_record`); None writes a file that
-            is never reused by :func:`cals_seg.evaluation.engine.load_or_fit_calibrators`.
+        fitted_for: what the fit is for (:func:`calibrator_key`, or its record); None writes
+            a file that is never reused.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -258,9 +205,18 @@ def save_calibrator(calibrator: Calibrator, path: str | Path,
     payload = {"name": calibrator.name, "num_classes": calibrator.num_classes,
                "params": dict(calibrator.params), "fit_info": _plain(calibrator.fit_info),
                "state": state,
-               "fitted_for": plain_record(fitted_for) if fitted_for is not None else None}
+               "fitted_for": _record_of(fitted_for)}
     atomic_write(path, lambda tmp: torch.save(payload, tmp))
     return path
+
+
+def _record_of(fitted_for: FitKey | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if isinstance(fitted_for, FitKey):
+        if fitted_for.unknown:
+            raise ValueError(f"a key with unknown fields {list(fitted_for.unknown)} describes "
+                             "a use, not a fit: it cannot be saved")
+        return fitted_for.record()
+    return plain_record(fitted_for) if fitted_for is not None else None
 
 
 def load_calibrator(path: str | Path, map_location: str | torch.device = "cpu",
@@ -328,9 +284,9 @@ def load_run_calibrator(run: Any, name: str, folder: str | Path | None = None) -
     """Calibrator ``name`` saved for ``run`` (``<run>/calibrators/<name>.pt``, or ``folder``),
     for a use without data (``predict_seg``, ``export``): read by :func:`load_calibrator`
     (validated, the run's class count) and used only when its record matches the run on
-    every key such a use knows (:func:`calibrator_record` without params and image ids: the
+    every field such a use knows (:func:`calibrator_key` without params and image ids: the
     network's digest, the classes, the calibrator, the precision and protocol of the forward
-    pass, clean data, ignore_index), compared with ``partial=True``.
+    pass, clean data).
 
     Args:
         run: a loaded :class:`cals_seg.runs.run.Run` (its ``precision`` and ``protocol`` are the
@@ -349,7 +305,7 @@ def load_run_calibrator(run: Any, name: str, folder: str | Path | None = None) -
                                f"{command.replace(' --refit-calibrators', '')}.")
     cal = load_calibrator(path, run.device, num_classes=run.config.data.num_classes,
                           hint=f"refit it: {command}")
-    problem = fit_problem(cal.fitted_for, calibrator_record(run, name), partial=True)
+    problem = calibrator_key(run, name).problem(cal.fitted_for)
     if problem is not None:
         key, reason = problem
         also = ""
@@ -409,7 +365,6 @@ def _plain(obj: Any) -> Any:
 
 __all__ = [
     "CALIBRATORS",
-    "RECORD_KEYS",
     "Batches",
     "ArgmaxKeepingScaling",
     "BoundaryTemperatureScaling",
@@ -425,8 +380,7 @@ __all__ = [
     "TemperatureScaling",
     "VectorScaling",
     "build_calibrator",
-    "calibrator_record",
-    "fit_problem",
+    "calibrator_key",
     "load_calibrator",
     "load_run_calibrator",
     "network_digest",

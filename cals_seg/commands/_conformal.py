@@ -33,8 +33,8 @@ from cals_seg.evaluation.conformal_fit import (  # noqa: F401 (the commands' nam
     calibration_ids,
     choose_every,
     conformal_file,
+    conformal_key,
     conformal_tag,
-    fit_record,
     fits_folder,
     load_conformal,
     module_digest,
@@ -43,7 +43,6 @@ from cals_seg.evaluation.conformal_fit import (  # noqa: F401 (the commands' nam
     saved_fit_mismatch,
 )
 from cals_seg.evaluation.conformal_score import SCORES
-from cals_seg.evaluation.fit_records import protocol_record  # noqa: F401 (the commands' name)
 from cals_seg.training.engine import make_loader
 
 CONFORMAL_KEYS = ("alpha", "mode", "score", "calibrator", "seed", "every")

@@ -346,7 +346,7 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
     calibrators, fits, skipped = {}, {}, {}
     names = getattr(args, "calibrators", [])
     if names:
-        from cals_seg.calibrators import calibrator_record
+        from cals_seg.calibrators import calibrator_key
         from cals_seg.evaluation.engine import load_or_fit_calibrators
         from cals_seg.evaluation.inference import NonFiniteLogitsError
         from cals_seg.utils.distributed import is_distributed
@@ -360,13 +360,13 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         for name in dict.fromkeys(names):  # one that cannot be fitted is reported, not fatal
             folder, why = fits_home(run, args, name)
             try:  # reused only when fitted for this network, classes, images, params, precision
-                record = calibrator_record(run, name, params.get(name, {}), task.val_set.ids,
-                                           precision=infer.amp, protocol=infer.protocol)
+                key = calibrator_key(run, name, params.get(name, {}), task.val_set.ids,
+                                     precision=infer.amp, protocol=infer.protocol)
                 found = None if args.refit_calibrators or folder == run.calibrators else \
-                    run_fit(run, name, record)  # the run's own fit, read only, when it is this
+                    run_fit(run, name, key)  # the run's own fit, read only, when it is this
                 one, fit = found or load_or_fit_calibrators(
                     [name], folder, task.num_classes, infer, val_loader, task.ignore_index,
-                    args.refit_calibrators, params, fitted_for={name: record})
+                    args.refit_calibrators, params, keys={name: key})
             except NonFiniteLogitsError as err:  # the network's fault, not the calibrator's
                 return report(UserError(f"{run.path}: {err}"))
             except (*USER_ERRORS, ValueError) as err:
@@ -499,24 +499,21 @@ def default_params(name: str, params: dict) -> bool:
     return resolved_params(name, 2, params) == resolved_params(name, 2, {})
 
 
-def run_fit(run, name: str, record: dict) -> tuple[dict, dict] | None:
+def run_fit(run, name: str, key) -> tuple[dict, dict] | None:
     """The run's own saved fit of calibrator ``name``, read (never written), when it was made
-    for this use (its record is ``record``); None otherwise."""
-    from cals_seg.calibrators import CalibratorFileError, fit_problem, load_calibrator
+    for this use (its record is ``key``'s); None otherwise."""
+    from cals_seg.calibrators import load_calibrator
 
-    path = run.calibrator_file(name)
-    if not path.is_file():
-        return None
-    try:
-        cal = load_calibrator(path, run.device, num_classes=run.task.num_classes)
-    except CalibratorFileError as err:  # damaged: said; this evaluation fits its own
-        print(f"notice: {path} {err.reason}; not used (this evaluation fits its own; "
-              f"{err.hint})", file=sys.stderr, flush=True)
-        return None
-    if fit_problem(cal.fitted_for, record) is not None:
+    path = run.fits.calibrator(name)
+    cal, problem = run.fits.reuse(path, key, lambda p: load_calibrator(
+        p, run.device, num_classes=run.task.num_classes))
+    if problem is not None:
+        if problem[0] == "file" and path.is_file():  # damaged: said; this evaluation fits its own
+            print(f"notice: {path} {problem[1]}; not used (this evaluation fits its own)",
+                  file=sys.stderr, flush=True)
         return None
     return {name: cal}, {name: {**cal.fit_info, "loaded": True, "file": str(path),
-                                "fitted_for": record}}
+                                "fitted_for": key.record()}}
 
 
 def fit_notice(run, name: str, file: str, why: str | None) -> str:

@@ -13,7 +13,8 @@ output. The ids of the calibration images are recorded.
 Every saved fit records what it was fitted for (:mod:`cals_seg.utils.fits`): the network by
 content, the classes, the split and the calibration ids, the score, alpha, mode, seed, every,
 the calibrator before it, the grid and the evaluation protocol. A saved fit is used only when
-its record is the use's (:func:`saved_fit_mismatch`); every file read back is validated
+its key (:func:`conformal_key`, a :class:`~cals_seg.utils.fits.FitKey`) is the use's
+(:func:`saved_fit_mismatch`); every file read back is validated
 (:func:`read_conformal`).
 
 A ``spec`` is the dictionary of ``--conformal`` (``alpha``, ``mode`` a list, ``score``,
@@ -37,16 +38,10 @@ from cals_seg.calibrators import build_calibrator, network_digest
 from cals_seg.errors import UserError
 from cals_seg.evaluation.conformal import GRID, ConformalSets, guarantee_images, parse_mode
 from cals_seg.evaluation.conformal_score import SCORES
-from cals_seg.evaluation.fit_records import (
-    is_int,
-    is_number,
-    protocol_record,
-    read_checked_json,
-    record_mismatch,
-)
+from cals_seg.evaluation.fit_records import is_int, is_number, read_checked_json
 from cals_seg.evaluation.stream import predict
 from cals_seg.utils.distributed import is_distributed
-from cals_seg.utils.fits import ids_digest, plain_record
+from cals_seg.utils.fits import FitKey, FitStore, ids_digest, protocol_record
 from cals_seg.utils.io import write_json
 
 DEFAULT_EVERY = 5  # the lts / selective hold-out, kept when validation allows it
@@ -110,47 +105,53 @@ def module_digest(module: Any) -> str | None:
     return h.hexdigest()[:32]
 
 
-def fit_record(run: Any, spec: dict[str, Any], mode: str, every: int, ids: list[Any] | None,
-               calibrator: Any = None) -> dict[str, Any]:
-    """What a fit of ``mode`` is for (``fitted_for``): network, classes, split and calibration
-    ids (``ids`` None: left out, for a use that cannot read validation), score, alpha, mode,
-    seed, every, the calibrator before it (name and state digest), grid and protocol."""
+def conformal_key(run: Any, spec: dict[str, Any], mode: str, every: int,
+                  ids: list[Any] | None, calibrator: Any = None) -> FitKey:
+    """What a fit of ``mode`` is for: network, classes, split and calibration ids (``ids``
+    None: unknown, for a use that cannot read validation), ``params`` (score, alpha, every,
+    grid), seed, ``after`` the calibrator before it (name and state
+    digest), and the protocol of the forward pass."""
     protocol = getattr(run.task, "protocol", None) if run.task is not None else None
-    record = {"network": network_digest(run), "num_classes": len(run.class_names),
-              "split": "val", "score": spec["score"], "alpha": float(spec["alpha"]),
-              "mode": mode, "seed": int(spec["seed"]), "every": int(every),
-              "calibrator": spec.get("calibrator"),
-              "calibrator_state": module_digest(calibrator), "grid": GRID,
-              "protocol": protocol_record(protocol or run.protocol)}
-    if ids is not None:
-        record["ids"] = ids_digest(ids)
-    return plain_record(record)
+    names = list(run.class_names)
+    params = {"score": spec["score"], "alpha": float(spec["alpha"]), "every": int(every),
+              "grid": GRID}
+    return FitKey(
+        "conformal", mode, network_digest(run), {"num_classes": len(names), "names": names},
+        split="val", ids=ids_digest(ids) if ids is not None else None, params=params,
+        precision=run.precision, protocol=protocol_record(protocol or run.protocol),
+        seed=int(spec["seed"]),
+        after={"calibrator": spec.get("calibrator"), "state": module_digest(calibrator)},
+        unknown=("ids",) if ids is None else ())
 
 
 def saved_fit_mismatch(run: Any, spec: dict[str, Any], mode: str, cs: ConformalSets,
                        val_set: Any | None) -> str | None:
     """Why the saved fit ``cs`` (:func:`load_conformal`) is not for this use of ``spec`` in
     ``mode``; None when it is. Without the validation split (``val_set`` None) what cannot be
-    checked is taken as saved: the calibration ids, and ``every`` when it was chosen."""
+    checked is taken as saved: the calibration ids, and ``every`` when it was chosen (it
+    depends on the split's size)."""
     if val_set is not None:
         every, _ = choose_every(spec, len(val_set))
-        wanted = fit_record(run, spec, mode, every, calibration_ids(val_set, every))
-        return record_mismatch(cs.fitted_for, wanted)
-    every = spec["every"] if spec["every"] is not None else cs.fitted_for.get("every")
-    wanted = fit_record(run, spec, mode, every if is_int(every) else -1, None)
-    return record_mismatch(cs.fitted_for, wanted, unchecked=("ids",))
+        return conformal_key(run, spec, mode, every,
+                             calibration_ids(val_set, every)).mismatch(cs.fitted_for)
+    saved = cs.fitted_for.get("params") if isinstance(cs.fitted_for, dict) else None
+    every = spec["every"] if spec["every"] is not None else (saved or {}).get("every")
+    return conformal_key(run, spec, mode, every if is_int(every) else -1,
+                         None).mismatch(cs.fitted_for)
 
 
-def fits_folder(run: Any, folder: Path | None = None) -> Path:
-    """Where a run's fits live: ``folder`` (an ensemble's, in its --out), else
-    ``<run>/calibrators``."""
-    return Path(folder) if folder is not None else run.calibrators
+def fits_folder(run: Any, folder: Path | None = None) -> FitStore:
+    """Where a run's fits live: ``folder`` (an ensemble's, in its --out), else the run's own
+    store (``<run>/calibrators``)."""
+    return FitStore(folder) if folder is not None else run.fits
 
 
-def conformal_file(folder: Path, mode: str, score: str, alpha: float, seed: int) -> Path:
-    """``folder/conformal_<mode>_<score>_a<alpha>_s<seed>.json`` (``:`` of ``image:TAU`` as
-    ``-``)."""
-    return Path(folder) / f"conformal_{mode.replace(':', '-')}_{score}_a{alpha:g}_s{seed}.json"
+def conformal_file(folder: Path | FitStore, mode: str, score: str, alpha: float,
+                   seed: int) -> Path:
+    """``folder/conformal_<mode>_<score>_a<alpha>_s<seed>.json``
+    (:meth:`~cals_seg.utils.fits.FitStore.conformal`)."""
+    store = folder if isinstance(folder, FitStore) else FitStore(folder)
+    return store.conformal(mode, score, alpha, seed)
 
 
 def conformal_tag(cs: Any) -> str:
@@ -268,7 +269,7 @@ def fit_conformal(run: Any, spec: dict[str, Any], val_set: Any, folder: Path | N
             "... counting from 1)" if every > 1 else "every validation image")
     results = {}
     for m, cs in fits.items():
-        record = fit_record(run, spec, m, every, ids, calibrator)
+        record = conformal_key(run, spec, m, every, ids, calibrator).record()
         results[m] = _with_every_fix(
             {**cs.fit(), "seed": spec["seed"], "every": every, "calibrator": spec["calibrator"],
              "calibrator_fit": fit_info, "calibration_rule": rule, "calibration_ids": ids,
@@ -375,6 +376,6 @@ def load_conformal(path: Path, num_classes: int | None = None, fix: str | None =
 
 
 __all__ = ["DEFAULT_EVERY", "MAX_GRID", "Loader", "calibrated", "calibration_ids",
-           "calibration_mask", "choose_every", "conformal_file", "conformal_tag", "fit_conformal",
-           "fit_record", "fits_folder", "load_conformal", "module_digest", "read_conformal",
+           "calibration_mask", "choose_every", "conformal_file", "conformal_key", "conformal_tag",
+           "fit_conformal", "fits_folder", "load_conformal", "module_digest", "read_conformal",
            "saved_fit_mismatch", "save_conformal"]

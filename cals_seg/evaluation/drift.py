@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cals_seg.calibrators import calibrator_record
+from cals_seg.calibrators import calibrator_key
 from cals_seg.data.corruptions import DriftMixture, corrupted_dataset
 from cals_seg.evaluation.engine import load_or_fit_calibrators
+from cals_seg.utils.fits import FitStore
 
 DRIFT_SUFFIX = "+drift"
 
@@ -22,9 +23,10 @@ def drift_calibrators(run: Any, names: Sequence[str], folder: Path, seed: int, *
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``({NAME+drift: calibrator}, {NAME+drift: fit summary})``: ``names`` fitted on the
     validation split under :class:`DriftMixture` (seeded by ``seed``), or loaded from
-    ``folder/drift_s<seed>/NAME.pt`` when the record it holds
-    (:func:`cals_seg.calibrators.calibrator_record`: the network by content, classes, ids,
-    parameters, precision, protocol, and the mixture with its seed as ``data``) is this use's;
+    ``folder/drift_s<seed>/NAME.pt`` (:meth:`~cals_seg.utils.fits.FitStore.drift`) when the
+    record it holds (:func:`cals_seg.calibrators.calibrator_key`: the network by content,
+    classes, ids, parameters, precision, protocol, and ``after`` the mixture with its seed) is
+    this use's;
     refit otherwise (the reason printed), or always with ``refit``.
 
     Args:
@@ -40,13 +42,13 @@ def drift_calibrators(run: Any, names: Sequence[str], folder: Path, seed: int, *
     data = f"{mixture.key} seed {mixture.seed}"
     params = params or {}
     val_ids = getattr(task.val_set, "ids", None) or list(range(len(task.val_set)))
-    records = {name: calibrator_record(run, name, params.get(name, {}), val_ids, data=data,
-                                       precision=infer.amp, protocol=infer.protocol)
-               for name in names}
+    keys = {name: calibrator_key(run, name, params.get(name, {}), val_ids, data=data,
+                                 precision=infer.amp, protocol=infer.protocol)
+            for name in names}
     cals, fits = load_or_fit_calibrators(
-        names, Path(folder) / f"drift_s{mixture.seed}", task.num_classes, infer,
+        names, FitStore(folder).drift(mixture.seed), task.num_classes, infer,
         loader(corrupted_dataset(task.val_set, mixture)), task.ignore_index, refit, params,
-        fitted_for=records)
+        keys=keys)
     fits = {k: {**v, "fit_data": data} for k, v in fits.items()}
     return ({f"{k}{DRIFT_SUFFIX}": v for k, v in cals.items()},
             {f"{k}{DRIFT_SUFFIX}": v for k, v in fits.items()})

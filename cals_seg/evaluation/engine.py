@@ -30,10 +30,8 @@ from torch.utils.data import DataLoader
 
 from cals_seg.calibrators import (
     Calibrator,
-    CalibratorFileError,
     TemperatureScaling,
     build_calibrator,
-    fit_problem,
     load_calibrator,
     save_calibrator,
 )
@@ -41,6 +39,7 @@ from cals_seg.calibrators.ts import fit_temperature
 from cals_seg.evaluation.stream import Inference, Scaled, meter_group_key, predict
 from cals_seg.metrics.functional import sum_over_ranks
 from cals_seg.utils.distributed import is_main_process
+from cals_seg.utils.fits import FitKey, FitStore
 
 # Meters that only read the argmax: fed the raw logits when the calibrator cannot change it, so
 # that their numbers (mIoU, accuracies) are bit-identical to the uncalibrated ones.
@@ -273,7 +272,7 @@ def calibrated_test(
 
 def load_or_fit_calibrators(
     names: Sequence[str],
-    folder: str | Path,
+    store: FitStore | str | Path,
     num_classes: int,
     infer: Inference,
     val_loader: DataLoader,
@@ -281,19 +280,19 @@ def load_or_fit_calibrators(
     refit: bool = False,
     params: Mapping[str, Mapping[str, Any]] | None = None,
     *,
-    fitted_for: Mapping[str, Mapping[str, Any]] | None = None,
+    keys: Mapping[str, FitKey] | None = None,
 ) -> tuple[dict[str, Calibrator], dict[str, dict[str, Any]]]:
-    """The calibrators ``names``: loaded from ``folder/<name>.pt`` when the fit saved there is
-    for this use, else built (with ``params[name]``), fitted on the logits of ``infer`` (the
-    model, device, precision and protocol) over ``val_loader`` and saved there with its record.
+    """The calibrators ``names``: loaded from ``store`` when the fit saved there is for this
+    use, else built (with ``params[name]``), fitted on the logits of ``infer`` (the model,
+    device, precision and protocol) over ``val_loader`` and saved there with its key.
 
     A saved fit is reused only when it passes :func:`cals_seg.calibrators.load_calibrator`'s
-    checks and its ``fitted_for`` record equals ``fitted_for[name]`` on every key
-    (:func:`cals_seg.calibrators.fit_problem`; build the record with
-    :func:`cals_seg.calibrators.calibrator_record`). Otherwise it is refit, with one line on
+    checks and its record equals ``keys[name]`` on every field
+    (:meth:`~cals_seg.utils.fits.FitStore.reuse`; build the key with
+    :func:`cals_seg.calibrators.calibrator_key`). Otherwise it is refit, with one line on
     stderr: ``<folder>/ts.pt was fitted for precision="bf16", not precision="none":
-    refitting``. Without a record for ``name`` (a caller that does not say what the fit is
-    for) a saved fit is never reused, and the new one is saved without a record.
+    refitting``. Without a key for ``name`` (a caller that does not say what the fit is for)
+    a saved fit is never reused, and the new one is saved without a record.
 
     Returns:
         ``({name: calibrator}, {name: fit summary})``; a summary holds the method's
@@ -301,24 +300,22 @@ def load_or_fit_calibrators(
         ``fit_seconds`` and, on CUDA, ``fit_peak_memory_mib`` (peak allocated during the fit,
         the network's forward passes included); ``file`` and ``fitted_for`` (the record).
     """
-    folder, device = Path(folder), infer.device
+    store = store if isinstance(store, FitStore) else FitStore(store)
+    device = infer.device
     out, info = {}, {}
     for name in names:
-        path = folder / f"{name}.pt"
-        wanted = (fitted_for or {}).get(name)
+        path, key = store.calibrator(name), (keys or {}).get(name)
+        record = key.record() if key is not None else None
         if path.is_file() and not refit:
-            try:
-                cal = load_calibrator(path, device, num_classes=num_classes)
-            except CalibratorFileError as err:
-                reason = err.reason
+            if key is None:
+                reason = "is not reused: the caller gives no record of what the fit must be for"
             else:
-                problem = ((None, "is not reused: the caller gives no record of what the fit "
-                                  "must be for") if wanted is None
-                           else fit_problem(cal.fitted_for, wanted))
+                cal, problem = store.reuse(path, key, lambda p: load_calibrator(
+                    p, device, num_classes=num_classes))
                 if problem is None:
                     out[name] = cal
                     info[name] = {**cal.fit_info, "loaded": True, "file": str(path),
-                                  "fitted_for": wanted}
+                                  "fitted_for": record}
                     continue
                 reason = problem[1]
             print(f"{path} {reason}: refitting", file=sys.stderr, flush=True)
@@ -333,9 +330,9 @@ def load_or_fit_calibrators(
             summary["fit_peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         cal.fit_info = summary
         if is_main_process():  # every rank fitted the same calibrator; one writes it
-            save_calibrator(cal, path, fitted_for=wanted)
-        cal.fitted_for = dict(wanted) if wanted is not None else None
-        out[name], info[name] = cal, {**summary, "file": str(path), "fitted_for": wanted}
+            save_calibrator(cal, path, fitted_for=key)
+        cal.fitted_for = record
+        out[name], info[name] = cal, {**summary, "file": str(path), "fitted_for": record}
     return out, info
 
 

@@ -1,22 +1,20 @@
-"""What the saved fits of the evaluation record, and how their JSON files are read back.
+"""How the JSON fits of the evaluation are read back, validated key by key.
 
 The conformal thresholds (:mod:`cals_seg.evaluation.conformal_fit`) and the entropy reference
-(:mod:`cals_seg.evaluation.ood`) are JSON files with a ``fitted_for`` record
-(:mod:`cals_seg.utils.fits`): the protocol in it is :func:`protocol_record`'s, a file is read
-back by :func:`read_checked_json` (validated key by key, one line when not) and compared with
-the use at hand by :func:`record_mismatch`.
+(:mod:`cals_seg.evaluation.ood`) are JSON files with a ``fitted_for`` record (a
+:class:`~cals_seg.utils.fits.FitKey`'s, compared with the use at hand by the key); a file is
+read back by :func:`read_checked_json` (validated key by key, one line when not).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from cals_seg.errors import UserError
-from cals_seg.utils.fits import fit_mismatch
 
 # key -> (the check of its value, what is allowed, for the message)
 Checks = Mapping[str, tuple[Callable[[Any], bool], str]]
@@ -31,18 +29,6 @@ def is_number(x: Any) -> bool:
     """A finite ``int`` or ``float`` that is not a ``bool``."""
     return (isinstance(x, int | float) and not isinstance(x, bool)
             and math.isfinite(float(x)))
-
-
-def protocol_record(protocol: Any) -> dict[str, Any]:
-    """The parts of the evaluation protocol that change the logits: ``{"mode", "resize",
-    "pad", "mean", "std"}`` (and ``window``, ``stride`` when sliding); ``{}`` for None."""
-    if protocol is None:
-        return {}
-    out = {"mode": protocol.mode, "resize": protocol.resize, "pad": protocol.pad,
-           "mean": list(protocol.mean), "std": list(protocol.std)}
-    if protocol.mode == "slide":
-        out.update(window=protocol.window, stride=protocol.stride)
-    return out
 
 
 def read_checked_json(path: Path, fix: str, what: str, name: str, checks: Checks,
@@ -81,17 +67,4 @@ def read_checked_json(path: Path, fix: str, what: str, name: str, checks: Checks
     return d
 
 
-def record_mismatch(saved: Mapping[str, Any], wanted: Mapping[str, Any],
-                    unchecked: Iterable[str] = ()) -> str | None:
-    """:func:`~cals_seg.utils.fits.fit_mismatch` of a saved record and the use at hand, the
-    keys ``unchecked`` (what a use without the validation data cannot know: the image ids)
-    taken as saved. None when the fit is for this use, else the reason in a few words."""
-    wanted = dict(wanted)
-    for key in unchecked:
-        if key in saved:
-            wanted[key] = saved[key]
-    return fit_mismatch(saved, wanted)
-
-
-__all__ = ["Checks", "is_int", "is_number", "protocol_record", "read_checked_json",
-           "record_mismatch"]
+__all__ = ["Checks", "is_int", "is_number", "read_checked_json"]

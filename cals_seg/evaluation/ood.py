@@ -27,16 +27,10 @@ from torch import Tensor
 
 from cals_seg.calibrators import network_digest
 from cals_seg.errors import UserError
-from cals_seg.evaluation.fit_records import (
-    is_int,
-    is_number,
-    protocol_record,
-    read_checked_json,
-    record_mismatch,
-)
+from cals_seg.evaluation.fit_records import is_int, is_number, read_checked_json
 from cals_seg.evaluation.inference import predict_image
 from cals_seg.utils.distributed import gather_lists
-from cals_seg.utils.fits import file_digest, ids_digest, plain_record
+from cals_seg.utils.fits import FitKey, file_digest, ids_digest, protocol_record
 from cals_seg.utils.io import write_json
 
 QUANTILE = 0.99
@@ -93,8 +87,6 @@ def flagged_rate(values: Sequence[float], limit: float) -> float:
 # The saved reference of predict_seg: the validation images' limit, with what it is for.
 # --------------------------------------------------------------------------------------------
 
-ENTROPY_FILE = "entropy_p{q}_{how}.json"
-
 
 def read_entropy(path: Path, fix: str) -> dict[str, Any]:
     """The entropy reference saved at ``path``, validated: a JSON object with ``quantile`` in
@@ -115,18 +107,20 @@ def read_entropy(path: Path, fix: str) -> dict[str, Any]:
                              error_detail=False)
 
 
-def entropy_record(run: Any, how: str, calibrator_file: Path | None, quantile: float,
-                   val_ids: Sequence[Any] | None) -> dict[str, Any]:
+def entropy_key(run: Any, how: str, calibrator_file: Path | None, quantile: float,
+                val_ids: Sequence[Any] | None) -> FitKey:
     """What an entropy reference is for: the network (by content), classes, the validation
-    ids (left out when they cannot be read), the calibration (T or calibrator, and the
-    calibrator file's digest), the quantile and the protocol."""
-    record = {"network": network_digest(run), "num_classes": len(run.class_names),
-              "split": "val", "calibration": how, "quantile": quantile,
-              "calibrator_file": file_digest(calibrator_file) if calibrator_file else None,
-              "protocol": protocol_record(run.protocol)}
-    if val_ids is not None:
-        record["ids"] = ids_digest(val_ids)
-    return plain_record(record)
+    ids (unknown when they cannot be read), ``name`` the calibration (T or calibrator),
+    ``params`` the quantile, the precision and protocol, and ``after`` the calibrator file's
+    digest."""
+    names = list(run.class_names)
+    return FitKey(
+        "entropy", how, network_digest(run), {"num_classes": len(names), "names": names},
+        split="val", ids=ids_digest(val_ids) if val_ids is not None else None,
+        params={"quantile": quantile}, precision=run.precision,
+        protocol=protocol_record(run.protocol),
+        after={"calibrator_file": file_digest(calibrator_file) if calibrator_file else None},
+        unknown=("ids",) if val_ids is None else ())
 
 
 def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
@@ -134,7 +128,7 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
                       ) -> dict[str, Any] | None:
     """The validation images' mean-entropy limit for ``predict_seg``: read from
     ``<run>/calibrators/entropy_p99_<T or calibrator>.json`` when the record it holds
-    (:func:`entropy_record`) is this use's, else computed over ``val`` (the validation split)
+    (:func:`entropy_key`) is this use's, else computed over ``val`` (the validation split)
     with the same calibration and saved; ``None`` (with a warning) when there is no file and
     the validation images cannot be read (``val`` None, ``unreadable`` saying why).
 
@@ -153,8 +147,8 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
             validation images whose mean entropy is not finite.
     """
     how = f"calibrator-{calibrator_name}" if calibrator_name else f"T{temperature:.4f}"
-    path = run.calibrators / ENTROPY_FILE.format(q=round(100 * QUANTILE), how=how)
-    cal_file = run.calibrator_file(calibrator_name) if calibrator_name else None
+    path = run.fits.entropy(QUANTILE, how)
+    cal_file = run.fits.calibrator(calibrator_name) if calibrator_name else None
     fix = (f"delete it to have it recomputed from the validation images of {run.path}, or "
            "give --no-ood-check")
     val_ids = None if val is None else getattr(val, "ids", None) or list(range(len(val)))
@@ -166,9 +160,9 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
                 raise
             reason = str(err).removeprefix(f"{path}: ").split("; ")[0]
         else:
-            wanted = entropy_record(run, how, cal_file, QUANTILE, val_ids)
             # without the data the ids cannot be checked: taken as saved
-            reason = record_mismatch(info["fitted_for"], wanted, ("ids",) if val is None else ())
+            reason = entropy_key(run, how, cal_file, QUANTILE,
+                                 None if val is None else val_ids).mismatch(info["fitted_for"])
             if reason is None:
                 return info
         if val is None:
@@ -196,11 +190,11 @@ def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
                         "or give --no-ood-check.")
     info = {"quantile": QUANTILE, "limit_nats": limit, "images": len(values), "calibration": how,
             "torch": torch.__version__,
-            "fitted_for": entropy_record(run, how, cal_file, QUANTILE, val_ids)}
+            "fitted_for": entropy_key(run, how, cal_file, QUANTILE, val_ids).record()}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, info)
     return info
 
 
-__all__ = ["ENTROPY_FILE", "QUANTILE", "MeanEntropy", "entropy_limit", "entropy_record",
+__all__ = ["QUANTILE", "MeanEntropy", "entropy_limit", "entropy_key",
            "entropy_reference", "flagged_rate", "image_mean_entropy", "read_entropy"]

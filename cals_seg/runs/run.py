@@ -74,6 +74,7 @@ from cals_seg.evaluation.engine import run_test_pass
 from cals_seg.evaluation.inference import EvalProtocol
 from cals_seg.evaluation.stream import Inference
 from cals_seg.models.consent import code_consent
+from cals_seg.utils.fits import FitStore
 from cals_seg.utils.io import (
     atomic_write,
     finite_number,
@@ -200,9 +201,16 @@ class Run:
         """The file of checkpoint ``which`` (``best`` or ``last``)."""
         return self.folder / CHECKPOINTS[which]
 
+    @property
+    def fits(self) -> FitStore:
+        """The run's own fits (``calibrators/``: calibrators, drift calibrators, conformal
+        thresholds, entropy limits), which ``predict_seg`` and ``export`` use; each reused
+        only when its :class:`~cals_seg.utils.fits.FitKey` is the use's."""
+        return FitStore(self.calibrators)
+
     def calibrator_file(self, name: str) -> Path:
         """Where the post-hoc calibrator ``name`` fitted on validation is saved."""
-        return self.calibrators / f"{name}.pt"
+        return self.fits.calibrator(name)
 
     def eval_dir(self, split: str) -> Path:
         """The default output folder of ``eval_seg`` on ``split``."""

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cals_seg.calibrators import calibrator_record
+from cals_seg.calibrators import calibrator_key
 from cals_seg.config.rules import changed_keys, keys_of
 from cals_seg.config.schema import Config, config_to_dict, load_config
 from cals_seg.errors import MissingPathError, UserError
@@ -172,12 +172,12 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     e, workers = cfg.eval, cfg.data.num_workers
     print(f"{run_dir.name}: calibrators {', '.join(missing)} (fit on val, one test pass)",
           flush=True)
-    records = {n: calibrator_record(run, n, {}, task.val_set.ids, precision=infer.amp,
-                                    protocol=infer.protocol) for n in missing}
+    keys = {n: calibrator_key(run, n, {}, task.val_set.ids, precision=infer.amp,
+                              protocol=infer.protocol) for n in missing}
     cals, fits = load_or_fit_calibrators(  # a saved fit is reused only when made for this use
         missing, folder.calibrators, task.num_classes, infer,
         make_loader(task.val_set, e.batch_size, False, workers), task.ignore_index,
-        fitted_for=records)
+        keys=keys)
     out = run.test(make_loader(task.test_set, e.batch_size, False, workers), calibrators=cals,
                    progress=False)
     metrics.setdefault("calibrators", {}).update({n: out["calibrators"][n] for n in missing})
