@@ -86,17 +86,26 @@ def _main(args: argparse.Namespace) -> int:
         if args.conformal is not None:
             from cals_seg.commands._conformal import load_or_fit_conformal, parse_conformal
             from cals_seg.evaluation.conformal_score import refuse_onnx
+            from cals_seg.runs.export import export_family
             from cals_seg.runs.run import load_run
 
             spec = parse_conformal(args.conformal)
-            if any(m.startswith("band") for m in spec["mode"]):
+            family = export_family(args.run, args.checkpoint)  # a text run: refused
+            if family == "classification":  # the sets of predict_cls, fitted by eval_cls
+                from cals_seg.commands.eval_cls import check_conformal
+                from cals_seg.commands.eval_cls import load_or_fit_conformal as load_or_fit
+
+                check_conformal(spec)
+            elif any(m.startswith("band") for m in spec["mode"]):
                 raise UserError("--conformal mode=band: the distance to the predicted boundaries "
                                 "is not exported; use mode=risk, image:TAU or class.")
+            else:
+                load_or_fit = load_or_fit_conformal
             if args.format == "onnx":
                 refuse_onnx(spec["score"])
             loaded = load_run(args.run, args.checkpoint, device="cpu", amp="none",
-                              family="segmentation")  # read once: the export uses it too
-            conformal = load_or_fit_conformal(loaded, spec)
+                              family=family)  # read once: the export uses it too
+            conformal = load_or_fit(loaded, spec)
         info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,
                           args.checkpoint, args.min_size, conformal, loaded)
         outputs.claim([out.name, f"{out.name}.json"])  # once written: a failed export claims none
@@ -113,16 +122,24 @@ def _main(args: argparse.Namespace) -> int:
     else:
         what = f"probabilities (calibrator {info['calibrator']})"
     files = written_files(args.out)
-    print(f"{args.out}: {args.format}, (N, 3, H, W) in [0, 255] -> (N, {info['num_classes']}, "
-          f"H, W) {what}, float32; H, W >= {info['input']['min_size']}; metadata in "
-          f"{args.out}.json")
+    if info.get("family") == "classification":
+        side = info["input"]["size"]
+        print(f"{args.out}: {args.format}, (N, 3, {side}, {side}) in [0, 255] -> "
+              f"(N, {info['num_classes']}) {what}, float32 (images made as predict_cls makes "
+              f"them: {info['input']['resize'].split(' (')[0]}); metadata in {args.out}.json")
+    else:
+        print(f"{args.out}: {args.format}, (N, 3, H, W) in [0, 255] -> (N, "
+              f"{info['num_classes']}, H, W) {what}, float32; H, W >= "
+              f"{info['input']['min_size']}; metadata in {args.out}.json")
     if args.calibrator == "ts" and str(info["calibrator_file"]).endswith(TEMPERATURE_FILE):
         print("--calibrator ts: the run has no fitted ts calibrator (tools/eval_seg.py RUN "
               f"--calibrators ts fits it): its fitted temperature, {info['calibrator_file']}, "
               "is used")
     if info.get("conformal"):
         c = info["conformal"]
-        print(f"second output: sets (N, {info['num_classes']}, H, W) bool, {c['mode']} "
+        shape = ", ".join(str(d) for d in c["output"]["shape"]).replace("K", str(
+            info["num_classes"]))
+        print(f"second output: sets ({shape}) bool, {c['mode']} "
               f"{c['score']} alpha {c['alpha']:g} (threshold {c['threshold']})")
     keep = " (keep them together)" if len(files) > 2 else ""
     print(f"wrote {len(files)} files{keep}: {', '.join(str(f) for f in files)}")

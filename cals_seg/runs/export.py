@@ -206,20 +206,42 @@ class ConformalSegmenter(nn.Module):
         from cals_seg.evaluation.conformal_score import class_scores
 
         out, raw = self.segmenter.outputs(x)
-        n, k, h, w = raw.shape
-        probs = torch.softmax(raw.float(), dim=1).reshape(n, k, h * w)
+        n, k = raw.shape[:2]
+        if raw.dim() == 2:  # a classifier: each input one position, as ConformalSets sees it
+            probs = torch.softmax(raw.float().reshape(n, k, 1), dim=1)
+        else:
+            probs = torch.softmax(raw.float(), dim=1).reshape(n, k, -1)
         scores = class_scores(probs, self.score, self.seed)
-        return out, (scores <= self.threshold).reshape(n, k, h, w)
+        return out, (scores <= self.threshold).reshape(raw.shape)
+
+
+def trace_fixed(module: nn.Module, side: int, what: str = "this network") -> Any:
+    """``module`` traced by ``torch.export`` for ``(N, 3, side, side)`` inputs, ``N`` dynamic
+    (1 to 4096): an image classifier, whose input is made at the size it was trained at
+    (``predict_cls``: shorter side to ``data.eval_size``, centre crop of ``data.image_size``).
+
+    Raises:
+        UserError: ``torch.export`` cannot trace it (its first line).
+    """
+    from cals_seg.runs._trace import _export
+
+    module = module.eval().to("cpu", torch.float32)
+    example = (torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(0)) * 255,)
+    static = torch.export.Dim.STATIC
+    return _export(module, example, [static, static], what)
 
 
 def export_program(module: CalibratedSegmenter | ConformalSegmenter, path: str | Path, fmt: str,
-                   min_size: int | None = None, what: str = "the program") -> Path:
+                   min_size: int | None = None, what: str = "the program",
+                   side: int | None = None) -> Path:
     """Write ``module`` as ONNX (``fmt="onnx"``) or a ``torch.export`` program (``"pt2"``),
     with dynamic batch size, height and width (:func:`trace_program`); the smallest side
-    accepted is then ``module.min_size``. A :class:`ConformalSegmenter` has a second output,
-    ``sets``. An ONNX file is run once with onnxruntime (when installed) on the traced example
-    and compared with the PyTorch program: a format that does not hold ``what`` faithfully is
-    refused, the file removed.
+    accepted is then ``module.min_size``. With ``side`` (an image classifier: the input size it
+    was trained at) the input is ``side x side`` and only the batch is dynamic
+    (:func:`trace_fixed`). A :class:`ConformalSegmenter` has a second output, ``sets``. An ONNX
+    file is run once with onnxruntime (when installed) on the traced example and compared with
+    the PyTorch program: a format that does not hold ``what`` faithfully is refused, the file
+    removed.
 
     Raises:
         UserError: an unknown format, a network or calibrator a format cannot hold (one line
@@ -242,7 +264,11 @@ def export_program(module: CalibratedSegmenter | ConformalSegmenter, path: str |
             from cals_seg.evaluation.conformal_score import refuse_onnx
 
             refuse_onnx(module.score)  # a score ONNX cannot hold, in one line
-    program, module.min_size = trace_program(module, min_size, what)
+    module.fixed_side = side
+    if side is not None:
+        program, module.min_size = trace_fixed(module, side, what), side
+    else:
+        program, module.min_size = trace_program(module, min_size, what)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{path}.data").unlink(missing_ok=True)  # a sidecar of an earlier export
@@ -264,8 +290,9 @@ def _write_onnx(module: nn.Module, program: Any, path: Path, what: str) -> None:
     external = _weight_bytes(module) > ONNX_SINGLE_FILE_LIMIT
     names = [OUTPUT_NAMES[module.logits]]
     names += [SETS_NAME] if isinstance(module, ConformalSegmenter) else []
-    example = torch.rand(2, 3, module.min_size + 3, module.min_size + 6,
-                         generator=torch.Generator().manual_seed(1)) * 255
+    side = getattr(module, "fixed_side", None)
+    h, w = (side, side) if side is not None else (module.min_size + 3, module.min_size + 6)
+    example = torch.rand(2, 3, h, w, generator=torch.Generator().manual_seed(1)) * 255
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -366,6 +393,27 @@ def _calibration(loaded: Any, calibrator: str | None, logits: bool) -> dict[str,
             "file": str(loaded.calibrator_file(calibrator))}
 
 
+def export_family(run: str | Path, checkpoint: str = "best") -> str:
+    """The task family of the run at ``run`` (its config read, nothing else) when export takes
+    it: ``segmentation``, or ``classification`` for an image classifier.
+
+    Raises:
+        UserError: a text run (its input is token ids of its training split's vocabulary, not
+            an image), in one line naming predict_cls.
+    """
+    from cals_seg.runs.run import Run, resolve_run
+    from cals_seg.tasks import DATASETS, task_family
+
+    folder, _ = resolve_run(run, checkpoint)
+    cfg = Run(folder).read_config()
+    family = task_family(cfg)
+    if DATASETS[cfg.data.name].kind == "text":
+        raise UserError(f"{folder} is a text run: export takes image runs (a text run's input "
+                        "is the token ids of its training split's vocabulary); predict with "
+                        f"tools/predict_cls.py {folder} TEXTS --out DIR.")
+    return family
+
+
 # Not split (over 80 lines): most of it is the docstring and the metadata written.
 def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: str | None = None,
                logits: bool = False, checkpoint: str = "best",
@@ -412,29 +460,49 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     if (calibrator, fmt) in REFUSED:
         raise UserError(f"--format {fmt} --calibrator {calibrator}: {REFUSED[calibrator, fmt]}")
     if loaded is None:
-        loaded = load_run(run, checkpoint, device="cpu", amp="none", family="segmentation")
+        family = export_family(run, checkpoint)
+        loaded = load_run(run, checkpoint, device="cpu", amp="none", family=family)
     run_dir, cfg, model = loaded.path, loaded.config, loaded.model
-    calibration = _calibration(loaded, calibrator, logits)
-    e = cfg.eval
-    if e.mode != "whole" or e.resize is not None or e.pad is not None:
-        warnings.warn(f"{run_dir} is evaluated with eval.mode={e.mode}, resize={e.resize}, "
-                      f"pad={e.pad}; the exported program runs the network once on the whole "
-                      "image as given: resize or tile images before calling it.", stacklevel=2)
+    classifier = loaded.family == "classification"
+    side = None
+    if classifier:  # the same program without space: (N, 3, S, S) -> (N, K)
+        export_family(loaded.checkpoint)  # a text run refused in one line
+        if min_size is not None:
+            raise UserError(f"--min-size: an image classifier's program takes the inputs of "
+                            f"its training, {cfg.data.image_size} x {cfg.data.image_size} "
+                            "(data.image_size); leave --min-size out.")
+        side = int(cfg.data.image_size)
+        try:
+            calibration = _calibration(loaded, calibrator, logits)
+        except UserError as err:  # a classification run's calibrators are eval_cls's
+            text = str(err).replace("tools/eval_seg.py", "tools/eval_cls.py")
+            raise type(err)(text) if type(err).__init__ is UserError.__init__ else \
+                UserError(text) from None
+    else:
+        calibration = _calibration(loaded, calibrator, logits)
+        e = cfg.eval
+        if e.mode != "whole" or e.resize is not None or e.pad is not None:
+            warnings.warn(f"{run_dir} is evaluated with eval.mode={e.mode}, resize={e.resize}, "
+                          f"pad={e.pad}; the exported program runs the network once on the "
+                          "whole image as given: resize or tile images before calling it.",
+                          stacklevel=2)
     module = CalibratedSegmenter(model, calibration["temperature"] or 1.0,
-                                 multiple=input_multiple(model), logits=logits,
-                                 calibrator=calibration["module"], fmt=fmt)
+                                 multiple=1 if classifier else input_multiple(model),
+                                 logits=logits, calibrator=calibration["module"], fmt=fmt)
     if conformal is not None:
         module = ConformalSegmenter(module, conformal)
     what = (f"this network with the calibrator {calibration['name']}"
             if calibration["module"] is not None else "this network")
-    path = export_program(module, out, fmt, min_size, what)
+    path = export_program(module, out, fmt, min_size, what, side=side)
     cal = calibration["module"]
+    shape = ["N", "K"] if classifier else ["N", "K", "H", "W"]
     info = {
         "format": fmt,
         "run": str(run_dir),
+        "family": loaded.family,
         "input": {"name": INPUT_NAME, "shape": ["N", 3, "H", "W"], "dtype": "float32",
                   "range": [0, 255], "channels": "RGB", "min_size": module.min_size},
-        "output": {"name": OUTPUT_NAMES[logits], "shape": ["N", "K", "H", "W"],
+        "output": {"name": OUTPUT_NAMES[logits], "shape": shape,
                    "what": "logits" if logits else "softmax(logits / T)" if cal is None
                    else f"softmax({calibration['name']}(logits))"},
         # The network's forward precision (the vocabulary of metrics.json: none is float32);
@@ -454,11 +522,17 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
     if getattr(module, "onnx_check", None) is not None:
         info["onnx_check"] = {"max_difference_to_pt2": module.onnx_check,
                               "tolerance": ONNX_TOLERANCE}
+    if classifier:
+        info["input"].update(shape=["N", 3, side, side], size=side, resize=(
+            f"shorter side to {getattr(cfg.data, 'eval_size', None) or side}, centre crop of "
+            f"{side} x {side} (as predict_cls and the evaluation make the network input)"))
     if conformal is not None:
         info["outputs"] = [OUTPUT_NAMES[logits], SETS_NAME]
+        where = "input's" if classifier else "pixel's"
         info["conformal"] = {
-            "output": {"name": SETS_NAME, "shape": ["N", "K", "H", "W"], "dtype": "bool",
-                       "what": "class k is in the pixel's set (scores of softmax(logits), T = 1)"},
+            "output": {"name": SETS_NAME, "shape": shape, "dtype": "bool",
+                       "what": f"class k is in the {where} set (scores of softmax(logits), "
+                       "T = 1)"},
             "alpha": conformal.alpha, "mode": conformal.mode, "score": conformal.score,
             "seed": conformal.seed, "threshold": conformal.thresholds(),
             "calibration_images": conformal.calibration_images}
@@ -487,5 +561,5 @@ def _plain(obj: Any) -> Any:
 
 
 __all__ = ["calibrator_choices", "FORMATS", "REFUSED", "CalibratedSegmenter", "ConformalSegmenter",
-           "export_program", "export_run", "normalisation_constants", "trace_program",
-           "written_files"]
+           "export_family", "export_program", "export_run", "normalisation_constants",
+           "trace_fixed", "trace_program", "written_files"]
