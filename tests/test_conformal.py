@@ -443,8 +443,8 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
     torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
                run / "checkpoint_best.pt")
     modes = ["risk", "image:0.5", "class", "band"]
-    args = [str(run), "--out", str(tmp_path / "eval"), "--conformal", "alpha=0.3",
-            f"mode={','.join(modes)}", "score=aps"]
+    args = [str(run), "--out", str(tmp_path / "eval"), "--save-calibrators-to-run",
+            "--conformal", "alpha=0.3", f"mode={','.join(modes)}", "score=aps"]
     assert load_tool("eval_seg").main(args) == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert list(metrics["conformal"]) == modes

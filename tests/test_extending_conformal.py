@@ -136,7 +136,10 @@ def test_a_registered_score_runs_through_eval_seg(registered, tmp_path, capsys):
     # the fit is saved under its score's name and read back by the validated reader
     from cals_seg.evaluation.conformal_fit import load_conformal
 
-    saved = load_conformal(run / "calibrators" / f"conformal_risk_{NAME}_a0.3_s0.json", 11)
+    # (with the evaluation: its config is overridden, so the run's own fits stay as they are)
+    assert not (run / "calibrators" / f"conformal_risk_{NAME}_a0.3_s0.json").exists()
+    saved = load_conformal(tmp_path / "eval" / "calibrators" /
+                           f"conformal_risk_{NAME}_a0.3_s0.json", 11)
     assert saved.score == NAME and saved.thresholds() == g / GRID
 
 
@@ -144,7 +147,7 @@ def test_the_registry_is_what_the_choices_and_export_read(registered):
     from cals_seg.commands._conformal import parse_conformal
 
     assert parse_conformal(["0.1", f"score={NAME}"])["score"] == NAME
-    with pytest.raises(UserError, match=re.escape(f"one of ['lac', 'aps', '{NAME}']")):
+    with pytest.raises(UserError, match=re.escape(f"one of {list(SCORES)}")):
         parse_conformal(["0.1", "score=nope"])
     refuse_onnx(NAME)  # no refusal: the score says ONNX can hold it
     with pytest.raises(UserError) as err:

@@ -226,9 +226,11 @@ def test_a_fit_is_used_only_for_what_it_was_fitted_for(tmp_path, capsys):
     from cals_seg.utils.fits import file_digest, ids_digest
 
     run = _run(tmp_path, "r")
-    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"), "--conformal",
+    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"),
+                                       "--save-calibrators-to-run", "--conformal",
                                        "alpha=0.3", "seed=1"]) == 0
-    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"), "--conformal",
+    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"),
+                                       "--save-calibrators-to-run", "--conformal",
                                        "alpha=0.3"]) == 0
     folder = run / "calibrators"
     s0, s1 = folder / "conformal_risk_lac_a0.3_s0.json", folder / "conformal_risk_lac_a0.3_s1.json"
@@ -336,7 +338,8 @@ def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
     the refit command, a non-zero exit, no traceback and no output, when the validation images
     cannot be read to refit it; when they can, it is refitted with a line naming it."""
     run = _run(tmp_path, "r")
-    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"), "--conformal",
+    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"),
+                                       "--save-calibrators-to-run", "--conformal",
                                        "alpha=0.3"]) == 0
     path = run / "calibrators" / "conformal_risk_lac_a0.3_s0.json"
     text = path.read_text()

@@ -570,3 +570,29 @@ def test_an_evaluation_elsewhere_keeps_its_fits_and_leaves_the_runs_own(base, tm
     assert _main(eval_seg, [*args, "--calibrator-param", "boundary_ts.bands=[2,5]", "--out",
                             elsewhere, "--save-calibrators-to-run"]) == 0
     assert list(load_calibrator(own).params["bands"]) == [2, 5]
+
+
+def test_every_kind_of_fit_of_an_evaluation_elsewhere_stays_with_it(base, tmp_path):
+    """eval_seg --out elsewhere fitting a calibrator under drift and conformal thresholds: the
+    run's fits folder is unchanged, file by file (the conformal and drift fits, like the
+    calibrators, live in OUT/calibrators); in place they are the run's own."""
+    run = _copy(base, tmp_path)
+    folder = run / "calibrators"
+
+    def tree() -> dict[str, str]:
+        return {p.relative_to(folder).as_posix(): _digest(p)
+                for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    before = tree()
+    out = tmp_path / "elsewhere"
+    argv = [run, "--split", "val", "--num-maps", "0", "--calibrators", "ts", "--conformal",
+            "alpha=0.4", "--shift", "fog:1", "--calibrator-fit-shift"]
+    assert _main(eval_seg, [*argv, "--out", out]) == 0
+    assert tree() == before
+    saved = {p.relative_to(out / "calibrators").as_posix()
+             for p in (out / "calibrators").rglob("*") if p.is_file()}
+    assert {"conformal_risk_lac_a0.4_s0.json", "drift_s0/ts.pt"} <= saved, saved
+    assert _main(eval_seg, argv) == 0  # in place, with the run's config: the run's own
+    after = tree()
+    assert {"conformal_risk_lac_a0.4_s0.json", "drift_s0/ts.pt"} <= set(after)
+    assert {k: v for k, v in after.items() if k in before} == before  # ts.pt reused, unchanged

@@ -351,8 +351,8 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         from cals_seg.evaluation.inference import NonFiniteLogitsError
         from cals_seg.utils.distributed import is_distributed
 
-        # the drift fits (named by their seed, reused by their record): with the run's
-        cal_folder = getattr(args, "calibrator_folder", None) or run.calibrators
+        # the drift fits (named by their seed, reused by their key): where fits_home says
+        cal_folder = fits_home(run, args)[0]
         if is_distributed() and {"lts", "selective"} & set(names):
             return report(ValueError("--calibrators lts / selective: fit them in one process "
                                      "(without torchrun); the others fit under torchrun too."))
@@ -401,9 +401,10 @@ def evaluate_run(run, args: argparse.Namespace) -> int:
         try:
             out = Path(args.out) if args.out else run.eval_dir(args.split)
             num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
-            # an ensemble's fits live in its --out (args.calibrator_folder), never in a member's
+            # where fits_home says: the run's own (which predict_seg and export use) only for
+            # an evaluation in place with its config; an ensemble's in its --out
             sets = conformal_sets(run, args.conformal, task.val_set, split_set, out / "maps",
-                                  num_maps, getattr(args, "calibrator_folder", None))
+                                  num_maps, fits_home(run, args)[0])
         except USER_ERRORS as err:
             return report(err)
         extra.append(sets)
