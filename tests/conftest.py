@@ -334,3 +334,55 @@ def imported_run(tmp_path_factory) -> Path:
     config.write_text(yaml.safe_dump(cfg))
     assert import_model.main([str(config), "--out", str(root / "run")]) == 0
     return root / "run"
+
+
+# ----------------------------------------------------------------------------- classification runs
+# One epoch of ce on the embedded image and text setups at tiny sizes (tests/test_eval_cls.py,
+# tests/test_predict_cls.py): data generated under the session folder, read only once built.
+CLS_SETS = {
+    # 10 classes, 40 ... 5 training images of 16 x 16, 4 validation and 6 test images per class,
+    # timm's MobileNetV3 (small, 0.5) instead of the setup's ResNet-18
+    "synthetic_cls": ["data.synthetic={max_train: 40, min_train: 5, num_val: 4, num_test: 6, "
+                      "image_size: 16}", "data.image_size=16", "eval.batch_size=64",
+                      "model.encoder_name=mobilenetv3_small_050", "train.batch_size=32"],
+    # 6 groups, 30 training posts each (30 of them validation), 10 test posts each, a narrow GPCN
+    "synthetic_text": ["data.synthetic={num_train: 30, num_test: 10}", "data.val_count=30",
+                       "model.embed_dim=16", "model.params={channels: 16, hidden: 16, "
+                       "dropout: 0.3}", "train.batch_size=16"],
+}
+
+
+def tiny_cls_run(root: Path, setup: str) -> Path:
+    """One epoch of ``ce`` of ``configs/<setup>.yaml`` at the sizes of :data:`CLS_SETS`, seed
+    0, float32 on one CPU thread, its data under ``root / setup``, the run in ``root / "runs"``
+    (figures undrawn)."""
+    import warnings
+
+    from cals_seg.config.schema import load_config
+    from cals_seg.tasks import build_task
+    from cals_seg.training.engine import seed_everything
+    from cals_seg.training.trainer import fit
+
+    cfg = load_config(ROOT / "configs" / f"{setup}.yaml", [
+        f"data.root={root / setup}", f"output_dir={root / 'runs'}", f"name={setup}_ce",
+        "train.epochs=1", "train.progress=false", "train.threads=1", "train.amp=none",
+        "train.device=cpu", "train.seed=0", *CLS_SETS[setup]], "ce")
+    seed_everything(cfg.train.seed)
+    with warnings.catch_warnings(), figures_undrawn():
+        warnings.simplefilter("ignore")
+        fit(cfg, build_task(cfg))
+    return cfg.run_dir
+
+
+@pytest.fixture(scope="session")
+def cls_run(tmp_path_factory) -> Path:
+    """:func:`tiny_cls_run` of the embedded long-tailed image set (read only: copy_run it to
+    write into it)."""
+    return tiny_cls_run(tmp_path_factory.mktemp("cls"), "synthetic_cls")
+
+
+@pytest.fixture(scope="session")
+def text_run(tmp_path_factory) -> Path:
+    """:func:`tiny_cls_run` of the embedded topic corpus (read only: copy_run it to write into
+    it)."""
+    return tiny_cls_run(tmp_path_factory.mktemp("text"), "synthetic_text")
