@@ -51,7 +51,10 @@ def test_image_run_calibrators_sets_and_diagrams(cls_run, tmp_path, capsys):
     for key in ("coverage", "set_size", "coverage_class", "threshold", "calibration_images"):
         assert c[key] == r[key], key
     assert r["score"] == "aps" and r["alpha"] == 0.1 and r["guarantee"]
-    assert r["calibration_images"] == 10 and r["every"] == 4  # 40 validation inputs, 9 needed
+    from cals_seg.evaluation.conformal_fit import choose_every
+
+    every, _ = choose_every({"alpha": 0.1, "calibrator": None, "every": None}, 40)
+    assert r["every"] == every and r["calibration_images"] == 40 // every >= 9  # 40 val inputs
     assert len(r["coverage_class"]) == 10 and not any(k.endswith("_band") for k in r)
     from cals_seg.evaluation.conformal_fit import load_conformal
     from cals_seg.runs.run import load_run
@@ -137,7 +140,7 @@ def test_flat_calibrators_are_those_without_space():
 
 def test_sample_ids_name_images_and_texts(cls_run, text_run):
     """The ids a fit records: image paths relative to the data root; texts by content."""
-    from cals_seg.commands.eval_cls import sample_ids, with_ids
+    from cals_seg.evaluation.evaluator import sample_ids, with_ids
     from cals_seg.runs.run import load_run
 
     image = load_run(cls_run, with_data=True)

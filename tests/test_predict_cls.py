@@ -73,17 +73,20 @@ def test_predictions_and_the_export_agree(cls_run, tmp_path, capsys):
 
 def test_text_documents_per_file_post_and_line(text_run, tmp_path, capsys):
     """Text runs: one document per file (posts cleaned with --posts) or per line (--lines);
-    a document without a word is a one-line error naming it, the others are written."""
+    a document without a word is a one-line error naming it, the others are written. The sets'
+    fit, missing, is made on the validation posts and saved into the run."""
     posts = sorted((Path(text_run).parent.parent / "synthetic_text" / "20news-bydate-test")
                    .rglob("*"))
     posts = [p for p in posts if p.is_file()][:3]
-    code, _, err = run_tool("predict_cls", [text_run, *posts, "--out", tmp_path / "a",
+    run = copy_run(Path(text_run), tmp_path / "runs")  # the sets' fit is saved into it
+    code, _, err = run_tool("predict_cls", [run, *posts, "--out", tmp_path / "a",
                                             "--posts", "--conformal", "0.1", "score=raps",
                                             "--top", "2"], capsys)
     assert code == 0, err
     got = lines(tmp_path / "a" / "predictions.jsonl")
     assert len(got) == 3 and all(len(g["top"]) == 2 and g["tokens"] > 0 for g in got)
     assert all(0 <= g["unknown"] < 1 and g["conformal"]["score"] == "raps" for g in got)
+    assert (run / "calibrators" / "conformal_risk_raps_a0.1_s0.json").is_file()
     text = tmp_path / "texts.txt"
     text.write_text("first words of a post\n\n  ?!  \nsecond line\n")
     code, _, err = run_tool("predict_cls", [text_run, text, "--out", tmp_path / "b",

@@ -1,4 +1,4 @@
-"""Export a trained segmentation run as ONNX or a torch.export program (.pt2).
+"""Export a trained segmentation or image classification run as ONNX or a torch.export .pt2.
 
 ``python tools/export.py --help`` tells how to use it. The command lives in
 ``cals_seg/commands/export.py``; installed, it is also ``cals-export``.

@@ -1,4 +1,4 @@
-"""Export a trained segmentation run as ONNX or a torch.export program (.pt2).
+"""Export a trained segmentation or image classification run as ONNX or a torch.export program.
 
     python tools/export.py runs/<name> --format onnx --out model.onnx
     python tools/export.py runs/<name> --format pt2 --out model.pt2 [--logits]
@@ -22,6 +22,11 @@ weights (up to 2 GB; a larger model's go to FILE.data, named when written) and i
 against the PyTorch program with onnxruntime when installed. Load a .pt2 with
 torch.export.load(FILE).module(), an .onnx with onnxruntime.InferenceSession(FILE)
 (docs/integrations.md). ONNX needs pip install "cals_seg[export]".
+
+An image classification run (tools/train_cls.py) maps (N, 3, S, S), S = data.image_size (images
+resized and cropped as predict_cls makes them), to (N, K) probabilities, with its calibrator
+fitted by tools/eval_cls.py and its sets (N, K) (mode risk or class); a text run is refused
+(docs/classification.md).
 """
 
 from __future__ import annotations

@@ -44,6 +44,12 @@ the network's logits whatever the calibrator, as there::
     probs, sets = torch.export.load("model.pt2").module()(images)
     probs, sets = session.run(None, {"image": images.numpy()})
 
+An image classification run (``tools/train_cls.py``) exports the same way without space: the
+program maps ``(N, 3, S, S)`` (``S = data.image_size``, the images resized and cropped as
+``predict_cls`` and the evaluation make them) to probabilities ``(N, K)``, and its sets are
+``(N, K)``; only ``N`` is dynamic (:func:`trace_fixed`). A text run is refused
+(:func:`export_family`): its input is token ids of its vocabulary, not an image.
+
 The ONNX export needs the ``onnx`` and ``onnxscript`` packages, checking it ``onnxruntime``
 (``pip install "cals_seg[export]"``).
 """
@@ -419,9 +425,10 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
                logits: bool = False, checkpoint: str = "best",
                min_size: int | None = None, conformal: Any = None,
                loaded: Any = None) -> dict[str, Any]:
-    """Export a trained segmentation run; writes ``out`` and ``<out>.json`` (what the program
-    expects and returns: input name and range, smallest side, normalisation, class names, the
-    forward precision, the calibration, and the conformal threshold).
+    """Export a trained segmentation or image classification run; writes ``out`` and
+    ``<out>.json`` (what the program expects and returns: input name and range, smallest side
+    (a classifier: its input size), normalisation, class names, the forward precision, the
+    calibration, and the conformal threshold).
 
     Args:
         run: a run directory (or a checkpoint file inside one).
@@ -439,7 +446,8 @@ def export_run(run: str | Path, out: str | Path, fmt: str = "onnx", calibrator: 
             network holds, found by the export).
         conformal: a fitted :class:`~cals_seg.evaluation.conformal.ConformalSets` (on the
             run's logits, mode ``risk``, ``image:TAU`` or ``class``): the program also returns
-            its prediction sets, ``(N, K, H, W)`` bool (:class:`ConformalSegmenter`).
+            its prediction sets, ``(N, K, H, W)`` bool (:class:`ConformalSegmenter`; a
+            classifier's: ``(N, K)``, modes ``risk`` and ``class``).
         loaded: the run already loaded (:func:`~cals_seg.runs.run.load_run` of ``run`` and
             ``checkpoint`` on the CPU in float32), so that it is read once.
 
