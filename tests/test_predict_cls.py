@@ -57,7 +57,7 @@ def test_predictions_and_the_export_agree(cls_run, tmp_path, capsys):
     assert info["family"] == "classification" and info["output"]["shape"] == ["N", "K"]
     assert info["input"]["shape"] == ["N", 3, 16, 16] and info["conformal"]["alpha"] == 0.1
     program = torch.export.load(out).module()
-    batch = torch.stack([torch.from_numpy(np.asarray(Image.open(p).convert("RGB")))
+    batch = torch.stack([torch.from_numpy(np.array(Image.open(p).convert("RGB")))
                          .permute(2, 0, 1).float() for p in images])  # 16 x 16: no resize
     with torch.no_grad():
         probs, sets = program(batch)
