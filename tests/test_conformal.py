@@ -456,10 +456,10 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
         assert len(r["coverage_band"]) == 3
         assert sum(r["count_band"]) == r["pixels"]
         assert 0 <= r["set_size"] <= 11 and 0 <= r["risk"] <= 1
-        # 6 validation images: every is lowered from 5 to 2, the 3 that alpha = 0.3 needs
-        assert r["every"] == 2 and r["calibration_images"] == 3 and r["needs_images"] == 3
+        # 6 validation images, no calibrator before the sets: all 6 calibrate (3 needed)
+        assert r["every"] == 1 and r["calibration_images"] == 6 and r["needs_images"] == 3
         assert r["guarantee"] == (mode in ("risk", "image:0.5")), mode
-        assert r["fitted_for"]["seed"] == 0 and r["fitted_for"]["params"]["every"] == 2
+        assert r["fitted_for"]["seed"] == 0 and r["fitted_for"]["params"]["every"] == 1
     assert isinstance(metrics["conformal"]["class"]["threshold"], list)
     assert "| band |" in (tmp_path / "eval" / "conformal.md").read_text()
     assert len(list((tmp_path / "eval" / "maps").glob("*_set_size_image-0.5.png"))) == 1
@@ -489,7 +489,9 @@ def test_eval_seg_and_predict_seg_conformal(tmp_path):
     assert load_tool("eval_seg").main([*args[:-2], "mode=risk", "calibrator=ts"]) == 0
     after = json.loads((tmp_path / "eval" / "metrics.json").read_text())["conformal"]["risk"]
     assert after["calibrator"] == "ts" and after["calibrator_fit"]["temperature"] > 0
-    assert after["calibration_ids"] == metrics["conformal"]["risk"]["calibration_ids"]
+    # with a calibrator the sets calibrate on every 2nd validation image, it fits on the others
+    assert after["every"] == 2
+    assert after["calibration_ids"] == metrics["conformal"]["risk"]["calibration_ids"][1::2]
     for bad in (["alpha=2"], ["mode=wide"], ["alpha=0.1", "colour=red"], ["score=rapz"]):
         with pytest.raises(UserError, match="--conformal"):
             parse_conformal(bad)

@@ -256,7 +256,7 @@ def _cheap_export():
     """export without tracing the network (what is tested is the reading of the run)."""
     from cals_seg.runs import export as lib
 
-    def program(module, path, fmt, min_size=None, what=""):
+    def program(module, path, fmt, min_size=None, what="", **kwargs):
         module.min_size = 32
         Path(path).write_bytes(b"program")
         return Path(path)

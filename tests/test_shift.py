@@ -273,7 +273,9 @@ def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
         assert set(entry["calibrators"]) == {"ts", "ts+drift"}
         assert entry["temperature"] == m["temperature"]
     assert m["shift"]["contrast:5"]["pre_ts"]["ece"] != m["pre_ts"]["ece"]
-    assert (r1 / "calibrators" / "drift_s0" / "ts.pt").is_file()
+    # --out elsewhere: the drift fits live with the evaluation, the run's own are left alone
+    assert (out / "calibrators" / "drift_s0" / "ts.pt").is_file()
+    assert not (r1 / "calibrators" / "drift_s0").exists()
     assert m["calibrator_fits"]["ts+drift"]["fitted_for"]["after"].endswith("seed 0")
     assert "mean at severity 5" in (out / "shift.md").read_text()
     # another corruption seed: another drift fit (its own file), never the seed-0 one
@@ -282,7 +284,7 @@ def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
     m1 = json.loads((out / "metrics.json").read_text())
     assert m1["calibrator_fits"]["ts+drift"]["loaded"] is False
     assert m1["calibrator_fits"]["ts+drift"]["fitted_for"]["after"].endswith("seed 1")
-    assert (r1 / "calibrators" / "drift_s1" / "ts.pt").is_file()
+    assert (out / "calibrators" / "drift_s1" / "ts.pt").is_file()
     assert m1["shift"]["fog:1"]["pre_ts"]["ece"] != m["shift"]["fog:1"]["pre_ts"]["ece"]
     # the ensemble of one run is the run
     ens = tmp_path / "ens1"

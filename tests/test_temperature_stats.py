@@ -260,16 +260,16 @@ def test_planted_network_gets_the_line_only_when_under_confident(conf, correct, 
 
     from torch.utils.data import DataLoader, TensorDataset
 
+    from cals_seg.evaluation.confidence_regime import measured_under_confidence
     from cals_seg.evaluation.stream import Inference
-    from cals_seg.training.trainer import _under_confidence
 
     logits, target = _planted(conf, correct)
     loader = DataLoader(TensorDataset(logits.float(), target), batch_size=32)
     infer = Inference(torch.nn.Identity(), torch.device("cpu"))
     for family in ("segmentation", "classification"):
         task = SimpleNamespace(num_classes=10, ignore_index=-100, family=family)
-        record = _under_confidence(SimpleNamespace(path="runs/planted"), infer, task, loader,
-                                   False)
+        record = measured_under_confidence(infer, loader, task.num_classes, task.ignore_index,
+                                           "runs/planted", family)
         assert (record is not None) == below
         if below:
             assert record["T_interval"][1] < 1 and record["T"] < 1

@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cals_seg.calibrators import CALIBRATORS
 from cals_seg.errors import MissingPathError, UserError
 from cals_seg.evaluation import conformal_eval, conformal_fit
-from cals_seg.evaluation.conformal import parse_mode
 from cals_seg.evaluation.conformal_eval import (  # noqa: F401 (the commands' names)
     conformal_table,
     image_sets,
@@ -27,6 +25,7 @@ from cals_seg.evaluation.conformal_eval import (  # noqa: F401 (the commands' na
     write_size_map,
 )
 from cals_seg.evaluation.conformal_fit import (  # noqa: F401 (the commands' names)
+    CONFORMAL_KEYS,
     DEFAULT_EVERY,
     MAX_GRID,
     Loader,
@@ -38,93 +37,13 @@ from cals_seg.evaluation.conformal_fit import (  # noqa: F401 (the commands' nam
     fits_folder,
     load_conformal,
     module_digest,
+    parse_conformal,
     read_conformal,
     save_conformal,
     saved_fit_mismatch,
+    spec_text,
 )
-from cals_seg.evaluation.conformal_score import SCORES
 from cals_seg.training.engine import make_loader
-
-CONFORMAL_KEYS = ("alpha", "mode", "score", "calibrator", "seed", "every")
-
-
-def _ascii_int(value: str) -> int:
-    """An integer written with the ASCII digits only (``int`` also reads ``"²"``-like digits
-    of other scripts, and spaces)."""
-    if not (value.isascii() and value.isdigit()):
-        raise ValueError(value)
-    return int(value)
-
-
-def parse_conformal(items: list[str]) -> dict[str, Any]:
-    """``--conformal alpha=0.1 [mode=risk,class] [score=NAME] [calibrator=NAME] [seed=0]
-    [every=N]`` (a bare number is ``alpha``; ``score`` one of
-    :data:`~cals_seg.evaluation.conformal_score.SCORES`, ``lac`` by default) -> a spec dict;
-    modes are comma-separated; ``every`` None when not given (chosen by :func:`choose_every`).
-
-    Raises:
-        UserError: naming the item and what is allowed.
-    """
-    spec: dict[str, Any] = {"mode": ["risk"], "score": "lac", "calibrator": None, "seed": 0,
-                            "every": None}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            key, value = "alpha", item
-        if key not in CONFORMAL_KEYS:
-            raise UserError(f"--conformal {item!r}: unknown key {key!r}; valid keys are "
-                            f"{list(CONFORMAL_KEYS)}, e.g. --conformal alpha=0.1 mode=risk.")
-        try:
-            if key == "alpha":
-                if not value.isascii() or value != value.strip():
-                    raise ValueError(value)
-                spec["alpha"] = float(value)
-                if not 0 < spec["alpha"] < 1:
-                    raise ValueError(value)
-            elif key == "mode":
-                spec["mode"] = list(dict.fromkeys(value.split(",")))
-                for m in spec["mode"]:
-                    if not m.isascii():
-                        raise ValueError(m)
-                    parse_mode(m)
-            elif key == "score":
-                if value not in SCORES:
-                    raise ValueError(value)
-                spec["score"] = value
-            elif key == "calibrator":
-                if value not in CALIBRATORS:
-                    raise ValueError(value)
-                spec["calibrator"] = value
-            else:
-                spec[key] = _ascii_int(value)
-                if spec[key] < (1 if key == "every" else 0):
-                    raise ValueError(value)
-        except ValueError:
-            allowed = {"alpha": "a number in (0, 1)", "mode": "risk, image:TAU, class or band "
-                       "(comma-separated)", "score": f"one of {list(SCORES)}",
-                       "calibrator": f"one of {list(CALIBRATORS)}",
-                       "seed": "an integer >= 0 (ASCII digits)",
-                       "every": "an integer >= 1 (ASCII digits; 1: all validation images)"}[key]
-            raise UserError(f"--conformal {item!r}: expected {key} to be {allowed}.") from None
-    if "alpha" not in spec:
-        raise UserError("--conformal: give alpha, e.g. --conformal alpha=0.1.")
-    if spec["calibrator"] and spec["every"] == 1:
-        raise UserError(f"--conformal calibrator={spec['calibrator']} every=1: the calibrator "
-                        "is fitted on the validation images outside the calibration ones, and "
-                        "every=1 leaves none; give every >= 2, or leave calibrator= out.")
-    return spec
-
-
-def spec_text(spec: dict[str, Any], mode: str | None = None) -> str:
-    """The ``--conformal`` arguments of ``spec`` (one mode when given)."""
-    parts = [f"alpha={spec['alpha']:g}", f"mode={mode or ','.join(spec['mode'])}",
-             f"score={spec['score']}", f"seed={spec['seed']}"]
-    if spec.get("calibrator"):
-        parts.append(f"calibrator={spec['calibrator']}")
-    if spec.get("every") is not None:
-        parts.append(f"every={spec['every']}")
-    return " ".join(parts)
-
 
 
 def eval_loader(batch_size: int, workers: int) -> Loader:

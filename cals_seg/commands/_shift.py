@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,9 @@ def add_shift_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also evaluate with each image corruption (severity 1-5; all:3 "
                         "every corruption at 3; all: every one at every severity); "
                         "docs/shift.md")
-    parser.add_argument("--shift-seed", default="0", metavar="SEED",
+    parser.add_argument("--shift-seed", default=None, metavar="SEED",
                         help="seed of the corruptions, an integer >= 0 (the same for every "
-                        "method compared)")
+                        "method compared; default: eval.shift_seed, 0)")
     parser.add_argument("--ensemble", action="store_true",
                         help="evaluate the mean probability of the runs given (needs --out)")
     parser.add_argument("--calibrator-fit-shift", action="store_true",
@@ -63,8 +63,9 @@ def parse_seed(value: Any) -> int:
 
 
 def check_shift_arguments(args: argparse.Namespace) -> None:
-    """Parse ``--shift`` into corruptions and ``--shift-seed`` into an integer, and refuse
-    inconsistent options (one line each)."""
+    """Check ``--shift`` (corruptions) and ``--shift-seed`` (an integer), and refuse
+    inconsistent options (one line each); the values are passed on as given (they become
+    ``eval.shift`` and ``eval.shift_seed``)."""
     from cals_seg.data.corruptions import parse_shifts
 
     runs = args.run if isinstance(args.run, list) else [args.run]
@@ -78,8 +79,9 @@ def check_shift_arguments(args: argparse.Namespace) -> None:
     if args.calibrator_fit_shift and not args.calibrators:
         raise UserError("--calibrator-fit-shift: name the calibrators to fit with --calibrators, "
                         "e.g. --calibrators ts boundary_ts --calibrator-fit-shift.")
-    args.shift_seed = parse_seed(args.shift_seed)
-    args.shift = parse_shifts(args.shift, args.shift_seed) if args.shift else []
+    seed = parse_seed(0 if args.shift_seed is None else args.shift_seed)
+    if args.shift:
+        parse_shifts(args.shift, seed)
 
 
 def ensemble_folder(out: str | Path, digest: str) -> Path:
@@ -89,10 +91,10 @@ def ensemble_folder(out: str | Path, digest: str) -> Path:
 
 
 def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
-    """The first member's run with the :class:`Ensemble` of every member as its model; the
-    members' data and protocols checked to match, and each network given once (by content:
-    a byte copy of a checkpoint is the same network). Its fits go to :func:`ensemble_folder`
-    (``args.calibrator_folder``); ``extra["ensemble"]["network"]`` is the members' digest."""
+    """``(the first member's run with the :class:`Ensemble` of every member as its model, the
+    folder of its fits)``; the members' data and protocols checked to match, and each network
+    given once (by content: a byte copy of a checkpoint is the same network). Its fits go to
+    :func:`ensemble_folder`; ``extra["ensemble"]["network"]`` is the members' digest."""
     from cals_seg.evaluation.ensemble import Ensemble, check_members, protocol_of
 
     runs = []
@@ -108,42 +110,16 @@ def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
     model = Ensemble([r.model for r in runs]).eval()
     first.task.model = model
     digest = members_digest([r.checkpoint for r in runs])
-    args.calibrator_folder = ensemble_folder(args.out, digest)
+    folder = ensemble_folder(args.out, digest)
     return first.replace(model=model, extra={
         **first.extra, "ensemble": {"members": [str(r.checkpoint) for r in runs],
                                     "size": len(runs), "forward_passes_per_image": len(runs),
                                     "network": digest,
-                                    "fits_folder": str(args.calibrator_folder)}})
+                                    "fits_folder": str(folder)}}), folder
 
 
 # The library's names, imported where used: eval_seg imports this module for its arguments,
 # and its --help does not import torch.
-
-
-def drift_calibrators(run: Any, args: argparse.Namespace, names: Sequence[str], folder: Path,
-                      batch_size: int, workers: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """:func:`cals_seg.evaluation.drift.drift_calibrators` of ``names`` with ``--shift-seed``,
-    ``--refit-calibrators`` and ``--calibrator-param``: ``({NAME+drift: calibrator},
-    {NAME+drift: fit summary})``."""
-    from cals_seg.commands._conformal import eval_loader
-    from cals_seg.evaluation import drift
-
-    return drift.drift_calibrators(
-        run, names, folder, args.shift_seed, loader=eval_loader(batch_size, workers),
-        refit=args.refit_calibrators, params=getattr(args, "calibrator_params", None) or {})
-
-
-def shift_results(run: Any, args: argparse.Namespace, split_set: Any, result: Mapping[str, Any],
-                  calibrators: Mapping[str, Any], clean_entropies: Sequence[float] | None = None
-                  ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """:func:`cals_seg.evaluation.shift.shift_results` of the corruptions of ``args.shift`` on
-    ``split_set``: ``({NAME:SEVERITY: metrics}, the entropy flag)``; ``clean_entropies`` as
-    there."""
-    from cals_seg.commands._conformal import run_loader
-    from cals_seg.evaluation import shift
-
-    return shift.shift_results(run, args.shift, split_set, result, calibrators,
-                               loader=run_loader(run), clean_entropies=clean_entropies)
 
 
 def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,

@@ -44,8 +44,6 @@ one line naming tools/eval_seg.py.
 from __future__ import annotations
 
 import argparse
-import copy
-import hashlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,13 +66,6 @@ from cals_seg.utils.paths import OutputFolder
 # The conformal modes of classification: marginal coverage, and per class (Mondrian). The
 # image:TAU mode is risk for one label per input; band needs space.
 MODES = ("risk", "class")
-# Keys of the set meter that describe space (boundary bands, object sizes, pixels): left out.
-SPATIAL_KEYS = ("pixels", "band_edges", "size_edges", "coverage_image_below_tau", "tau",
-                *[f"{stat}_{region}" for stat in ("count", "coverage", "set_size", "multi")
-                  for region in ("band", "size")])
-# The numbers of the first mode repeated at metrics.json["conformal"] itself.
-SUMMARY_KEYS = ("mode", "alpha", "score", "threshold", "calibration_images", "guarantee",
-                "needs_images", "coverage", "set_size", "coverage_class", "empty", "multi")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -195,64 +186,14 @@ def checked_run_path(args: argparse.Namespace, tool: str = "eval_cls") -> tuple[
 
 def open_run(args: argparse.Namespace, with_data: bool = True) -> Any:
     """The classification run of ``args`` (its task built when ``with_data``)."""
+    from cals_seg.commands.eval_seg import plan_overrides
     from cals_seg.runs.run import load_run
 
     path, which, _ = checked_run_path(args)
-    return load_run(path, which, overrides=getattr(args, "set", []) or [],
-                    family="classification", with_data=with_data,
+    sets = [*(getattr(args, "set", []) or []),
+            *(plan_overrides(args) if hasattr(args, "calibrators") else [])]
+    return load_run(path, which, overrides=sets, family="classification", with_data=with_data,
                     device=getattr(args, "device", None), amp=getattr(args, "amp", None))
-
-
-# ----------------------------------------------------------------------------- sample ids
-def sample_ids(dataset: Any, root: str | Path | None = None) -> list[str]:
-    """An id per sample, in order, that names what the sample is: an image's path (relative to
-    ``root``, the data root, when inside it), a text's digest (of its token ids: the same text
-    and vocabulary give the same id), else its position. A fit records the digest of the ids it
-    saw (:mod:`cals_seg.utils.fits`)."""
-    import torch
-
-    samples = getattr(dataset, "samples", None)
-    if isinstance(samples, list) and samples and isinstance(samples[0], tuple | list):
-        base = Path(root).resolve() if root is not None else None
-        out = []
-        for path, _ in samples:
-            p = Path(path)
-            try:
-                out.append(p.resolve().relative_to(base).as_posix() if base else p.as_posix())
-            except ValueError:
-                out.append(p.as_posix())
-        return out
-    rows = getattr(dataset, "ids", None)
-    if isinstance(rows, torch.Tensor) and rows.dim() == 2 and len(rows) == len(dataset):
-        return [hashlib.blake2b(r.contiguous().numpy().tobytes(), digest_size=12).hexdigest()
-                for r in rows.cpu()]
-    if isinstance(rows, list | tuple) and len(rows) == len(dataset):
-        return [str(i) for i in rows]
-    return [str(i) for i in range(len(dataset))]
-
-
-class SampleIds:
-    """A dataset with :func:`sample_ids` as its ``ids`` (what the fits record of the samples
-    they saw); items, length and every other attribute are the dataset's."""
-
-    def __init__(self, dataset: Any, ids: Sequence[str]) -> None:
-        self.dataset, self.ids = dataset, list(ids)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("dataset", "ids") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-
-def with_ids(dataset: Any, root: str | Path | None) -> SampleIds:
-    """``dataset`` with its :func:`sample_ids`."""
-    return SampleIds(dataset, sample_ids(dataset, root))
 
 
 # ----------------------------------------------------------------------------- the command
@@ -273,21 +214,30 @@ def _main(args: argparse.Namespace) -> int:
         enable_set_contrib(args.set)
         registered_or_refused(CALIBRATORS, args.calibrators, "--calibrators")
         check_flat(args.calibrators, "--calibrators")
-        args.calibrator_params = calibrator_params(args.calibrator_param)  # before any pass
-        check_flat(list(args.calibrator_params), "--calibrator-param")
+        check_flat(list(calibrator_params(args.calibrator_param)), "--calibrator-param")
         if args.conformal is not None:
-            from cals_seg.commands._conformal import parse_conformal
+            from cals_seg.evaluation.conformal_fit import parse_conformal
 
-            args.conformal = parse_conformal(args.conformal)
-            check_conformal(args.conformal)
+            check_conformal(parse_conformal(args.conformal))
         run = open_run(args)
-        claim_outputs(run, args)
+        plan = plan_of(run, args)
+        check_flat(plan.calibrators, "eval.calibrators")  # a plan the run's config holds
+        if plan.conformal:
+            check_conformal(plan.conformal)
+        out = output_folder(run, args)
+        lock = claim_outputs(run, plan, out, bool(args.out))  # noqa: F841 (held)
     except USER_ERRORS as err:
         return report(err)
-    from cals_seg.evaluation.logit_cache import logit_cache
+    from cals_seg.evaluation.evaluator import Evaluator
+    from cals_seg.utils.distributed import is_main_process
 
-    with logit_cache(int(max(args.logit_cache_gb, 0.0) * 2**30)):
-        return evaluate_run(run, args)
+    result = Evaluator(run, plan).run()
+    if not is_main_process():
+        return 0
+    write_evaluation(run, plan, result.metrics, out)
+    if result.advice:  # under-confident, and no post-hoc calibrator fitted: the one line
+        print(result.advice, flush=True)
+    return 1 if result.skipped else 0
 
 
 def output_folder(run: Any, args: argparse.Namespace) -> Path:
@@ -295,150 +245,43 @@ def output_folder(run: Any, args: argparse.Namespace) -> Path:
     return Path(args.out) if args.out else run.eval_dir(args.split)
 
 
-def planned_outputs(args: argparse.Namespace) -> list[str]:
+def plan_of(run: Any, args: argparse.Namespace) -> Any:
+    """The :class:`~cals_seg.evaluation.evaluator.EvalPlan`: the run's config (the flags
+    written into it), the split, where the fits go (the rule of eval_seg), the logit cache."""
+    from cals_seg.commands.eval_seg import fits_home
+    from cals_seg.evaluation.evaluator import EvalPlan
+
+    folder, why = fits_home(run, args)
+    return EvalPlan.from_config(
+        run.config, split=args.split, refit=args.refit_calibrators,
+        fits=None if why is None else folder, fits_why=why, num_maps=0, maps_dir=None,
+        cache_bytes=int(max(args.logit_cache_gb, 0.0) * 2**30), tool="predict_cls")
+
+
+def planned_outputs(plan: Any) -> list[str]:
     """Every file eval_cls may write into its output folder, relative to it."""
     from cals_seg.runs.run import EVAL_METRICS_FILE
 
-    keys = ["pre_ts", "post_ts", *args.calibrators]
+    keys = ["pre_ts", "post_ts", *plan.calibrators]
     return [EVAL_METRICS_FILE, "calibrators.md", "conformal.md",
             *[f"reliability_{k}.png" for k in keys]]
 
 
-def claim_outputs(run: Any, args: argparse.Namespace) -> None:
+def claim_outputs(run: Any, plan: Any, out: Path, given: bool) -> RunLock | None:
     """Before any work: the run folder's lock when the evaluation writes into the run, and an
-    output folder that neither overlaps the data nor holds a file eval_cls did not write."""
+    output folder that neither overlaps the data nor holds a file eval_cls did not write;
+    files an earlier evaluation wrote there and this one does not are removed."""
     from cals_seg.commands.eval_seg import planned_fits
-
-    if not args.out or args.calibrators:
-        args.run_lock = RunLock(run.folder, "eval").acquire()  # held until the process ends
-    out = output_folder(run, args)
-    outputs = OutputFolder(out, "eval_cls", inputs=[run.config.data.root])
-    names = planned_outputs(args) + planned_fits(run, args, out)
-    outputs.check_free(names, replace_unlisted=not args.out)
-    outputs.claim(names)
-
-
-def split_of(task: Any, split: str) -> Any:
-    """The samples of ``split`` as evaluated (the training split without augmentation)."""
-    dataset = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[split]
-    if split == "train" and hasattr(dataset, "transform"):
-        dataset = copy.copy(dataset)
-        dataset.transform = task.val_set.transform
-    return dataset
-
-
-def fit_calibrators(run: Any, args: argparse.Namespace, val_set: SampleIds,
-                    val_loader: Any) -> tuple[dict, dict, dict]:
-    """The calibrators of ``--calibrators``, each the run's own saved fit when it is for this
-    use, else fitted on validation and saved where :func:`~cals_seg.commands.eval_seg.
-    fits_home` says (the rule of eval_seg). Returns ``(calibrators, fit summaries, {name: why
-    it could not be fitted})``."""
-    from cals_seg.calibrators import calibrator_key
-    from cals_seg.commands.eval_seg import calibrator_skip, fit_notice, fits_home, run_fit
-    from cals_seg.evaluation.engine import load_or_fit_calibrators
-    from cals_seg.evaluation.inference import NonFiniteLogitsError
     from cals_seg.utils.distributed import is_main_process
 
-    task, infer = run.task, run.inference
-    params = getattr(args, "calibrator_params", None) or {}
-    calibrators, fits, skipped = {}, {}, {}
-    for name in dict.fromkeys(args.calibrators):
-        folder, why = fits_home(run, args, name)
-        try:  # reused only when fitted for this network, classes, inputs, params, precision
-            key = calibrator_key(run, name, params.get(name, {}), val_set.ids,
-                                 precision=infer.amp, protocol=infer.protocol)
-            found = None if args.refit_calibrators or folder == run.calibrators else \
-                run_fit(run, name, key)  # the run's own fit, read only, when it is this use's
-            one, fit = found or load_or_fit_calibrators(
-                [name], folder, task.num_classes, infer, val_loader, task.ignore_index,
-                args.refit_calibrators, params, keys={name: key})
-        except NonFiniteLogitsError:
-            raise  # the network's fault: one line naming the run (run_folder_command)
-        except (*USER_ERRORS, ValueError) as err:
-            skipped[name] = calibrator_skip(name, err)
-            report(UserError(f"calibrator {name} skipped: {skipped[name]}"))
-            continue
-        if is_main_process() and not fit[name].get("loaded"):
-            print(fit_notice(run, name, fit[name]["file"], why).replace("predict_seg",
-                                                                         "predict_cls"),
-                  flush=True)
-        calibrators.update(one)
-        fits.update(fit)
-    return calibrators, fits, skipped
-
-
-def evaluate_run(run: Any, args: argparse.Namespace) -> int:
-    """Test metrics before/after temperature scaling, the calibrators, the conformal sets and
-    the reliability diagrams of ``run`` on ``args.split``."""
-    from cals_seg.commands.eval_seg import under_confidence
-    from cals_seg.evaluation.engine import calibrated_test, fit_post_temperature
-    from cals_seg.training.engine import make_loader
-    from cals_seg.utils.distributed import is_main_process
-
-    cfg, task, infer = run.config, run.task, run.inference
-    root = cfg.data.root
-    val_set = with_ids(task.val_set, root)
-    split_set = val_set if args.split == "val" else with_ids(split_of(task, args.split), root)
-    e, workers = cfg.eval, cfg.data.num_workers
-    val_loader = make_loader(val_set, e.batch_size, False, workers)
-    calibrators, fits, skipped = fit_calibrators(run, args, val_set, val_loader)
-    temperature = None
-    if e.temperature_scaling:  # the ts calibrator fitted above is the same fit, to the bit
-        ts_fit = fits.get("ts", {}).get("temperature")
-        temperature = float(ts_fit) if ts_fit is not None and "ts" in calibrators else \
-            fit_post_temperature(infer, val_loader, task.ignore_index)
-    extra: list[Any] = []
-    sets = None
-    if args.conformal:
-        from cals_seg.commands._conformal import conformal_sets
-        from cals_seg.commands.eval_seg import fits_home
-
-        try:  # saved where fits_home says: the run's own only for an evaluation in place
-            sets = conformal_sets(run, args.conformal, val_set, split_set, None, 0,
-                                  fits_home(run, args)[0])
-        except USER_ERRORS as err:
-            return report(err)
-        extra.append(sets)
-    result = calibrated_test(
-        infer, task, val_loader, make_loader(split_set, e.batch_size, False, workers), e.n_bins,
-        e.temperature_scaling, cfg.train.progress, calibrators=calibrators,
-        temperature=temperature, extra=extra)
-    result.update(checkpoint=str(run.checkpoint), epoch=run.epoch, split=args.split,
-                  precision=infer.amp, family=run.family, score_metric=run.score_metric,
-                  class_names=list(run.class_names))
-    from cals_seg.evaluation.confidence_regime import KEY as REGIME_KEY
-
-    regime = under_confidence(run, infer, val_loader)
-    if regime is not None:
-        result[REGIME_KEY] = regime
-    if fits:
-        result["calibrator_fits"] = fits
-    if sets is not None:
-        result["conformal"] = conformal_results(sets.results())
-    if skipped:
-        result["calibrator_errors"] = skipped
-    from cals_seg.evaluation.logit_cache import active_cache
-
-    cache = active_cache()
-    if cache is not None:
-        result["network_passes"] = dict(cache.stats)
     if not is_main_process():
-        return 0
-    write_evaluation(run, args, result)
-    return 1 if skipped else 0
-
-
-def conformal_results(results: dict[str, Any]) -> dict[str, Any]:
-    """``{MODE: numbers}`` of the set meter without its spatial keys (bands, sizes, pixels),
-    and the first mode's :data:`SUMMARY_KEYS` at the top level."""
-    out: dict[str, Any] = {}
-    for mode, r in results.items():
-        out[mode] = {k: v for k, v in r.items() if k not in SPATIAL_KEYS}
-    first = next(iter(out.values()), {})
-    for key in SUMMARY_KEYS:
-        if key in first:
-            out.setdefault(key, first[key])
-    return out
+        return None
+    lock = RunLock(run.folder, "eval").acquire() if not given or plan.calibrators else None
+    outputs = OutputFolder(out, "eval_cls", inputs=[run.config.data.root])
+    names = planned_outputs(plan) + planned_fits(run, plan, out)
+    outputs.check_free(names, replace_unlisted=not given)
+    outputs.claim(names, only=True)
+    return lock
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -509,15 +352,14 @@ def draw_figures(result: dict[str, Any], out: Path, title: str) -> None:
                                           title=f"{title}, {cal}", ece=metrics["ece"])
 
 
-def write_evaluation(run: Any, args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """metrics.json, the figures, the tables; prints the summary."""
+def write_evaluation(run: Any, plan: Any, result: dict[str, Any], out: Path) -> None:
+    """metrics.json, the figures, the tables in ``out``; prints the summary."""
     from cals_seg.runs.run import Run
     from cals_seg.utils.io import write_json
 
-    out = output_folder(run, args)
     out.mkdir(parents=True, exist_ok=True)
     write_json(Run.eval_metrics(out), result)
-    title = f"{run.config.name}, {args.split} split"
+    title = f"{run.config.name}, {plan.split} split"
     draw_figures(result, out, title)
     if result.get("calibrators"):
         rows = {"uncalibrated": result["pre_ts"]}
@@ -535,7 +377,7 @@ def write_evaluation(run: Any, args: argparse.Namespace, result: dict[str, Any])
                                           + table)
         print(table)
     pre, post = result["pre_ts"], result["post_ts"]
-    line = (f"{args.split}: acc {pre['acc']:.4f}  ECE {100 * pre['ece']:.2f}%  "
+    line = (f"{plan.split}: acc {pre['acc']:.4f}  ECE {100 * pre['ece']:.2f}%  "
             f"AECE {100 * pre['aece']:.2f}%  NLL {pre['nll']:.4f}")
     if post is not None:
         line += f"  | post-TS ECE {100 * post['ece']:.2f}% (T = {result['temperature']:.3f})"
@@ -559,6 +401,7 @@ def load_or_fit_conformal(run: Any, spec: dict[str, Any]) -> Any:
         load_conformal,
         saved_fit_mismatch,
     )
+    from cals_seg.evaluation.evaluator import with_ids
 
     if spec["calibrator"] or len(spec["mode"]) != 1:
         raise UserError("--conformal: one mode, on the network's logits (no calibrator=); e.g. "

@@ -60,9 +60,7 @@ probability of the runs given (their data and protocol must match).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-from typing import Any
 
 from cals_seg.commands._cli import (
     USER_ERRORS,
@@ -78,9 +76,8 @@ from cals_seg.commands._cli import (
 from cals_seg.commands._shift import (
     add_shift_arguments,
     check_shift_arguments,
-    drift_calibrators,
     open_ensemble,
-    shift_results,
+    parse_seed,
     write_shift,
 )
 from cals_seg.config.checks import bounded_input
@@ -169,6 +166,7 @@ def calibrator_params(items: list[str]) -> dict[str, dict]:
     import yaml
 
     from cals_seg.calibrators import CALIBRATORS, build_calibrator
+    from cals_seg.evaluation.evaluator import calibrator_keys
 
     out: dict[str, dict] = {}
     given: dict[str, str] = {}
@@ -201,24 +199,12 @@ def calibrator_params(items: list[str]) -> dict[str, dict]:
     return out
 
 
-def calibrator_keys(name: str) -> list[str]:
-    """The parameters of registered calibrator ``name`` (its constructor's, as
-    :func:`cals_seg.calibrators.build_calibrator` accepts them)."""
-    import inspect
-
-    from cals_seg.calibrators import CALIBRATORS
-
-    cls = CALIBRATORS.lookup(name)
-    return [p for p in inspect.signature(cls.__init__).parameters
-            if p not in ("self", "num_classes")]
-
-
 def open_run(args: argparse.Namespace):
     """The run of ``RUN_DIR [--checkpoint best|last|FILE]``, or of the older form
     ``CONFIG --checkpoint FILE`` (the config given instead of the run's own)."""
     from cals_seg.runs.run import load_run
 
-    sets = [*args.set, *protocol_overrides(args)]
+    sets = [*args.set, *protocol_overrides(args), *plan_overrides(args)]
     given = Path(args.run)
     if given.is_file() and given.suffix in (".yaml", ".yml"):  # CONFIG --checkpoint FILE
         if args.checkpoint in ("best", "last"):
@@ -238,6 +224,30 @@ def main(argv: list[str] | None = None) -> int:
     return run_folder_command(args, _main)
 
 
+def plan_overrides(args: argparse.Namespace) -> list[str]:
+    """The flags of the plan written as the config keys they stand for (``--calibrators ts``
+    is ``eval.calibrators=[ts]``), after the ``--set`` items: the plan of this evaluation is
+    the run's config (with both) read by :meth:`~cals_seg.evaluation.evaluator.EvalPlan.
+    from_config`. Flags not given leave the keys as the run's config has them."""
+    import json
+
+    out = []
+    shift, seed = getattr(args, "shift", None), getattr(args, "shift_seed", None)
+    if args.calibrators:
+        out.append(f"eval.calibrators={json.dumps(list(dict.fromkeys(args.calibrators)))}")
+    if args.calibrator_param:
+        out.append(f"eval.calibrator_params={json.dumps(calibrator_params(args.calibrator_param))}")
+    if args.conformal is not None:
+        out.append(f"eval.conformal={json.dumps(' '.join(args.conformal))}")
+    if shift:
+        out.append(f"eval.shift={json.dumps(list(shift))}")
+    if seed is not None:
+        out.append(f"eval.shift_seed={parse_seed(seed)}")
+    if getattr(args, "calibrator_fit_shift", False):
+        out.append("eval.calibrator_fit_shift=true")
+    return out
+
+
 def _main(args: argparse.Namespace) -> int:
     from cals_seg.data.checks import check_voc_data
 
@@ -247,214 +257,145 @@ def _main(args: argparse.Namespace) -> int:
         from cals_seg.calibrators import CALIBRATORS
         from cals_seg.commands._cli import enable_set_contrib, registered_or_refused
 
-        enable_set_contrib(args.set)
+        enable_set_contrib(args.set)  # every option checked before any work, in its own words
         registered_or_refused(CALIBRATORS, args.calibrators, "--calibrators")
-        args.calibrator_params = calibrator_params(args.calibrator_param)
+        calibrator_params(args.calibrator_param)
         if args.conformal is not None:
-            from cals_seg.commands._conformal import parse_conformal
+            from cals_seg.evaluation.conformal_fit import parse_conformal
 
-            args.conformal = parse_conformal(args.conformal)
-
+            parse_conformal(args.conformal)
         check_shift_arguments(args)
-        run = open_ensemble(args, open_run) if args.ensemble else open_run(args)
-        check_voc_data(run.task, tuple(dict.fromkeys(("val", args.split))))  # files named
-        claim_outputs(run, args)
+        ensemble = None
+        if args.ensemble:
+            run, ensemble = open_ensemble(args, open_run)
+        else:
+            run = open_run(args)
+        plan = plan_of(run, args, ensemble)
+        check_voc_data(run.task, tuple(dict.fromkeys(("val", plan.split))))  # files named
+        lock = claim_outputs(run, plan, out_of(run, args), bool(args.out))  # noqa: F841 (held)
     except USER_ERRORS as err:
         return report(err)
-    from cals_seg.evaluation.logit_cache import logit_cache
-
-    # One network call per distinct input image: every consumer (temperature and calibrator
-    # fits, conformal fits, meters, shift statistics, maps) reads the logits from one cache.
-    with logit_cache(int(max(args.logit_cache_gb, 0.0) * 2**30)):
-        return evaluate_run(run, args)
+    return evaluate_run(run, plan, out_of(run, args))
 
 
-def claim_outputs(run, args: argparse.Namespace) -> None:
+def out_of(run, args: argparse.Namespace) -> Path:
+    """The output folder: ``--out``, else ``<run>/eval_<split>``."""
+    return Path(args.out) if args.out else run.eval_dir(args.split)
+
+
+def plan_of(run, args: argparse.Namespace, ensemble: Path | None = None):
+    """The :class:`~cals_seg.evaluation.evaluator.EvalPlan` of this evaluation: the run's
+    config (flags written into it) and the options that are not config keys: the split, where
+    the fits go (:func:`fits_home`), the maps, the logit cache."""
+    from cals_seg.evaluation.evaluator import EvalPlan
+
+    out = out_of(run, args)
+    folder, why = (ensemble, "an ensemble's fit") if ensemble is not None else \
+        fits_home(run, args)
+    num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
+    return EvalPlan.from_config(
+        run.config, split=args.split, refit=args.refit_calibrators,
+        fits=None if why is None else folder, fits_why=why, num_maps=num_maps,
+        maps_dir=out / "maps", cache_bytes=int(max(args.logit_cache_gb, 0.0) * 2**30))
+
+
+def claim_outputs(run, plan, out: Path, given: bool) -> RunLock | None:
     """Before any work: the run folder's lock when the evaluation writes into the run (its
     calibrators, the default output folder), and an output folder that neither overlaps the
-    data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``).
-    """
+    data nor holds a file of the same name that eval_seg did not write (``cals_seg.utils.paths``);
+    files an earlier evaluation wrote there and this one does not are removed (one evaluation
+    per folder). Returns the lock (held until released or the process ends)."""
     from cals_seg.utils.distributed import is_main_process
 
     if not is_main_process():
-        return
-    folder = run
-    if not args.out or args.calibrators:
-        args.run_lock = RunLock(folder.path, "eval").acquire()  # held until the process ends
-    out = Path(args.out) if args.out else folder.eval_dir(args.split)
+        return None
+    lock = None
+    if not given or plan.calibrators:
+        lock = RunLock(run.folder, "eval").acquire()
     outputs = OutputFolder(out, "eval_seg", inputs=[run.config.data.root])
-    split_set = getattr(run.task, f"{args.split}_set")
-    num_maps = run.config.eval.num_maps if args.num_maps is None else args.num_maps
-    names = planned_outputs(args, split_set.ids[:num_maps]) + planned_fits(run, args, out)
+    split_set = getattr(run.task, f"{plan.split}_set")
+    names = planned_outputs(plan, split_set.ids[:plan.num_maps]) + planned_fits(run, plan, out)
     # The default folder is inside the run, which the toolkit wrote: its files of these names
     # are eval_seg's; a link is never written through either way.
-    outputs.check_free(names, replace_unlisted=not args.out)
-    outputs.claim(names)
+    outputs.check_free(names, replace_unlisted=not given)
+    outputs.claim(names, only=True)
+    return lock
 
 
-def planned_outputs(args: argparse.Namespace, map_ids: list) -> list[str]:
-    """Every file eval_seg may write into its output folder for ``args``, relative to it:
+def planned_outputs(plan, map_ids: list) -> list[str]:
+    """Every file eval_seg may write into its output folder for ``plan``, relative to it:
     checked against the folder's manifest before any work and claimed (a test runs every option
     and checks that nothing else is written)."""
     from cals_seg.runs.run import EVAL_METRICS_FILE
 
-    keys = ["pre_ts", "post_ts", *args.calibrators]
-    if getattr(args, "calibrator_fit_shift", False):
-        keys += [f"{name}+drift" for name in args.calibrators]
+    keys = ["pre_ts", "post_ts", *plan.calibrators]
+    if plan.fit_shift:
+        keys += [f"{name}+drift" for name in plan.calibrators]
     names = [EVAL_METRICS_FILE, "calibrators.md", "lambda_curves.png", "ece_bands.png",
              "ece_sizes.png", "risk_coverage.png", "conformal.md", "shift.md",
              *[f"reliability_{k}.png" for k in keys],
              *[f"reliability_bands_{k}.png" for k in keys],
              *[f"maps/{i}.png" for i in map_ids]]
-    conformal = getattr(args, "conformal", None)
-    if isinstance(conformal, dict):
-        names += [f"maps/{i}_set_size_{m.replace(':', '-')}.png" for m in conformal["mode"]
+    if plan.conformal:
+        names += [f"maps/{i}_set_size_{m.replace(':', '-')}.png" for m in plan.conformal["mode"]
                   for i in map_ids]
     return names
 
 
-def planned_fits(run, args: argparse.Namespace, out: Path) -> list[str]:
-    """The calibrator fits this evaluation saves inside its output folder (:func:`fits_home`:
-    not the run's own), relative to it: ``calibrators/NAME.pt``."""
+def planned_fits(run, plan, out: Path) -> list[str]:
+    """The fits this evaluation saves inside its output folder (the plan's store when it is
+    not the run's own), relative to it: ``calibrators/NAME.pt``, the drift fits and the
+    conformal thresholds."""
+    from cals_seg.utils.fits import FitStore
+
+    if plan.fits is None:
+        return []
+    store = FitStore(plan.fits)
+    files = [store.calibrator(n) for n in plan.calibrators]
+    if plan.fit_shift:
+        files += [store.drift(plan.shift_seed).calibrator(n) for n in plan.calibrators]
+    if plan.conformal and not plan.conformal.get("calibrator"):
+        c = plan.conformal
+        files += [store.conformal(m, c["score"], c["alpha"], c["seed"]) for m in c["mode"]]
     names = []
-    for name in dict.fromkeys(getattr(args, "calibrators", [])):
-        folder = fits_home(run, args, name)[0]
+    for file in files:
         try:
-            names.append(f"{folder.resolve().relative_to(out.resolve()).as_posix()}/{name}.pt")
-        except ValueError:  # the run's own folder, or an ensemble's
+            names.append(file.resolve().relative_to(out.resolve()).as_posix())
+        except ValueError:  # an ensemble's folder elsewhere
             continue
     return names
 
 
-def evaluate_run(run, args: argparse.Namespace) -> int:
-    """Test metrics before/after temperature scaling, plots and calibration maps of ``run``."""
-    import copy
-
+def evaluate_run(run, plan, out: Path) -> int:
+    """The evaluation of ``plan`` (:class:`~cals_seg.evaluation.evaluator.Evaluator`), then its
+    report in ``out`` (rank 0); exit status 1 when a calibrator could not be fitted."""
     from cals_seg.data.checks import warn_large_images
-    from cals_seg.evaluation.engine import calibrated_test, fit_post_temperature
-    from cals_seg.training.engine import make_loader
+    from cals_seg.evaluation.evaluator import Evaluator
+    from cals_seg.evaluation.logit_cache import logit_cache
     from cals_seg.utils.distributed import is_main_process
 
-    cfg, task, infer = run.config, run.task, run.inference
-    split_set = {"train": task.train_set, "val": task.val_set, "test": task.test_set}[args.split]
-    warn_large_images(split_set, args.split, bounded_input(cfg))
-    if args.split == "train":  # the training images without augmentation (a copy, not the task's)
-        split_set = copy.copy(split_set)
-        split_set.transform = task.val_set.transform
-    e, workers = cfg.eval, cfg.data.num_workers
-    val_loader = make_loader(task.val_set, e.batch_size, False, workers)
-    calibrators, fits, skipped = {}, {}, {}
-    names = getattr(args, "calibrators", [])
-    if names:
-        from cals_seg.calibrators import calibrator_key
-        from cals_seg.evaluation.engine import load_or_fit_calibrators
-        from cals_seg.evaluation.inference import NonFiniteLogitsError
-        from cals_seg.utils.distributed import is_distributed
-
-        # the drift fits (named by their seed, reused by their key): where fits_home says
-        cal_folder = fits_home(run, args)[0]
-        if is_distributed() and {"lts", "selective"} & set(names):
-            return report(ValueError("--calibrators lts / selective: fit them in one process "
-                                     "(without torchrun); the others fit under torchrun too."))
-        params = getattr(args, "calibrator_params", None) or {}
-        for name in dict.fromkeys(names):  # one that cannot be fitted is reported, not fatal
-            folder, why = fits_home(run, args, name)
-            try:  # reused only when fitted for this network, classes, images, params, precision
-                key = calibrator_key(run, name, params.get(name, {}), task.val_set.ids,
-                                     precision=infer.amp, protocol=infer.protocol)
-                found = None if args.refit_calibrators or folder == run.calibrators else \
-                    run_fit(run, name, key)  # the run's own fit, read only, when it is this
-                one, fit = found or load_or_fit_calibrators(
-                    [name], folder, task.num_classes, infer, val_loader, task.ignore_index,
-                    args.refit_calibrators, params, keys={name: key})
-            except NonFiniteLogitsError as err:  # the network's fault, not the calibrator's
-                return report(UserError(f"{run.path}: {err}"))
-            except (*USER_ERRORS, ValueError) as err:
-                skipped[name] = calibrator_skip(name, err)
-                report(UserError(f"calibrator {name} skipped: {skipped[name]}"))
-                continue
-            if is_main_process() and not fit[name].get("loaded"):
-                print(fit_notice(run, name, fit[name]["file"], why), flush=True)
-            calibrators.update(one)
-            fits.update(fit)
-        if getattr(args, "calibrator_fit_shift", False) and calibrators:
-
-            try:
-                drifted = drift_calibrators(run, args, list(calibrators), cal_folder,
-                                            e.batch_size, workers)
-            except USER_ERRORS as err:
-                return report(err)
-            calibrators, fits = calibrators | drifted[0], fits | drifted[1]
-    # Everything fitted on validation comes first (each pass after the first served from the
-    # logit cache); then ONE pass over the split feeds the meters of every view, the conformal
-    # sets and the entropy statistics of the shift flag.
-    temperature = None
-    if e.temperature_scaling:  # the ts calibrator fitted above is the same fit, to the bit
-        ts_fit = fits.get("ts", {}).get("temperature")
-        temperature = float(ts_fit) if ts_fit is not None and "ts" in calibrators else \
-            fit_post_temperature(infer, val_loader, task.ignore_index)
-    extra: list[Any] = []
-    sets = clean_entropy = None
-    if getattr(args, "conformal", None):
-        from cals_seg.commands._conformal import conformal_sets
-
-        try:
-            out = Path(args.out) if args.out else run.eval_dir(args.split)
-            num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
-            # where fits_home says: the run's own (which predict_seg and export use) only for
-            # an evaluation in place with its config; an ensemble's in its --out
-            sets = conformal_sets(run, args.conformal, task.val_set, split_set, out / "maps",
-                                  num_maps, fits_home(run, args)[0])
-        except USER_ERRORS as err:
-            return report(err)
-        extra.append(sets)
-    if getattr(args, "shift", None):
-        from cals_seg.evaluation.ood import MeanEntropy
-
-        clean_entropy = MeanEntropy(temperature or 1.0)  # the flag's clean rate, same pass
-        extra.append(clean_entropy)
-    result = calibrated_test(
-        infer, task, val_loader, make_loader(split_set, e.batch_size, False, workers), e.n_bins,
-        e.temperature_scaling, cfg.train.progress, calibrators=calibrators,
-        temperature=temperature, extra=extra,
-    )
-    result.update(checkpoint=str(run.checkpoint), epoch=run.epoch, split=args.split,
-                  precision=infer.amp, family=run.family, score_metric=run.score_metric)
+    cfg = run.config
+    split_set = getattr(run.task, f"{plan.split}_set")
+    warn_large_images(split_set, plan.split, bounded_input(cfg))
     figures = Background()
-    if is_main_process():  # the clean figures are drawn while the corrupted splits stream
-        out = Path(args.out) if args.out else run.eval_dir(args.split)
-        out.mkdir(parents=True, exist_ok=True)
-        figures.start(draw_clean_figures, result, out, cfg.name, args.split)
-    from cals_seg.evaluation.confidence_regime import KEY as REGIME_KEY
 
-    regime = under_confidence(run, infer, val_loader)
-    if regime is not None:  # a margin penalty cannot help this network: said in one line
-        result[REGIME_KEY] = regime
-    if fits:
-        result["calibrator_fits"] = fits
-    if run.extra.get("ensemble"):
-        result["ensemble"] = run.extra["ensemble"]
-    if getattr(args, "shift", None):
+    def clean(result: dict) -> None:  # its figures drawn while the corrupted splits stream
+        if is_main_process():
+            out.mkdir(parents=True, exist_ok=True)
+            figures.start(draw_clean_figures, dict(result), out, cfg.name, plan.split)
 
+    # one logit cache for the evaluation and the calibration maps of its report
+    with logit_cache(plan.cache_bytes):
         try:
-            result["shift"], result["entropy_flag"] = shift_results(
-                run, args, split_set, result, calibrators, clean_entropy.all_values())
+            result = Evaluator(run, plan, on_clean=clean).run()
         except USER_ERRORS as err:
             return report(err)
-    if sets is not None:
-        result["conformal"] = sets.results()
-    if names and skipped:
-        result["calibrator_errors"] = skipped
-    from cals_seg.evaluation.logit_cache import active_cache
-
-    cache = active_cache()
-    if cache is not None:  # images the network ran on, and those served from memory
-        result["network_passes"] = dict(cache.stats)
-    if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
-        return 0
-
-    code = write_evaluation(run, args, result, split_set, figures)
-    return code or (1 if skipped else 0)  # 1: some calibrators could not be fitted (named)
+        if not is_main_process():  # every rank computed the same numbers; rank 0 writes them
+            return 0
+        write_evaluation(run, plan, result.metrics, out, split_set, figures)
+    if result.advice:  # under-confident, and no post-hoc calibrator fitted: the one line
+        print(result.advice, flush=True)
+    return 1 if result.skipped else 0  # 1: some calibrators could not be fitted (named)
 
 
 def fits_home(run, args: argparse.Namespace, name: str | None = None
@@ -466,19 +407,19 @@ def fits_home(run, args: argparse.Namespace, name: str | None = None
     form) and the calibrator's default parameters, or with --save-calibrators-to-run;
     otherwise ``(OUT/calibrators, why)``: the fit lives with the evaluation (an ensemble's:
     its own folder), and the run's own fit is left as it is."""
-    if getattr(args, "calibrator_folder", None):  # an ensemble: never a member's folder
-        return Path(args.calibrator_folder), "an ensemble's fit"
-    if getattr(args, "save_calibrators_to_run", False):
+    if args.save_calibrators_to_run:
         return run.calibrators, None
     reasons = []
     if args.out and Path(args.out).resolve() != run.eval_dir(args.split).resolve():
         reasons.append("--out elsewhere")
     if Path(run.checkpoint).resolve() != run.best.resolve():
         reasons.append(f"checkpoint {Path(run.checkpoint).name}")
-    if args.set or protocol_overrides(args) or Path(str(args.run)).is_file():
+    if [i for i in args.set if not plan_key(i)] or protocol_overrides(args) or \
+            Path(str(args.run)).is_file():
         reasons.append("the run's config overridden")
-    given = (getattr(args, "calibrator_params", None) or {}).get(name) if name else None
-    if given and not default_params(name, given):
+    params = run.config.eval.calibrator_params or {}
+    given = {n: params[n] for n in ([name] if name else params) if params.get(n)}
+    if any(not default_params(n, p) for n, p in given.items()):
         reasons.append("parameters other than the defaults")
     if not reasons:
         return run.calibrators, None
@@ -486,11 +427,17 @@ def fits_home(run, args: argparse.Namespace, name: str | None = None
 
 
 def evaluation_fits(run, args: argparse.Namespace) -> Path:
-    """The folder of the fits that live with this evaluation: ``OUT/calibrators`` (an
-    ensemble's: its own folder there)."""
-    if getattr(args, "calibrator_folder", None):
-        return Path(args.calibrator_folder)
-    return (Path(args.out) if args.out else run.eval_dir(args.split)) / "calibrators"
+    """The folder of the fits that live with this evaluation: ``OUT/calibrators``."""
+    return out_of(run, args) / "calibrators"
+
+
+def plan_key(item: str) -> bool:
+    """A ``--set`` item of the evaluation's plan (``eval.calibrators=...``): it changes what
+    is evaluated, not the run's network or its inputs."""
+    from cals_seg.evaluation.evaluator import PLAN_KEYS
+
+    key = item.partition("=")[0].strip()
+    return key in {f"eval.{k}" for k in (*PLAN_KEYS, "shift_seed", "calibrator_fit_shift")}
 
 
 def default_params(name: str, params: dict) -> bool:
@@ -498,59 +445,6 @@ def default_params(name: str, params: dict) -> bool:
     from cals_seg.calibrators import resolved_params
 
     return resolved_params(name, 2, params) == resolved_params(name, 2, {})
-
-
-def run_fit(run, name: str, key) -> tuple[dict, dict] | None:
-    """The run's own saved fit of calibrator ``name``, read (never written), when it was made
-    for this use (its record is ``key``'s); None otherwise."""
-    from cals_seg.calibrators import load_calibrator
-
-    path = run.fits.calibrator(name)
-    cal, problem = run.fits.reuse(path, key, lambda p: load_calibrator(
-        p, run.device, num_classes=run.task.num_classes))
-    if problem is not None:
-        if problem[0] == "file" and path.is_file():  # damaged: said; this evaluation fits its own
-            print(f"notice: {path} {problem[1]}; not used (this evaluation fits its own)",
-                  file=sys.stderr, flush=True)
-        return None
-    return {name: cal}, {name: {**cal.fit_info, "loaded": True, "file": str(path),
-                                "fitted_for": key.record()}}
-
-
-def fit_notice(run, name: str, file: str, why: str | None) -> str:
-    """The line that says where a new fit of calibrator ``name`` went: the run's own fit (used
-    by predict_seg and export), or this evaluation's (``why``), the run's own left as is."""
-    if why is None:
-        return (f"calibrator {name}: fitted on the validation split and saved as the run's own "
-                f"fit, {file} (predict_seg --calibrator {name} and export use it)")
-    return (f"calibrator {name}: fitted on the validation split for this evaluation ({why}), "
-            f"saved to {file}; the run's own fit, {run.calibrator_file(name)}, which "
-            "predict_seg and export use, is left as it is (--save-calibrators-to-run replaces "
-            "it)")
-
-
-def under_confidence(run, infer, val_loader) -> dict | None:
-    """The network's validation temperature interval (one more pass over validation, served
-    by the logit cache); the record of
-    :func:`cals_seg.evaluation.confidence_regime.under_confidence` when it lies below 1 (the
-    network is under-confident), printed as one line; else None."""
-    from cals_seg.evaluation import confidence_regime
-    from cals_seg.utils.distributed import is_main_process
-
-    record = confidence_regime.measured_under_confidence(
-        infer, val_loader, run.task.num_classes, run.task.ignore_index, str(run.path),
-        run.family)
-    if record is not None and is_main_process():
-        print(record["advice"], flush=True)
-    return record
-
-
-def calibrator_skip(name: str, err: Exception) -> str:
-    """Why calibrator ``name`` could not be fitted, on one line, with the option to change."""
-    reason = " ".join(str(err).split())
-    if "holdout_every" in reason:
-        reason += f" (--calibrator-param {name}.holdout_every=N, or more validation images)"
-    return reason
 
 
 def draw_clean_figures(result: dict, out: Path, setup: str, split: str) -> None:
@@ -578,42 +472,37 @@ def draw_clean_figures(result: dict, out: Path, setup: str, split: str) -> None:
     plot_regions(result, out, f"{setup} {split}")
 
 
-def write_evaluation(run, args: argparse.Namespace, result: dict, split_set,
+def write_evaluation(run, plan, result: dict, out: Path, split_set,
                      figures: Background | None = None) -> int:
-    """What rank 0 writes: metrics.json, the calibrator table, the multiplier curves and the
-    calibration maps, and the clean figures (:func:`draw_clean_figures`: here, or joined from
-    ``figures`` where they were started while the corrupted splits streamed); prints the
-    summary line."""
+    """What rank 0 writes into ``out``: metrics.json, the calibrator table, the multiplier
+    curves and the calibration maps, and the clean figures (:func:`draw_clean_figures`: here,
+    or joined from ``figures`` where they were started while the corrupted splits streamed);
+    prints the summary line."""
     from cals_seg.evaluation.reports import calibration_maps
     from cals_seg.runs.run import Run
     from cals_seg.utils.io import write_json
     from cals_seg.visualization import plotting
 
     cfg, task = run.config, run.task
-    folder = run
-    out = Path(args.out) if args.out else folder.eval_dir(args.split)
     out.mkdir(parents=True, exist_ok=True)
     write_json(Run.eval_metrics(out), result)
-    if figures is None:
-        draw_clean_figures(result, out, cfg.name, args.split)
-    write_calibrator_outputs(result, out, f"{cfg.name}, {args.split} split")
+    if figures is None or not figures.started:
+        draw_clean_figures(result, out, cfg.name, plan.split)
+    write_calibrator_outputs(result, out, f"{cfg.name}, {plan.split} split")
     if result.get("shift"):
-
-        write_shift(result, out, f"{cfg.name}, {args.split} split")
+        write_shift(result, out, f"{cfg.name}, {plan.split} split")
     if result.get("conformal"):
-        from cals_seg.commands._conformal import conformal_table
+        from cals_seg.evaluation.conformal_eval import conformal_table
 
         table = conformal_table(result["conformal"])
-        (out / "conformal.md").write_text(f"{cfg.name}, {args.split} split: conformal sets "
+        (out / "conformal.md").write_text(f"{cfg.name}, {plan.split} split: conformal sets "
                                           "(docs/conformal.md).\n\n" + table)
         print(table)
-    history = folder.history()
-    plotting.plot_multiplier_curves(history, out / "lambda_curves.png", task.class_names)
-    num_maps = cfg.eval.num_maps if args.num_maps is None else args.num_maps
+    plotting.plot_multiplier_curves(run.history(), out / "lambda_curves.png", task.class_names)
     maps = calibration_maps(
         run.model,
         split_set,
-        split_set.ids[:num_maps],
+        split_set.ids[:plan.num_maps],
         out / "maps",
         run.device,
         task.class_names,
@@ -622,7 +511,7 @@ def write_evaluation(run, args: argparse.Namespace, result: dict, split_set,
         amp=run.precision,
     )
     pre, post = result["pre_ts"], result["post_ts"]
-    line = (f"{args.split}: ECE {100 * pre['ece']:.2f}%  AECE {100 * pre['aece']:.2f}%  "
+    line = (f"{plan.split}: ECE {100 * pre['ece']:.2f}%  AECE {100 * pre['aece']:.2f}%  "
             f"mIoU {pre['miou']:.4f}")
     if post is not None:
         line += f"  | post-TS ECE {100 * post['ece']:.2f}% (T = {result['temperature']:.3f})"

@@ -147,9 +147,9 @@ def open_run(args: argparse.Namespace) -> tuple[Any, float, Any]:
     if temperature is None:
         temperature = run.temperature
         if temperature is None:
-            warnings.warn(f"{run.path} has no temperature.json (the run did not finish, or "
-                          "eval.temperature_scaling is false): confidences are not calibrated "
-                          "(T = 1).", stacklevel=1)
+            warnings.warn(f"{run.path} has no {run.temperature_file.name} (the run did not "
+                          "finish, or eval.temperature_scaling is false): confidences are not "
+                          "calibrated (T = 1).", stacklevel=1)
             temperature = 1.0
     if not temperature > 0:
         raise UserError(f"--temperature: expected a number > 0, got {temperature}.")

@@ -220,6 +220,12 @@ RULES: dict[str, Rule | None] = {
     "eval.pad": optional(SIZE, fix="or null for none"),
     "eval.window": ints(1, MAX_SIZE, example=512),
     "eval.stride": TYPE_ONLY,  # in [1, eval.window]: the protocol's own rule (cross rule)
+    "eval.calibrators": TYPE_ONLY,  # registered calibrators: cross rule (check_eval_plan)
+    "eval.calibrator_params": TYPE_ONLY,  # their parameters: cross rule
+    "eval.conformal": TYPE_ONLY,  # the words of --conformal: cross rule
+    "eval.shift": TYPE_ONLY,  # registered corruptions and severities: cross rule
+    "eval.shift_seed": ints(0, MAX_SEED),
+    "eval.calibrator_fit_shift": TYPE_ONLY,
 }
 
 def config_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
@@ -301,6 +307,8 @@ KEY_GROUPS: dict[str, tuple[str, ...]] = {
         "name", "data.root", "data.num_workers", "train.epochs", "train.device", "train.loggers",
         "train.debug_checks", "eval.batch_size", "eval.n_bins", "eval.temperature_scaling",
         "eval.num_maps", "eval.mode", "eval.resize", "eval.pad", "eval.window", "eval.stride",
+        "eval.calibrators", "eval.calibrator_params", "eval.conformal", "eval.shift",
+        "eval.shift_seed", "eval.calibrator_fit_shift",  # the plan of the final test
         "data.class_names",  # display names only
         "contrib",  # which experiments are registered, not what a run computes
     ),
@@ -405,6 +413,40 @@ def check_names(cfg: Config) -> None:
         raise refuse("loss.name", f"one of {sorted(LOSSES)}", cfg.loss.name,
                      LOSSES.beside_hint(cfg.loss.name) or "e.g. --set loss.name=ce")
     check_model_names(cfg)
+
+
+def check_eval_plan(cfg: Config) -> None:
+    """``eval.calibrators``, ``eval.calibrator_params``, ``eval.conformal``, ``eval.shift``: the
+    plan of the evaluation, checked against the registries before any work (the same checks
+    as the flags that write these keys)."""
+    from cals_seg.calibrators import CALIBRATORS
+    from cals_seg.errors import UserError
+
+    e = cfg.eval
+    for name in e.calibrators:
+        if name not in CALIBRATORS:
+            raise refuse("eval.calibrators", f"names out of {list(CALIBRATORS)}", name,
+                         CALIBRATORS.beside_hint(name) or "e.g. --set eval.calibrators=[ts]")
+    try:
+        from cals_seg.evaluation.evaluator import check_calibrator_params, parse_conformal_spec
+
+        check_calibrator_params(e.calibrator_params, "eval.calibrator_params")
+        if e.conformal:
+            parse_conformal_spec(e.conformal, "eval.conformal")
+        if e.shift:
+            from cals_seg.data.corruptions import parse_shifts
+
+            parse_shifts(list(e.shift), e.shift_seed)
+    except ConfigError:
+        raise
+    except UserError as err:
+        message = str(err)
+        if e.shift and message.startswith("--shift"):
+            message = "eval.shift" + message[len("--shift"):]
+        raise ConfigError(message) from None
+    if e.calibrator_fit_shift and not e.calibrators:
+        raise refuse("eval.calibrator_fit_shift", "false without eval.calibrators", True,
+                     "name the calibrators, e.g. --set eval.calibrators=[ts]")
 
 
 def check_model_names(cfg: Config) -> None:
@@ -710,7 +752,7 @@ def check_external_model(cfg: Config) -> None:
 CROSS_RULES: list[Callable[[Config], None]] = [
     check_dataset_name, check_ignore_index, check_device, check_names, check_external_model,
     check_eval_protocol, check_eval_size, check_class_names, check_palette, check_best_mode,
-    check_loss_params, check_train_loggers,
+    check_loss_params, check_train_loggers, check_eval_plan,
 ]
 
 

@@ -207,6 +207,15 @@ class EvalConfig:
     tiles per pass). ``resize``: longest side of the network input (aspect kept), ``null`` for
     the image's own size. ``pad``: pad the network input at the bottom/right to at least
     ``pad x pad`` (``512``: the paper's VOC protocol), ``null`` for none.
+
+    The plan of the evaluation (:class:`cals_seg.evaluation.evaluator.EvalPlan`), which the
+    trainer's final test and ``eval_seg`` / ``eval_cls`` run (their flags write these keys:
+    ``--calibrators ts`` is ``--set eval.calibrators=[ts]``): ``calibrators``, post-hoc
+    calibrators fitted on validation; ``calibrator_params``, ``{name: {parameter: value}}``;
+    ``conformal``, prediction sets (``{alpha: 0.1, mode: risk, score: aps}``, or the words of
+    ``--conformal``), null for none; ``shift``, image corruptions ``NAME:SEVERITY``
+    (``all:3``, ``all``) with their seed ``shift_seed``; ``calibrator_fit_shift``, each
+    calibrator also fitted under drift.
     """
 
     batch_size: int = 8
@@ -218,6 +227,12 @@ class EvalConfig:
     pad: int | None = None
     window: int = 512
     stride: int = 341
+    calibrators: list[str] = field(default_factory=list)
+    calibrator_params: dict[str, Any] = field(default_factory=dict)
+    conformal: dict[str, Any] | str | None = None
+    shift: list[str] = field(default_factory=list)
+    shift_seed: int = 0
+    calibrator_fit_shift: bool = False
 
 
 @dataclass

@@ -3,10 +3,11 @@ saved file, written with its record and read back validated (docs/conformal.md).
 
 The calibration split is the held-out part of validation: image ``j`` of the validation
 stream (loader order, counting from 0) when ``j % every == every - 1``. ``every=1`` is all of
-validation. Unless ``every`` is given, it is the largest of 5, 4, 3, 2 (and 1 without a
-calibrator) that leaves the ``ceil(1 / alpha) - 1`` calibration images a guarantee needs
-(:func:`~cals_seg.evaluation.conformal.guarantee_images`), else the smallest (the most
-images); the choice is printed. A calibrator named by ``calibrator=NAME`` is fitted here on the
+validation. Unless ``every`` is given: without a calibrator before the sets nothing else is
+fitted on validation, so every validation image calibrates (``every=1``); with one, it is the
+largest of 5, 4, 3, 2 that leaves the ``ceil(1 / alpha) - 1`` calibration images a guarantee
+needs (:func:`~cals_seg.evaluation.conformal.guarantee_images`), else 2 (the most images); the
+choice is printed. A calibrator named by ``calibrator=NAME`` is fitted here on the
 *other* validation images (never on the calibration ones) and the threshold is fitted on its
 output. The ids of the calibration images are recorded.
 
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cals_seg.calibrators import build_calibrator, network_digest
+from cals_seg.calibrators import CALIBRATORS, build_calibrator, network_digest
 from cals_seg.errors import UserError
 from cals_seg.evaluation.conformal import GRID, ConformalSets, guarantee_images, parse_mode
 from cals_seg.evaluation.conformal_score import SCORES
@@ -51,22 +52,113 @@ MAX_GRID = 2**20  # a saved grid above it is refused (the state is 8 (grid + 2) 
 Loader = Callable[[Any], Iterable]
 
 # --------------------------------------------------------------------------------------------
+# The spec: the words of ``--conformal`` (and of ``eval.conformal``).
+# --------------------------------------------------------------------------------------------
+
+CONFORMAL_KEYS = ("alpha", "mode", "score", "calibrator", "seed", "every")
+
+
+def _ascii_int(value: str) -> int:
+    """An integer written with the ASCII digits only (``int`` also reads ``"²"``-like digits
+    of other scripts, and spaces)."""
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(value)
+    return int(value)
+
+
+def parse_conformal(items: list[str], flag: str = "--conformal") -> dict[str, Any]:
+    """``--conformal alpha=0.1 [mode=risk,class] [score=NAME] [calibrator=NAME] [seed=0]
+    [every=N]`` (a bare number is ``alpha``; ``score`` one of
+    :data:`~cals_seg.evaluation.conformal_score.SCORES`, ``lac`` by default) -> a spec dict;
+    modes are comma-separated; ``every`` None when not given (chosen by :func:`choose_every`).
+
+    Args:
+        flag: what the words were given as, for the messages (``--conformal``,
+            ``eval.conformal``).
+
+    Raises:
+        UserError: naming the item and what is allowed.
+    """
+    spec: dict[str, Any] = {"mode": ["risk"], "score": "lac", "calibrator": None, "seed": 0,
+                            "every": None}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            key, value = "alpha", item
+        if key not in CONFORMAL_KEYS:
+            raise UserError(f"{flag} {item!r}: unknown key {key!r}; valid keys are "
+                            f"{list(CONFORMAL_KEYS)}, e.g. --conformal alpha=0.1 mode=risk.")
+        try:
+            if key == "alpha":
+                if not value.isascii() or value != value.strip():
+                    raise ValueError(value)
+                spec["alpha"] = float(value)
+                if not 0 < spec["alpha"] < 1:
+                    raise ValueError(value)
+            elif key == "mode":
+                spec["mode"] = list(dict.fromkeys(value.split(",")))
+                for m in spec["mode"]:
+                    if not m.isascii():
+                        raise ValueError(m)
+                    parse_mode(m)
+            elif key == "score":
+                if value not in SCORES:
+                    raise ValueError(value)
+                spec["score"] = value
+            elif key == "calibrator":
+                if value not in CALIBRATORS:
+                    raise ValueError(value)
+                spec["calibrator"] = value
+            else:
+                spec[key] = _ascii_int(value)
+                if spec[key] < (1 if key == "every" else 0):
+                    raise ValueError(value)
+        except ValueError:
+            allowed = {"alpha": "a number in (0, 1)", "mode": "risk, image:TAU, class or band "
+                       "(comma-separated)", "score": f"one of {list(SCORES)}",
+                       "calibrator": f"one of {list(CALIBRATORS)}",
+                       "seed": "an integer >= 0 (ASCII digits)",
+                       "every": "an integer >= 1 (ASCII digits; 1: all validation images)"}[key]
+            raise UserError(f"{flag} {item!r}: expected {key} to be {allowed}.") from None
+    if "alpha" not in spec:
+        raise UserError(f"{flag}: give alpha, e.g. {flag} alpha=0.1.")
+    if spec["calibrator"] and spec["every"] == 1:
+        raise UserError(f"{flag} calibrator={spec['calibrator']} every=1: the calibrator "
+                        "is fitted on the validation images outside the calibration ones, and "
+                        "every=1 leaves none; give every >= 2, or leave calibrator= out.")
+    return spec
+
+
+def spec_text(spec: dict[str, Any], mode: str | None = None) -> str:
+    """The ``--conformal`` arguments of ``spec`` (one mode when given)."""
+    parts = [f"alpha={spec['alpha']:g}", f"mode={mode or ','.join(spec['mode'])}",
+             f"score={spec['score']}", f"seed={spec['seed']}"]
+    if spec.get("calibrator"):
+        parts.append(f"calibrator={spec['calibrator']}")
+    if spec.get("every") is not None:
+        parts.append(f"every={spec['every']}")
+    return " ".join(parts)
+
+
+
+# --------------------------------------------------------------------------------------------
 # Which validation images calibrate, and what a fit is for.
 # --------------------------------------------------------------------------------------------
 
 
 def choose_every(spec: dict[str, Any], num_val: int) -> tuple[int, str | None]:
-    """``every`` for ``num_val`` validation images: the one given, else the largest of
-    ``5, 4, 3, 2`` (and ``1`` without a calibrator) whose ``num_val // every`` calibration
-    images reach :func:`~cals_seg.evaluation.conformal.guarantee_images` of alpha, else the
-    smallest allowed (the most images). Returns ``(every, a line saying what was chosen)``,
-    the line None when nothing was chosen for the user."""
+    """``every`` for ``num_val`` validation images: the one given; without a calibrator 1
+    (every validation image calibrates: nothing else is fitted on them); with one, the
+    largest of ``5, 4, 3, 2`` whose ``num_val // every`` calibration images reach
+    :func:`~cals_seg.evaluation.conformal.guarantee_images` of alpha, else 2 (the most
+    images). Returns ``(every, a line saying what was chosen)``, the line None when nothing
+    was chosen for the user."""
     if spec.get("every") is not None:
         return int(spec["every"]), None
+    if not spec.get("calibrator"):
+        return 1, None
     need = guarantee_images(spec["alpha"])
-    lowest = 2 if spec.get("calibrator") else 1
-    candidates = range(DEFAULT_EVERY, lowest - 1, -1)
-    every = next((e for e in candidates if num_val // e >= need), lowest)
+    every = next((e for e in range(DEFAULT_EVERY, 1, -1) if num_val // e >= need), 2)
     if every == DEFAULT_EVERY:
         return every, None
     enough = num_val // every >= need
@@ -375,7 +467,8 @@ def load_conformal(path: Path, num_classes: int | None = None, fix: str | None =
     return cs
 
 
-__all__ = ["DEFAULT_EVERY", "MAX_GRID", "Loader", "calibrated", "calibration_ids",
-           "calibration_mask", "choose_every", "conformal_file", "conformal_key", "conformal_tag",
-           "fit_conformal", "fits_folder", "load_conformal", "module_digest", "read_conformal",
-           "saved_fit_mismatch", "save_conformal"]
+__all__ = ["CONFORMAL_KEYS", "DEFAULT_EVERY", "MAX_GRID", "Loader", "calibrated",
+           "calibration_ids", "calibration_mask", "choose_every", "conformal_file",
+           "conformal_key", "conformal_tag", "fit_conformal", "fits_folder", "load_conformal",
+           "module_digest", "parse_conformal", "read_conformal", "saved_fit_mismatch",
+           "save_conformal", "spec_text"]

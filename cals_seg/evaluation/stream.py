@@ -28,13 +28,18 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 from tqdm import tqdm
 
 from cals_seg.evaluation.inference import EvalProtocol, FiniteLogits, segment_logits
 from cals_seg.evaluation.logit_cache import cached_logits
 from cals_seg.metrics import BoundaryAwareECEMeter
-from cals_seg.utils.distributed import is_main_process
+from cals_seg.utils.distributed import (
+    ShardedBatchSampler,
+    get_rank,
+    is_distributed,
+    is_main_process,
+)
 from cals_seg.utils.precision import autocast_context
 
 
@@ -117,6 +122,33 @@ def eval_collate(samples: list[Any]) -> Any:
     if len({_shapes(s) for s in samples}) > 1:
         return RaggedBatch(default_collate([s]) for s in samples)
     return default_collate(samples)
+
+
+def reseed_transform(dataset: Dataset, seed: int) -> None:
+    """Albumentations keeps its own RNG, which DataLoader seeding does not touch: reseed it."""
+    transform = getattr(dataset, "transform", None)
+    compose = getattr(transform, "compose", transform)
+    if hasattr(compose, "set_random_seed"):
+        compose.set_random_seed(seed % 2**32)
+
+
+def worker_init(worker_id: int) -> None:
+    """A loader worker's transforms seeded from the loader's seed and the rank."""
+    info = get_worker_info()
+    reseed_transform(info.dataset, info.seed + 7919 * get_rank())
+
+
+def evaluation_loader(dataset: Dataset, batch_size: int, num_workers: int = 0) -> DataLoader:
+    """The loader of an evaluation pass over ``dataset``: in order, samples of different sizes
+    evaluated one at a time (:func:`eval_collate`); under torch.distributed a
+    :class:`~cals_seg.utils.distributed.ShardedBatchSampler` (each sample exactly once)."""
+    common = dict(num_workers=num_workers, worker_init_fn=worker_init,
+                  generator=torch.Generator(), pin_memory=torch.cuda.is_available(),
+                  collate_fn=eval_collate)
+    if is_distributed():
+        return DataLoader(dataset, batch_sampler=ShardedBatchSampler(len(dataset), batch_size),
+                          **common)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=False, **common)
 
 
 class Scaled:

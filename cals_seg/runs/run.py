@@ -767,8 +767,10 @@ def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: b
         raise _as_flag(err, device, amp) from None
     found = task_family(cfg)
     if family is not None and found != family:
+        tools = "tools/eval_cls.py or tools/predict_cls.py" if found == "classification" \
+            else "tools/eval_seg.py or tools/predict_seg.py"
         raise UserError(f"{folder} is a {found} run ({cfg.data.name!r}); this command needs a "
-                         f"{family} run.")
+                        f"{family} run: use {tools} for it.")
     task = None
     if with_data:
         task = build_task(cfg)

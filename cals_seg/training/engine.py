@@ -15,14 +15,18 @@ import time
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm import tqdm
 
 from cals_seg.errors import NonFiniteLossError
-from cals_seg.evaluation.stream import eval_collate, unpack_batch
+from cals_seg.evaluation.stream import (
+    evaluation_loader,
+    reseed_transform,
+    unpack_batch,
+    worker_init,
+)
 from cals_seg.losses import bad_labels_message
 from cals_seg.utils.distributed import (
-    ShardedBatchSampler,
     all_reduce_sum_,
     get_rank,
     is_distributed,
@@ -40,19 +44,6 @@ _NON_FINITE = (
 
 
 # ----------------------------------------------------------------------------- data loading
-def _reseed_transform(dataset: Dataset, seed: int) -> None:
-    """Albumentations keeps its own RNG, which DataLoader seeding does not touch: reseed it."""
-    transform = getattr(dataset, "transform", None)
-    compose = getattr(transform, "compose", transform)
-    if hasattr(compose, "set_random_seed"):
-        compose.set_random_seed(seed % 2**32)
-
-
-def _worker_init(worker_id: int) -> None:
-    info = get_worker_info()
-    _reseed_transform(info.dataset, info.seed + 7919 * get_rank())
-
-
 def make_loader(
     dataset: Dataset, batch_size: int, train: bool, num_workers: int = 0, seed: int = 0
 ) -> DataLoader:
@@ -62,21 +53,18 @@ def make_loader(
     Under torch.distributed, training uses a ``DistributedSampler`` (``batch_size`` per
     process) and evaluation a :class:`ShardedBatchSampler` (each sample exactly once).
     """
+    if not train:  # evaluation: in order, sharded under torchrun, one size per batch
+        return evaluation_loader(dataset, batch_size, num_workers)
     common = dict(
         num_workers=num_workers,
-        worker_init_fn=_worker_init,
+        worker_init_fn=worker_init,
         generator=torch.Generator(),
         pin_memory=torch.cuda.is_available(),
     )
-    if is_distributed() and train:
+    if is_distributed():
         sampler = DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=True)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True, **common)
-    if is_distributed():
-        return DataLoader(dataset, batch_sampler=ShardedBatchSampler(len(dataset), batch_size),
-                          collate_fn=eval_collate, **common)
-    if not train:  # evaluation: samples of different sizes are evaluated one at a time
-        common["collate_fn"] = eval_collate
-    return DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=train, **common)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, **common)
 
 
 def seed_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
@@ -86,7 +74,7 @@ def seed_epoch(loader: DataLoader, seed: int, epoch: int) -> None:
     if hasattr(loader.sampler, "set_epoch"):
         loader.sampler.set_epoch(epoch)
     if loader.num_workers == 0:
-        _reseed_transform(loader.dataset, epoch_seed * 7919 + get_rank())
+        reseed_transform(loader.dataset, epoch_seed * 7919 + get_rank())
 
 
 # ----------------------------------------------------------------------------- train / eval

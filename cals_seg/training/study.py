@@ -14,14 +14,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cals_seg.calibrators import calibrator_key
 from cals_seg.config.rules import changed_keys, keys_of
 from cals_seg.config.schema import Config, config_to_dict, load_config
 from cals_seg.errors import MissingPathError, UserError
-from cals_seg.evaluation.engine import load_or_fit_calibrators
+from cals_seg.evaluation.evaluator import EvalPlan, Evaluator
 from cals_seg.evaluation.stream import compute
 from cals_seg.runs.run import Run, load_run
 from cals_seg.tasks import build_task, task_family
@@ -168,18 +168,16 @@ def add_calibrators(run_dir: Path, names: list[str]) -> list[str]:
     if not folder.best.is_file():
         raise MissingPathError(f"{run_dir} lacks {folder.best.name}, needed for --calibrators")
     run = load_run(folder.best, amp=metrics.get("precision"), with_data=True)
-    cfg, task, infer = run.config, run.task, run.inference
-    e, workers = cfg.eval, cfg.data.num_workers
     print(f"{run_dir.name}: calibrators {', '.join(missing)} (fit on val, one test pass)",
           flush=True)
-    keys = {n: calibrator_key(run, n, {}, task.val_set.ids, precision=infer.amp,
-                              protocol=infer.protocol) for n in missing}
-    cals, fits = load_or_fit_calibrators(  # a saved fit is reused only when made for this use
-        missing, folder.calibrators, task.num_classes, infer,
-        make_loader(task.val_set, e.batch_size, False, workers), task.ignore_index,
-        keys=keys)
-    out = run.test(make_loader(task.test_set, e.batch_size, False, workers), calibrators=cals,
-                   progress=False)
+    plan = replace(EvalPlan.from_config(run.config, split="test"), calibrators=tuple(missing),
+                   calibrator_params={}, conformal=None, shift=(), fit_shift=False,
+                   num_maps=0, progress=False)  # the run's own fits: reused when for this use
+    result = Evaluator(run, plan, say=lambda line: None).run()
+    if result.skipped:
+        name, why = next(iter(result.skipped.items()))
+        raise UserError(f"{run_dir}: calibrator {name} cannot be fitted ({why}).")
+    out, fits = result.metrics, result.metrics["calibrator_fits"]
     metrics.setdefault("calibrators", {}).update({n: out["calibrators"][n] for n in missing})
     metrics.setdefault("calibrator_fits", {}).update(fits)
     folder.write_test_metrics(metrics)

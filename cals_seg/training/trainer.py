@@ -48,8 +48,7 @@ from cals_seg.data.checks import check_task_data
 from cals_seg.data.crops import crop_warning, sample_sizes
 from cals_seg.data.extra_inputs import request_extra_inputs
 from cals_seg.errors import UserError
-from cals_seg.evaluation import confidence_regime
-from cals_seg.evaluation.engine import calibrated_test
+from cals_seg.evaluation.evaluator import EvalPlan, Evaluator
 from cals_seg.evaluation.inference import NonFiniteLogitsError
 from cals_seg.evaluation.stream import Inference, compute, scalars
 from cals_seg.losses import AdaptiveLoss, build_loss
@@ -245,6 +244,7 @@ class _Training:
     run: Run
     t: TrainConfig
     e: EvalConfig
+    plan: EvalPlan  # the final test's evaluation (the config's eval section)
     config: dict[str, Any]  # the resolved config as saved in every checkpoint
     infer: Inference  # the model (eval passes), device, precision, protocol
     train_model: nn.Module  # what the training step calls (DDP / compiled)
@@ -287,7 +287,7 @@ def train_and_test(cfg: Config, task: Task, resume: str | Path | None = None) ->
     s = _setup(cfg, task, resume)  # the only reader of cfg
     run, t, infer, main = s.run, s.t, s.infer, is_main_process()
     model, device, amp, k = infer.model, infer.device, infer.amp, task.num_classes
-    train_loader, val_loader, test_loader = s.loaders
+    train_loader, val_loader, _ = s.loaders
     loggers = RunLoggers(t.loggers if main else [], run.path, s.config, task.class_names,
                          s.start_epoch)
     best_score, best_epoch = s.best_score, s.best_epoch
@@ -334,7 +334,7 @@ def train_and_test(cfg: Config, task: Task, resume: str | Path | None = None) ->
                   flush=True)
 
     barrier()  # rank 0 has written checkpoint_best.pt
-    test = _test_best(run, infer, task, val_loader, test_loader, s.e, t)
+    test = _test_best(run, infer, task, s.plan, t)
     if main:
         loggers.log_test(test)
     loggers.close()
@@ -388,7 +388,7 @@ def _setup(cfg: Config, task: Task, resume: str | Path | None) -> _Training:
     optimizer = build_optimizer(cfg, model)
     workers = cfg.data.num_workers
     s = _Training(
-        run=run, t=t, e=e, config=config_to_dict(cfg),
+        run=run, t=t, e=e, plan=EvalPlan.from_config(cfg, split="test"), config=config_to_dict(cfg),
         infer=Inference(model, device, amp, task.protocol), train_model=train_model,
         # the training loss compiled too (observe() and the update stay eager: once per epoch)
         criterion=criterion, train_criterion=torch.compile(criterion) if t.compile else criterion,
@@ -459,29 +459,31 @@ def _validate_and_update(epoch: int, infer: Inference, task: Task, loader: DataL
     return val, multipliers, float(val[t.best_metric])
 
 
-def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
-               test_loader: DataLoader, e: EvalConfig, t: TrainConfig) -> dict[str, Any]:
-    """Test the best checkpoint before and after temperature scaling (the one test pass,
-    :func:`cals_seg.evaluation.engine.calibrated_test`); rank 0 writes ``test_metrics.json``,
-    ``temperature.json`` and the plots.
+def _test_best(run: Run, infer: Inference, task: Task, plan: EvalPlan,
+               t: TrainConfig) -> dict[str, Any]:
+    """Test the best checkpoint: the evaluation of the config's plan
+    (:class:`~cals_seg.evaluation.evaluator.Evaluator`: temperature scaling fitted on
+    validation, the planned calibrators, conformal sets and corruptions, one test pass); rank
+    0 writes ``test_metrics.json``, ``temperature.json`` and the plots. The calibrators fitted
+    are the run's own (``<run>/calibrators``, which predict and export use).
 
     The test pass runs at the inference precision (``train.amp: auto`` is float32 on every CPU,
     :func:`~cals_seg.utils.precision.resolve_amp`), as eval_seg, predict_seg and the export do:
     the run's test metrics and temperature are those a later evaluation reproduces on any CPU."""
     best = run.read_checkpoint("best", map_location=infer.device)
     infer.model.load_state_dict(best["model"])
-    infer = replace(infer, amp=resolve_amp(t.amp, infer.device, warn=False, inference=True))
-    test = calibrated_test(infer, task, val_loader, test_loader, e.n_bins, e.temperature_scaling,
-                           t.progress)
-    regime = _under_confidence(run, infer, task, val_loader, t.progress)
-    if regime is not None:
-        test[confidence_regime.KEY] = regime
+    amp = resolve_amp(t.amp, infer.device, warn=False, inference=True)
+    loaded = Run(run.path, checkpoint=run.best, config=run.config, model=infer.model,
+                 device=infer.device, precision=amp, family=task.family,
+                 score_metric=task.score_metric, class_names=task.class_names,
+                 protocol=infer.protocol, epoch=best["epoch"], task=task)
+    test = Evaluator(loaded, replace(plan, progress=t.progress)).run().metrics
     test.update(
         checkpoint=run.best.name,
         epoch=best["epoch"],
         best_metric=t.best_metric,
         best_score=best["best_score"],
-        precision=infer.amp,
+        precision=amp,
         class_names=task.class_names,
         family=task.family,
         score_metric=task.score_metric,
@@ -491,17 +493,6 @@ def _test_best(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
         run.write_temperature(test["temperature"])
         plot_run(run, test, task.class_names)
     return test
-
-
-def _under_confidence(run: Run, infer: Inference, task: Task, val_loader: DataLoader,
-                      progress: bool) -> dict[str, Any] | None:
-    """The best checkpoint's validation temperature and its interval (one pass over the
-    validation split, :class:`~cals_seg.evaluation.confidence_regime.ValidationTemperature`);
-    the record of :func:`~cals_seg.evaluation.confidence_regime.under_confidence` when the
-    interval lies below 1, else None."""
-    return confidence_regime.measured_under_confidence(
-        infer, val_loader, task.num_classes, task.ignore_index, str(run.path), task.family,
-        progress)
 
 
 def _fingerprint(model: nn.Module) -> torch.Tensor:

@@ -63,10 +63,12 @@ class Background:
     def __init__(self) -> None:
         self._process: Any = None
         self._report: Any = None
+        self.started = False  # a function was started (in a child, or run here)
 
     def start(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Run ``fn(*args, **kwargs)`` in a forked child, or here and now without one."""
         self.wait()
+        self.started = True
         if not background_available():
             fn(*args, **kwargs)
             return

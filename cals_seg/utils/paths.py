@@ -213,8 +213,29 @@ class OutputFolder:
                 )
         return paths
 
-    def claim(self, names: Iterable[str]) -> None:
-        """Record ``names`` as written by the tool (the manifest is rewritten atomically)."""
+    def claim(self, names: Iterable[str], only: bool = False) -> list[str]:
+        """Record ``names`` as written by the tool (the manifest is rewritten atomically).
+
+        Args:
+            only: the folder holds one result, this one: the files an earlier run of the tool
+                wrote (listed in the manifest) that ``names`` does not list are removed (plain
+                files inside the folder only; never a link), and the manifest lists ``names``.
+
+        Returns:
+            the names of the files removed.
+        """
+        names = set(names)
+        removed = []
+        if only:
+            for old in sorted(self.written - names):
+                try:
+                    path = self.target(old)
+                except (UserError, ValueError, OSError):  # a name leaving the folder: not ours
+                    continue
+                if path.is_file() and not path.is_symlink():
+                    path.unlink()
+                    removed.append(old)
+            self.written = set()
         self.written.update(names)
         self.path.mkdir(parents=True, exist_ok=True)
         tmp = self.manifest.with_name(self.manifest.name + ".tmp")
@@ -224,6 +245,7 @@ class OutputFolder:
         except OSError as err:
             tmp.unlink(missing_ok=True)
             raise os_error(err, self.manifest, "write") from None
+        return removed
 
 
 __all__ = [
