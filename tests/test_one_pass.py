@@ -119,11 +119,11 @@ def test_the_consumers_of_the_test_pass_equal_their_own_passes(run, cached_evalu
     """The conformal sets and the clean entropy statistics measured inside the one test pass
     equal the same measured in a pass of their own (as eval_seg measured them before the
     engine): every number of ``metrics.json["conformal"]`` and the flag's clean rate."""
-    from cals_seg.commands._conformal import parse_conformal, run_loader
+    from cals_seg.commands._conformal import parse_conformal
     from cals_seg.evaluation.conformal_eval import conformal_evaluation
     from cals_seg.evaluation.ood import MeanEntropy, flagged_rate
     from cals_seg.evaluation.shift import entropy_temperature
-    from cals_seg.evaluation.stream import evaluate
+    from cals_seg.evaluation.stream import evaluate, run_loader
     from cals_seg.runs.run import load_run
 
     metrics, _ = cached_evaluation

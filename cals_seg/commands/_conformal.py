@@ -12,12 +12,12 @@ it (validation readable) or refuse in one line.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 from cals_seg.errors import MissingPathError, UserError
-from cals_seg.evaluation import conformal_eval, conformal_fit
 from cals_seg.evaluation.conformal_eval import (  # noqa: F401 (the commands' names)
+    conformal_evaluation,
+    conformal_sets,
     conformal_table,
     image_sets,
     set_summary,
@@ -34,6 +34,7 @@ from cals_seg.evaluation.conformal_fit import (  # noqa: F401 (the commands' nam
     conformal_file,
     conformal_key,
     conformal_tag,
+    fit_conformal,
     fits_folder,
     load_conformal,
     module_digest,
@@ -43,61 +44,6 @@ from cals_seg.evaluation.conformal_fit import (  # noqa: F401 (the commands' nam
     saved_fit_mismatch,
     spec_text,
 )
-from cals_seg.training.engine import make_loader
-
-
-def eval_loader(batch_size: int, workers: int) -> Loader:
-    """The loader the library is given: a dataset -> its evaluation loader of ``batch_size``
-    and ``workers``, in order."""
-
-    def loader(dataset: Any) -> Any:
-        return make_loader(dataset, batch_size, False, workers)
-
-    return loader
-
-
-def run_loader(run: Any) -> Loader:
-    """:func:`eval_loader` at the run's ``eval.batch_size`` and ``data.num_workers``."""
-    return eval_loader(run.config.eval.batch_size, run.config.data.num_workers)
-
-
-def fit_conformal(run: Any, spec: dict[str, Any], val_set: Any, folder: Path | None = None,
-                  quiet: bool = False) -> tuple[dict, dict, Any, list]:
-    """:func:`cals_seg.evaluation.conformal_fit.fit_conformal` with the run's loader."""
-    return conformal_fit.fit_conformal(run, spec, val_set, folder, quiet, loader=run_loader(run))
-
-
-def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
-                         progress: bool = False, maps_dir: Path | None = None, num_maps: int = 0,
-                         folder: Path | None = None) -> dict[str, Any]:
-    """:func:`cals_seg.evaluation.conformal_eval.conformal_evaluation` with the run's loader:
-    ``{MODE: fit and test-split numbers}``."""
-    return conformal_eval.conformal_evaluation(run, spec, val_set, test_set, progress, maps_dir,
-                                               num_maps, folder, loader=run_loader(run))
-
-
-def conformal_sets(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
-                   maps_dir: Path | None = None, num_maps: int = 0,
-                   folder: Path | None = None) -> Any:
-    """:func:`cals_seg.evaluation.conformal_eval.conformal_sets` with the run's loader: the
-    fitted sets as a consumer of the test pass."""
-    return conformal_eval.conformal_sets(run, spec, val_set, test_set, maps_dir, num_maps,
-                                         folder, loader=run_loader(run))
-
-
-def validation_split(run: Any) -> tuple[Any, str | None]:
-    """The run's validation split read without the model (nothing generated or downloaded):
-    ``(split, None)``, or ``(None, why it cannot be read)``."""
-    from cals_seg.tasks.segmentation import segmentation_splits
-
-    root = Path(run.config.data.root)
-    if not root.is_dir():
-        return None, f"data.root {root} does not exist"
-    try:
-        return segmentation_splits(run.config)["val"], None
-    except (OSError, UserError, ValueError) as err:
-        return None, str(err).splitlines()[0] if str(err) else type(err).__name__
-
 
 
 def load_or_fit_conformal(run: Any, spec: dict[str, Any]) -> Any:
@@ -116,7 +62,7 @@ def load_or_fit_conformal(run: Any, spec: dict[str, Any]) -> Any:
     mode, k = spec["mode"][0], len(run.class_names)
     path = conformal_file(fits_folder(run), mode, spec["score"], spec["alpha"], spec["seed"])
     refit = f"tools/eval_seg.py {run.path} --conformal {spec_text(spec)}"
-    val, unreadable = validation_split(run)  # without the model; nothing generated
+    val, unreadable = run.validation_set()  # without the model; nothing generated
     cs, reason = None, None
     if path.is_file():
         try:

@@ -125,16 +125,15 @@ def open_ensemble(args: argparse.Namespace, open_run: Any) -> Any:
 def entropy_reference(run: Any, temperature: float, calibrator_name: str | None,
                       calibrator: Any) -> dict[str, Any] | None:
     """:func:`cals_seg.evaluation.ood.entropy_reference` on the run's validation split, read
-    without the model (:func:`cals_seg.commands._conformal.validation_split`): the saved or
+    without the model (:meth:`cals_seg.runs.run.Run.validation_set`): the saved or
     recomputed mean-entropy limit, or None (with a warning) when neither can be had.
 
     Raises:
         UserError: a broken reference file, or one for another use that cannot be recomputed.
     """
-    from cals_seg.commands._conformal import validation_split
     from cals_seg.evaluation import ood
 
-    val, unreadable = validation_split(run)
+    val, unreadable = run.validation_set()
     return ood.entropy_reference(run, temperature, calibrator_name, calibrator, val, unreadable)
 
 

@@ -76,7 +76,8 @@ class ConformalTestView:
 
 def conformal_sets(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
                    maps_dir: Path | None = None, num_maps: int = 0,
-                   folder: Path | None = None, *, loader: Loader) -> ConformalTestView:
+                   folder: Path | None = None, *, loader: Loader | None = None
+                   ) -> ConformalTestView:
     """Fit (or reuse) the conformal sets of ``spec`` on ``val_set``
     (:func:`~cals_seg.evaluation.conformal_fit.fit_conformal`, saved in ``folder``, default
     ``<run>/calibrators``; a mode without a guarantee is said on stderr) and return the
@@ -95,7 +96,8 @@ def conformal_sets(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
 def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set: Any,
                          progress: bool = False,
                          maps_dir: Path | None = None, num_maps: int = 0,
-                         folder: Path | None = None, *, loader: Loader) -> dict[str, Any]:
+                         folder: Path | None = None, *, loader: Loader | None = None
+                         ) -> dict[str, Any]:
     """:func:`~cals_seg.evaluation.conformal_fit.fit_conformal` (fits saved in ``folder``,
     default ``<run>/calibrators``), then the sets of every mode on ``test_set`` measured by
     :class:`~cals_seg.metrics.conformal.PredictionSetMeter` in a pass of their own (inside an
@@ -106,6 +108,9 @@ def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set:
     ``set_size``, ``coverage_band``, ... With ``maps_dir``, the set-size map of each mode for
     the first ``num_maps`` test images: ``maps_dir/<id>_set_size_<mode>.png``
     (:func:`write_size_map`)."""
+    from cals_seg.evaluation.stream import run_loader
+
+    loader = loader or run_loader(run)
     sets = conformal_sets(run, spec, val_set, test_set, maps_dir, num_maps, folder,
                           loader=loader)
     for logits, target, image in predict(run.model, loader(test_set), run.device, run.precision,

@@ -320,7 +320,8 @@ def _with_every_fix(result: dict[str, Any], spec: dict[str, Any], every: int,
 
 
 def fit_conformal(run: Any, spec: dict[str, Any], val_set: Any, folder: Path | None = None,
-                  quiet: bool = False, *, loader: Loader) -> tuple[dict, dict, Any, list]:
+                  quiet: bool = False, *, loader: Loader | None = None
+                  ) -> tuple[dict, dict, Any, list]:
     """Fit one :class:`~cals_seg.evaluation.conformal.ConformalSets` per mode of ``spec`` on
     the held-out validation images (after ``spec["calibrator"]``, fitted here on the other
     validation images); saves each fit on the raw logits, with its record, to
@@ -335,6 +336,9 @@ def fit_conformal(run: Any, spec: dict[str, Any], val_set: Any, folder: Path | N
     Raises:
         UserError: under torchrun, or a calibrator that cannot be fitted (one line).
     """
+    from cals_seg.evaluation.stream import run_loader
+
+    loader = loader or run_loader(run)
     if is_distributed():
         raise UserError("--conformal: run it in one process (without torchrun).")
     num_val = len(val_set)

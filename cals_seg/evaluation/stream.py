@@ -124,6 +124,13 @@ def eval_collate(samples: list[Any]) -> Any:
     return default_collate(samples)
 
 
+def run_loader(run: Any) -> Callable[[Dataset], DataLoader]:
+    """A dataset -> its :func:`evaluation_loader` at ``run``'s ``eval.batch_size`` and
+    ``data.num_workers`` (what the library's functions stream a split with by default)."""
+    batch, workers = run.config.eval.batch_size, run.config.data.num_workers
+    return lambda dataset: evaluation_loader(dataset, batch, workers)
+
+
 def reseed_transform(dataset: Dataset, seed: int) -> None:
     """Albumentations keeps its own RNG, which DataLoader seeding does not touch: reseed it."""
     transform = getattr(dataset, "transform", None)
