@@ -35,8 +35,8 @@ OPTIONS = ["--calibrators", "ts", "boundary_ts", "--conformal", "alpha=0.2", "mo
            "every=2", "--shift", "fog:1", "--num-maps", "0", "--refit-calibrators"]
 # Keys that differ between the variants by design: timings, what a fit was for, bookkeeping,
 # and keys an earlier checkout did not write yet (the regime line, the guarantee's record).
-VOLATILE = {"fit_seconds", "fitted_for", "network_passes", "checkpoint", "guarantee",
-            "needs_images", "every", "groups_without_guarantee", "under_confident"}
+VOLATILE = {"fit_seconds", "fitted_for", "network_passes", "checkpoint", "guarantee", "file",
+            "plan", "needs_images", "every", "groups_without_guarantee", "under_confident"}
 
 
 def cpu_name() -> str:
