@@ -72,3 +72,9 @@ def test_under_confidence_line(root, tmp_path, capsys, bias, under):
         assert record["T_interval"][1] < 1 and record["advice"] == lines[0]
     else:
         assert not lines and "under_confident" not in metrics
+    # an evaluation that fits a post-hoc calibrator: the record, but not the hint to fit one
+    assert eval_seg.main([str(run), "--out", str(tmp_path / "ts"), "--calibrators", "ts"]) == 0
+    out = capsys.readouterr().out
+    fitted = json.loads((tmp_path / "ts" / "metrics.json").read_text())
+    assert not [line for line in out.splitlines() if line.startswith("under-confident")]
+    assert ("under_confident" in fitted) == under
