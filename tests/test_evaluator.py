@@ -182,3 +182,22 @@ def test_the_final_test_runs_the_configs_plan(tmp_path):
         assert not _close(again[key], saved[key]), (key, _close(again[key], saved[key])[:5])
     assert all(again["calibrator_fits"][n]["loaded"] for n in ("ts", "vector"))
     shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("item, named", [
+    ("eval.calibrators=[lts]", "eval.calibrators lts"),
+    ("eval.calibrators=[boundary_ts]", "eval.calibrators boundary_ts"),
+    ("eval.conformal={alpha: 0.1, mode: band}", "mode=band"),
+    ("eval.shift=[fog:1]", "eval.shift"),
+])
+def test_a_plan_a_classification_run_cannot_run_is_refused_up_front(cls_run, tmp_path, capsys,
+                                                                     item, named):
+    """A classification run's plan (from its config or --set) with a spatial calibrator, a
+    spatial conformal mode or an image corruption: one line before any work, naming it."""
+    from cals_seg.commands import eval_cls
+
+    out = tmp_path / "out"
+    assert eval_cls.main([str(cls_run), "--out", str(out), "--set", item]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+    assert not (out / "metrics.json").exists()

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +59,14 @@ from cals_seg.commands._cli import (
 from cals_seg.commands.eval_seg import calibrator_name
 from cals_seg.config.rules import check_folder
 from cals_seg.errors import MissingPathError, UserError
+from cals_seg.evaluation.evaluator import (  # noqa: F401 (the commands' names)
+    MODES,
+    check_conformal,
+    check_flat,
+    flat_calibrators,
+)
 from cals_seg.utils.lock import RunLock
 from cals_seg.utils.paths import OutputFolder
-
-# The conformal modes of classification: marginal coverage, and per class (Mondrian). The
-# image:TAU mode is risk for one label per input; band needs space.
-MODES = ("risk", "class")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -103,59 +104,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="logits kept in memory so that each input goes through the "
                         "network once (default 2; 0: run it for every consumer)")
     return parser.parse_args(argv)
-
-
-# ----------------------------------------------------------------------------- checks
-def flat_calibrators(num_classes: int = 3) -> list[str]:
-    """The registered calibrators that apply to logits without space, ``(N, K)``, in registry
-    order: those that need no image and whose new (identity) instance maps a ``(2, K)`` batch
-    to a batch of its shape (the spatial ones, boundary bands or a temperature map, refuse it).
-    A calibrator registered later is probed the same way."""
-    import torch
-
-    from cals_seg.calibrators import CALIBRATORS, build_calibrator
-
-    logits = torch.randn(2, num_classes, generator=torch.Generator().manual_seed(0))
-    names = []
-    for name, cls in CALIBRATORS.items():
-        if cls.needs_image:
-            continue
-        try:
-            with torch.no_grad():
-                out = build_calibrator(name, num_classes).eval()(logits, None)
-        except (ValueError, RuntimeError, TypeError, IndexError, UserError):
-            continue
-        if tuple(out.shape) == tuple(logits.shape):
-            names.append(name)
-    return names
-
-
-def check_flat(names: Sequence[str], flag: str) -> None:
-    """Refuse, in one line listing the valid ones, a calibrator of ``names`` that needs space
-    (a classification input has none).
-
-    Raises:
-        UserError: ``--calibrators lts: needs ...; for classification runs use one of [...]``.
-    """
-    valid = flat_calibrators()
-    for name in names:
-        if name is not None and name not in valid:
-            raise UserError(f"{flag} {name}: a spatial calibrator (it needs an image's pixels); "
-                            f"for classification and text runs use one of {valid}.")
-
-
-def check_conformal(spec: dict[str, Any]) -> None:
-    """Refuse the conformal modes that need space, and a spatial calibrator before the sets.
-
-    Raises:
-        UserError: one line naming the mode and the valid ones.
-    """
-    for mode in spec["mode"]:
-        if mode not in MODES:
-            raise UserError(f"--conformal mode={mode}: for classification and text runs the "
-                            f"modes are {list(MODES)} (risk: marginal coverage, class: per "
-                            "class; one label per input leaves nothing for image:TAU or band).")
-    check_flat([spec.get("calibrator")], "--conformal calibrator=")
 
 
 def checked_run_path(args: argparse.Namespace, tool: str = "eval_cls") -> tuple[str, str, Any]:

@@ -444,6 +444,18 @@ def check_eval_plan(cfg: Config) -> None:
         if e.shift and message.startswith("--shift"):
             message = "eval.shift" + message[len("--shift"):]
         raise ConfigError(message) from None
+    try:  # what the task family can run (classification: no space), before any work
+        from cals_seg.evaluation.evaluator import check_plan_for
+        from cals_seg.tasks import task_family
+
+        family = task_family(cfg) if cfg.data.name else None
+        if family is not None:
+            check_plan_for(family, e.calibrators,
+                           parse_conformal_spec(e.conformal) if e.conformal else None, e.shift)
+    except ConfigError:
+        raise
+    except UserError as err:
+        raise ConfigError(str(err)) from None
     if e.calibrator_fit_shift and not e.calibrators:
         raise refuse("eval.calibrator_fit_shift", "false without eval.calibrators", True,
                      "name the calibrators, e.g. --set eval.calibrators=[ts]")

@@ -224,6 +224,7 @@ class Evaluator:
         from cals_seg.utils.distributed import is_main_process
 
         self.run_, self.plan = run, plan
+        check_plan_for(run.family, plan.calibrators, plan.conformal, plan.shift)
         self.task, self.infer = run.task, run.inference
         self.main = is_main_process()
         self.say = say or (lambda line: print(line, flush=True) if self.main else None)
@@ -303,12 +304,8 @@ class Evaluator:
         from cals_seg.calibrators import calibrator_key
         from cals_seg.evaluation.engine import load_or_fit_calibrators
         from cals_seg.evaluation.inference import NonFiniteLogitsError
-        from cals_seg.utils.distributed import is_distributed
 
         plan, task, infer = self.plan, self.task, self.infer
-        if is_distributed() and {"lts", "selective"} & set(plan.calibrators):
-            raise UserError("--calibrators lts / selective: fit them in one process (without "
-                            "torchrun); the others fit under torchrun too.")
         calibrators, fits, skipped = {}, {}, {}
         ids = getattr(val, "ids", None) or list(range(len(val)))
         for name in plan.calibrators:  # one that cannot be fitted is reported, not fatal
@@ -479,6 +476,89 @@ def calibrator_skip(name: str, err: Exception) -> str:
     return reason
 
 
+# ----------------------------------------------------------------------------- classification
+# The conformal modes of classification: marginal coverage, and per class (Mondrian). The
+# image:TAU mode is risk for one label per input; band needs space.
+MODES = ("risk", "class")
+
+
+def flat_calibrators(num_classes: int = 3) -> list[str]:
+    """The registered calibrators that apply to logits without space, ``(N, K)``, in registry
+    order: those that need no image and whose new (identity) instance maps a ``(2, K)`` batch
+    to a batch of its shape (the spatial ones, boundary bands or a temperature map, refuse it).
+    A calibrator registered later is probed the same way."""
+    import torch
+
+    from cals_seg.calibrators import CALIBRATORS, build_calibrator
+
+    logits = torch.randn(2, num_classes, generator=torch.Generator().manual_seed(0))
+    names = []
+    for name, cls in CALIBRATORS.items():
+        if cls.needs_image:
+            continue
+        try:
+            with torch.no_grad():
+                out = build_calibrator(name, num_classes).eval()(logits, None)
+        except (ValueError, RuntimeError, TypeError, IndexError, UserError):
+            continue
+        if tuple(out.shape) == tuple(logits.shape):
+            names.append(name)
+    return names
+
+
+def check_flat(names: Sequence[str], flag: str) -> None:
+    """Refuse, in one line listing the valid ones, a calibrator of ``names`` that needs space
+    (a classification input has none).
+
+    Raises:
+        UserError: ``--calibrators lts: needs ...; for classification runs use one of [...]``.
+    """
+    names = [n for n in names if n is not None]
+    valid = flat_calibrators() if names else []
+    for name in names:
+        if name not in valid:
+            raise UserError(f"{flag} {name}: a spatial calibrator (it needs an image's pixels); "
+                            f"for classification and text runs use one of {valid}.")
+
+
+def check_conformal(spec: dict[str, Any]) -> None:
+    """Refuse the conformal modes that need space, and a spatial calibrator before the sets.
+
+    Raises:
+        UserError: one line naming the mode and the valid ones.
+    """
+    for mode in spec["mode"]:
+        if mode not in MODES:
+            raise UserError(f"--conformal mode={mode}: for classification and text runs the "
+                            f"modes are {list(MODES)} (risk: marginal coverage, class: per "
+                            "class; one label per input leaves nothing for image:TAU or band).")
+    check_flat([spec.get("calibrator")], "--conformal calibrator=")
+
+
+def check_plan_for(family: str, calibrators: Sequence[str], conformal: Mapping[str, Any] | None,
+                   shift: Sequence[Any], flag: str = "eval") -> None:
+    """Refuse, before any work, a plan the task family cannot run: for classification and text,
+    a calibrator that needs space, a conformal mode other than risk / class, any image
+    corruption; under torchrun the calibrators that fit in one process only.
+
+    Raises:
+        UserError: one line naming the key (``flag.calibrators``, ...) and what is allowed.
+    """
+    from cals_seg.utils.distributed import is_distributed
+
+    if family == "classification":
+        check_flat(calibrators, f"{flag}.calibrators")
+        if conformal:
+            check_conformal(dict(conformal))
+        if shift:
+            raise UserError(f"{flag}.shift: image corruptions apply to segmentation runs; a "
+                            "classification or text run is evaluated without them (remove the "
+                            "key, or --shift).")
+    if is_distributed() and {"lts", "selective"} & set(calibrators):
+        raise UserError(f"{flag}.calibrators: lts and selective fit in one process only (without "
+                        "torchrun); the others fit under torchrun too.")
+
+
 # ----------------------------------------------------------------------------- sample ids
 def sample_ids(dataset: Any, root: str | Path | None = None) -> list[str]:
     """An id per sample, in order, that names what the sample is: an image's path (relative to
@@ -531,6 +611,7 @@ def with_ids(dataset: Any, root: str | Path | None) -> SampleIds:
     return SampleIds(dataset, sample_ids(dataset, root))
 
 
-__all__ = ["PLAN_KEYS", "EvalPlan", "EvalResult", "Evaluator", "SampleIds", "calibrator_keys",
-           "calibrator_skip", "check_calibrator_params", "parse_conformal_spec", "sample_ids",
-           "with_ids"]
+__all__ = ["MODES", "PLAN_KEYS", "EvalPlan", "EvalResult", "Evaluator", "SampleIds",
+           "calibrator_keys", "calibrator_skip", "check_calibrator_params", "check_conformal",
+           "check_flat", "check_plan_for", "flat_calibrators", "parse_conformal_spec",
+           "sample_ids", "with_ids"]
