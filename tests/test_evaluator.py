@@ -201,3 +201,16 @@ def test_a_plan_a_classification_run_cannot_run_is_refused_up_front(cls_run, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0], err
     assert not (out / "metrics.json").exists()
+
+
+def test_a_run_of_the_other_family_names_the_right_tool(cls_run, run, tmp_path, capsys):
+    """eval_seg of a classification run and eval_cls of a segmentation run: one line each,
+    naming the tool that takes it."""
+    from cals_seg.commands import eval_cls
+
+    assert eval_seg.main([str(cls_run), "--out", str(tmp_path / "a")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tools/eval_cls.py" in err[0], err
+    assert eval_cls.main([str(run), "--out", str(tmp_path / "b")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tools/eval_seg.py" in err[0], err
