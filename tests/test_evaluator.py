@@ -214,3 +214,12 @@ def test_a_run_of_the_other_family_names_the_right_tool(cls_run, run, tmp_path, 
     assert eval_cls.main([str(run), "--out", str(tmp_path / "b")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tools/eval_seg.py" in err[0], err
+
+
+def test_a_text_run_is_checked_as_classification(text_run, tmp_path, capsys):
+    from cals_seg.commands import eval_cls
+
+    out = tmp_path / "out"
+    assert eval_cls.main([str(text_run), "--out", str(out), "--set", "eval.shift=[fog:1]"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eval.shift" in err[0], err

@@ -446,11 +446,11 @@ def check_eval_plan(cfg: Config) -> None:
         raise ConfigError(message) from None
     try:  # what the task family can run (classification: no space), before any work
         from cals_seg.evaluation.evaluator import check_plan_for
-        from cals_seg.tasks import task_family
 
-        family = task_family(cfg) if cfg.data.name else None
-        if family is not None:
-            check_plan_for(family, e.calibrators,
+        kind = family(cfg)  # the dataset registry's kind (check_dataset_name refused others)
+        if kind is not None:
+            check_plan_for("segmentation" if kind == "segmentation" else "classification",
+                           e.calibrators,
                            parse_conformal_spec(e.conformal) if e.conformal else None, e.shift)
     except ConfigError:
         raise
