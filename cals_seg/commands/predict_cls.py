@@ -143,17 +143,7 @@ def open_run(args: argparse.Namespace) -> tuple[Any, float, Any]:
     if args.calibrator is not None:
         check_flat([args.calibrator], "--calibrator")
         return run, 1.0, run_calibrator(run, args.calibrator)
-    temperature = args.temperature
-    if temperature is None:
-        temperature = run.temperature
-        if temperature is None:
-            warnings.warn(f"{run.path} has no {run.temperature_file.name} (the run did not "
-                          "finish, or eval.temperature_scaling is false): confidences are not "
-                          "calibrated (T = 1).", stacklevel=1)
-            temperature = 1.0
-    if not temperature > 0:
-        raise UserError(f"--temperature: expected a number > 0, got {temperature}.")
-    return run, float(temperature), None
+    return run, run.temperature_for(args.temperature), None
 
 
 def run_calibrator(run: Any, name: str) -> Any:

@@ -95,17 +95,7 @@ def open_run(args: argparse.Namespace):
 
         args.calibrator_module = load_run_calibrator(run, args.calibrator)
         return run, 1.0
-    temperature = args.temperature
-    if temperature is None:
-        temperature = run.temperature
-        if temperature is None:
-            warnings.warn(f"{run.path} has no {run.temperature_file.name} (the run did not "
-                          "finish, or eval.temperature_scaling is false): confidences are not "
-                          "calibrated (T = 1).", stacklevel=1)
-            temperature = 1.0
-    if not temperature > 0:
-        raise UserError(f"--temperature: expected a number > 0, got {temperature}.")
-    return run, float(temperature)
+    return run, run.temperature_for(args.temperature)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

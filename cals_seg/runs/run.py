@@ -542,6 +542,26 @@ class Run:
         self._loaded("inference")
         return Inference(self.model, self.device, self.precision, self.protocol)
 
+    def temperature_for(self, given: float | None = None) -> float:
+        """The temperature a prediction divides the logits by: ``given`` (``--temperature``),
+        else the one fitted on validation, else 1 with a warning that the confidences are not
+        calibrated.
+
+        Raises:
+            UserError: a given temperature that is not a number > 0.
+        """
+        temperature = given
+        if temperature is None:
+            temperature = self.temperature
+            if temperature is None:
+                warnings.warn(f"{self.path} has no {self.temperature_file.name} (the run did "
+                              "not finish, or eval.temperature_scaling is false): confidences "
+                              "are not calibrated (T = 1).", stacklevel=2)
+                temperature = 1.0
+        if not temperature > 0:
+            raise UserError(f"--temperature: expected a number > 0, got {temperature}.")
+        return float(temperature)
+
     def validation_set(self) -> tuple[Any, str | None]:
         """``(the validation split, None)``, from the task when built, else read without the
         model (nothing generated or downloaded); ``(None, why it cannot be read)``."""
