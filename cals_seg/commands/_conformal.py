@@ -46,29 +46,41 @@ from cals_seg.evaluation.conformal_fit import (  # noqa: F401 (the commands' nam
 )
 
 
-def load_or_fit_conformal(run: Any, spec: dict[str, Any]) -> Any:
-    """For predict_seg / export: the saved fit of ``spec`` (raw logits, one mode) when its
-    record is this use's (:func:`~cals_seg.evaluation.conformal_fit.saved_fit_mismatch`), else
-    fitted now on the run's held-out validation images and saved; refused in one line naming
-    the file and the key that differs when the validation data cannot be read. An empty
-    guarantee is said on stderr in one line.
+def load_or_fit_conformal(run: Any, spec: dict[str, Any], family: str = "segmentation") -> Any:
+    """For predict_seg / predict_cls / export: the saved fit of ``spec`` (raw logits, one mode)
+    when its record is this use's (:func:`~cals_seg.evaluation.conformal_fit.saved_fit_mismatch`),
+    else fitted now on the run's held-out validation data and saved; refused in one line naming
+    the file, the key that differs and the evaluation command that fits it (``eval_seg`` or
+    ``eval_cls`` by ``family``) when the validation data cannot be read. An empty guarantee is
+    said on stderr in one line.
 
     Raises:
         UserError / MissingPathError: one line naming the file and the fix.
     """
+    from cals_seg.evaluation.evaluator import check_conformal, with_ids
+
+    seg = family == "segmentation"
     if spec["calibrator"] or len(spec["mode"]) != 1:
-        raise UserError("predict_seg --conformal: one mode, on the network's logits (no "
-                        "calibrator=); e.g. --conformal 0.1 or --conformal alpha=0.1 mode=class.")
+        raise UserError(f"{'predict_seg ' if seg else ''}--conformal: one mode, on the network's "
+                        "logits (no calibrator=); e.g. --conformal 0.1 or --conformal alpha=0.1 "
+                        "mode=class.")
+    if not seg:
+        check_conformal(spec)
     mode, k = spec["mode"][0], len(run.class_names)
     path = conformal_file(fits_folder(run), mode, spec["score"], spec["alpha"], spec["seed"])
-    refit = f"tools/eval_seg.py {run.path} --conformal {spec_text(spec)}"
-    val, unreadable = run.validation_set()  # without the model; nothing generated
+    refit = f"tools/{'eval_seg' if seg else 'eval_cls'}.py {run.path} --conformal {spec_text(spec)}"
+    unit = "images" if seg else "inputs"
+    if seg:  # read without the model; nothing generated
+        val, unreadable = run.validation_set()
+    else:
+        val = with_ids(run.task.val_set, run.config.data.root) if run.task is not None else None
+        unreadable = None  # known only once the run's data is loaded
     cs, reason = None, None
     if path.is_file():
         try:
             cs = load_conformal(path, k, f"refit it with {refit}")
-        except UserError as err:  # damaged: remade from the validation images when readable
-            if val is None:
+        except UserError as err:  # damaged: remade from the validation data when readable
+            if unreadable is not None:
                 raise
             reason = str(err).removeprefix(f"{path}: ").split("; ")[0]
         else:
@@ -76,22 +88,27 @@ def load_or_fit_conformal(run: Any, spec: dict[str, Any]) -> Any:
         if reason is not None:
             cs = None
     if cs is None:
-        from cals_seg.runs.run import load_run
+        data_run = run
+        if run.task is None:
+            from cals_seg.runs.run import load_run
 
-        try:  # the run's data (an embedded synthetic set is generated on first use)
-            data_run = load_run(run.checkpoint, with_data=True, device=str(run.device),
-                                family="segmentation")
-        except (UserError, FileNotFoundError) as err:
-            why = unreadable or str(err).splitlines()[0]
-            if reason is not None:
-                raise UserError(f"{path}: {reason}, and the validation data cannot be read to "
-                                f"refit it ({why}); refit it with {refit}.") from None
-            raise MissingPathError(f"{path} does not exist and the validation data cannot be "
-                                   f"read to fit it ({why}); fit it with {refit}.") from None
+            try:  # the run's data (an embedded synthetic set is generated on first use)
+                data_run = load_run(run.checkpoint, with_data=True, device=str(run.device),
+                                    amp=run.precision, family=family)
+            except (UserError, FileNotFoundError) as err:
+                why = unreadable or str(err).splitlines()[0]
+                if reason is not None:
+                    raise UserError(f"{path}: {reason}, and the validation data cannot be read "
+                                    f"to refit it ({why}); refit it with {refit}.") from None
+                raise MissingPathError(f"{path} does not exist and the validation data cannot "
+                                       f"be read to fit it ({why}); fit it with {refit}."
+                                       ) from None
         if reason is not None:
-            print(f"conformal: {path.name}: {reason}; refitting it on the validation images.",
+            print(f"conformal: {path.name}: {reason}; refitting it on the validation {unit}.",
                   flush=True)
-        fit_conformal(data_run, spec, data_run.task.val_set)
+        val = data_run.task.val_set if seg else with_ids(data_run.task.val_set,
+                                                        data_run.config.data.root)
+        fit_conformal(data_run, spec, val)
         cs = load_conformal(path, k, f"refit it with {refit}")
     status = cs.guarantee()
     if not status["guarantee"]:

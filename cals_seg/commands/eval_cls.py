@@ -44,7 +44,6 @@ one line naming tools/eval_seg.py.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +57,8 @@ from cals_seg.commands._cli import (
 )
 from cals_seg.commands.eval_seg import calibrator_name
 from cals_seg.config.rules import check_folder
-from cals_seg.errors import MissingPathError, UserError
+from cals_seg.errors import UserError
+from cals_seg.evaluation.conformal_eval import CLASSIFICATION_COLUMNS, conformal_table
 from cals_seg.evaluation.evaluator import (  # noqa: F401 (the commands' names)
     MODES,
     check_conformal,
@@ -250,39 +250,6 @@ def calibration_table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def conformal_table(results: dict[str, Any]) -> str:
-    """A markdown table of the sets: per mode, score, alpha, threshold, calibration inputs,
-    guarantee, coverage, set size, more than one class, empty, the lowest class coverage; the
-    warning of each mode without a guarantee under it."""
-    head = ("| mode | score | alpha | threshold | calibration inputs | guarantee | coverage | "
-            "set size | more than one class | empty | lowest class coverage |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
-    rows, notes = [], []
-    for mode in MODES:
-        r = results.get(mode)
-        if not isinstance(r, dict):
-            continue
-        thr = r["threshold"]
-        thr = f"{thr:.4f}" if isinstance(thr, float) else ", ".join(f"{t:.3f}" for t in thr)
-        classes = [c for c in r.get("coverage_class") or [] if c is not None]
-        ok = r.get("guarantee", True)
-        cell = "yes" if ok else f"NO: needs {r.get('needs_images')}"
-        rows.append(f"| {mode} | {r['score']} | {r['alpha']:g} | {thr} | "
-                    f"{r['calibration_images']} | {cell} | {_fmt(r['coverage'])} | "
-                    f"{_fmt(r['set_size'])} | {_fmt(r['multi'])} | {_fmt(r['empty'])} | "
-                    f"{_fmt(min(classes) if classes else None)} |")
-        if not ok and r.get("warning"):
-            notes.append(f"- {mode}: {r['warning']}.")
-    text = head + "\n".join(rows) + "\n"
-    if notes:
-        text += "\nWarning, empty guarantees:\n" + "\n".join(notes) + "\n"
-    return text
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
 def draw_figures(result: dict[str, Any], out: Path, title: str) -> None:
     """The reliability diagrams: pre-TS, post-TS and each calibrator's."""
     from cals_seg.visualization import plotting
@@ -320,7 +287,7 @@ def write_evaluation(run: Any, plan: Any, result: dict[str, Any], out: Path) -> 
                                             + table)
         print(table)
     if result.get("conformal"):
-        table = conformal_table(result["conformal"])
+        table = conformal_table(result["conformal"], CLASSIFICATION_COLUMNS)
         (out / "conformal.md").write_text(f"{title}: conformal sets (docs/conformal.md).\n\n"
                                           + table)
         print(table)
@@ -331,67 +298,6 @@ def write_evaluation(run: Any, plan: Any, result: dict[str, Any], out: Path) -> 
         line += f"  | post-TS ECE {100 * post['ece']:.2f}% (T = {result['temperature']:.3f})"
     print(line)
     print(f"wrote {Run.eval_metrics(out)}")
-
-
-# ----------------------------------------------------------------------------- saved sets
-def load_or_fit_conformal(run: Any, spec: dict[str, Any]) -> Any:
-    """For predict_cls / export: the saved conformal fit of ``spec`` (one mode, on the
-    network's logits) when its key is this use's, else fitted now on the run's held-out
-    validation inputs (the run's data read) and saved; an empty guarantee is said on stderr.
-
-    Raises:
-        UserError / MissingPathError: one line naming the file and the fix.
-    """
-    from cals_seg.commands._conformal import fit_conformal, spec_text
-    from cals_seg.evaluation.conformal_fit import (
-        conformal_file,
-        fits_folder,
-        load_conformal,
-        saved_fit_mismatch,
-    )
-    from cals_seg.evaluation.evaluator import with_ids
-
-    if spec["calibrator"] or len(spec["mode"]) != 1:
-        raise UserError("--conformal: one mode, on the network's logits (no calibrator=); e.g. "
-                        "--conformal 0.1 or --conformal alpha=0.1 mode=class.")
-    check_conformal(spec)
-    mode, k = spec["mode"][0], len(run.class_names)
-    path = conformal_file(fits_folder(run), mode, spec["score"], spec["alpha"], spec["seed"])
-    refit = f"tools/eval_cls.py {run.path} --conformal {spec_text(spec)}"
-    val = with_ids(run.task.val_set, run.config.data.root) if run.task is not None else None
-    cs, reason = None, None
-    if path.is_file():
-        try:
-            cs = load_conformal(path, k, f"refit it with {refit}")
-        except UserError as err:  # damaged: fitted again from the validation inputs
-            reason = str(err).removeprefix(f"{path}: ").split("; ")[0]
-        else:
-            reason = saved_fit_mismatch(run, spec, mode, cs, val)
-        if reason is not None:
-            cs = None
-    if cs is None:
-        data_run = run
-        if run.task is None:
-            from cals_seg.runs.run import load_run
-
-            try:  # the run's data (an embedded synthetic set is generated on first use)
-                data_run = load_run(run.checkpoint, with_data=True, device=str(run.device),
-                                    amp=run.precision, family="classification")
-            except (UserError, FileNotFoundError) as err:
-                why = str(err).splitlines()[0]
-                raise MissingPathError(f"{path}: {reason or 'does not exist'}, and the "
-                                       f"validation data cannot be read to fit it ({why}); fit "
-                                       f"it with {refit}.") from None
-            val = with_ids(data_run.task.val_set, data_run.config.data.root)
-        if reason is not None:
-            print(f"conformal: {path.name}: {reason}; refitting it on the validation inputs.",
-                  flush=True)
-        fit_conformal(data_run, spec, val)
-        cs = load_conformal(path, k, f"refit it with {refit}")
-    status = cs.guarantee()
-    if not status["guarantee"]:
-        print(f"warning: {path}: {status['warning']}", file=sys.stderr, flush=True)
-    return cs
 
 
 def cli() -> None:

@@ -97,20 +97,17 @@ def _main(args: argparse.Namespace) -> int:
             spec = parse_conformal(args.conformal)
             family = export_family(args.run, args.checkpoint)  # a text run: refused
             if family == "classification":  # the sets of predict_cls, fitted by eval_cls
-                from cals_seg.commands.eval_cls import check_conformal
-                from cals_seg.commands.eval_cls import load_or_fit_conformal as load_or_fit
+                from cals_seg.evaluation.evaluator import check_conformal
 
                 check_conformal(spec)
             elif any(m.startswith("band") for m in spec["mode"]):
                 raise UserError("--conformal mode=band: the distance to the predicted boundaries "
                                 "is not exported; use mode=risk, image:TAU or class.")
-            else:
-                load_or_fit = load_or_fit_conformal
             if args.format == "onnx":
                 refuse_onnx(spec["score"])
             loaded = load_run(args.run, args.checkpoint, device="cpu", amp="none",
                               family=family)  # read once: the export uses it too
-            conformal = load_or_fit(loaded, spec)
+            conformal = load_or_fit_conformal(loaded, spec, family)
         info = export_run(args.run, args.out, args.format, args.calibrator, args.logits,
                           args.checkpoint, args.min_size, conformal, loaded)
         outputs.claim([out.name, f"{out.name}.json"])  # once written: a failed export claims none

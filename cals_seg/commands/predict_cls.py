@@ -291,9 +291,9 @@ def _main(args: argparse.Namespace) -> int:
         run, temperature, calibrator = open_run(args)
         conformal = None
         if spec is not None:
-            from cals_seg.commands.eval_cls import load_or_fit_conformal
+            from cals_seg.commands._conformal import load_or_fit_conformal
 
-            conformal = load_or_fit_conformal(run, spec)
+            conformal = load_or_fit_conformal(run, spec, "classification")
         text = is_text_run(run)
         try:
             items = text_inputs(run, args) if text else image_files(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,26 +121,73 @@ def conformal_evaluation(run: Any, spec: dict[str, Any], val_set: Any, test_set:
     return sets.results()
 
 
-def conformal_table(results: dict[str, Any]) -> str:
-    """A markdown table: per mode, alpha, threshold, calibration images, guarantee (``yes``,
-    or ``NO: needs N``), risk, coverage, set size, ambiguous fraction, coverage per boundary
-    band; under it, the warning of each mode without a guarantee."""
-    head = ("| mode | alpha | threshold | calibration images | guarantee | risk | coverage | "
-            "set size | more than one class | coverage per boundary band |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
+def _threshold(r: dict[str, Any]) -> str:
+    thr = r["threshold"]
+    return f"{thr:.4f}" if isinstance(thr, float) else ", ".join(f"{t:.3f}" for t in thr)
+
+
+def _guarantee(r: dict[str, Any]) -> str:
+    if r.get("guarantee", True):
+        return "yes"
+    group = " per group" if "groups_without_guarantee" in r else ""
+    return f"NO: needs {r.get('needs_images')}{group}"
+
+
+def _lowest(values: list[float | None] | None) -> str:
+    kept = [v for v in values or [] if v is not None]
+    return _fmt(min(kept) if kept else None)
+
+
+# A column of a conformal table: its header and its cell, from the mode and its results.
+Column = tuple[str, Callable[[str, dict[str, Any]], str]]
+
+SEGMENTATION_COLUMNS: tuple[Column, ...] = (
+    ("mode", lambda m, r: m),
+    ("alpha", lambda m, r: f"{r['alpha']:g}"),
+    ("threshold", lambda m, r: _threshold(r)),
+    ("calibration images", lambda m, r: str(r["calibration_images"])),
+    ("guarantee", lambda m, r: _guarantee(r)),
+    ("risk", lambda m, r: _fmt(r["risk"])),
+    ("coverage", lambda m, r: _fmt(r["coverage"])),
+    ("set size", lambda m, r: _fmt(r["set_size"])),
+    ("more than one class", lambda m, r: _fmt(r["multi"])),
+    ("coverage per boundary band",
+     lambda m, r: ", ".join("-" if c is None else f"{c:.4f}" for c in r["coverage_band"])),
+)
+"""eval_seg's columns (``conformal.md`` of a segmentation evaluation)."""
+
+CLASSIFICATION_COLUMNS: tuple[Column, ...] = (
+    ("mode", lambda m, r: m),
+    ("score", lambda m, r: str(r["score"])),
+    ("alpha", lambda m, r: f"{r['alpha']:g}"),
+    ("threshold", lambda m, r: _threshold(r)),
+    ("calibration inputs", lambda m, r: str(r["calibration_images"])),
+    ("guarantee", lambda m, r: _guarantee(r)),
+    ("coverage", lambda m, r: _fmt(r["coverage"])),
+    ("set size", lambda m, r: _fmt(r["set_size"])),
+    ("more than one class", lambda m, r: _fmt(r["multi"])),
+    ("empty", lambda m, r: _fmt(r["empty"])),
+    ("lowest class coverage", lambda m, r: _lowest(r.get("coverage_class"))),
+)
+"""eval_cls's columns: no risk and no bands, the empty sets and the lowest class coverage."""
+
+
+def conformal_table(results: dict[str, Any],
+                    columns: tuple[Column, ...] = SEGMENTATION_COLUMNS) -> str:
+    """A markdown table of the sets, one row per mode (the entries of ``results`` that are
+    dicts, in their order), one column per entry of ``columns`` (:data:`SEGMENTATION_COLUMNS`:
+    alpha, threshold, calibration images, guarantee (``yes``, or ``NO: needs N``), risk,
+    coverage, set size, ambiguous fraction, coverage per boundary band;
+    :data:`CLASSIFICATION_COLUMNS` for eval_cls); under it, the warning of each mode without a
+    guarantee."""
+    head = ("| " + " | ".join(name for name, _ in columns) + " |\n"
+            + "|" + "---|" * len(columns) + "\n")
     rows, notes = [], []
     for mode, r in results.items():
-        thr = r["threshold"]
-        thr = f"{thr:.4f}" if isinstance(thr, float) else ", ".join(f"{t:.3f}" for t in thr)
-        bands = ", ".join("-" if c is None else f"{c:.4f}" for c in r["coverage_band"])
-        ok = r.get("guarantee", True)
-        need = r.get("needs_images")
-        cell = "yes" if ok else f"NO: needs {need}" + (" per group" if
-                                                       "groups_without_guarantee" in r else "")
-        rows.append(f"| {mode} | {r['alpha']:g} | {thr} | {r['calibration_images']} | {cell} | "
-                    f"{_fmt(r['risk'])} | {_fmt(r['coverage'])} | {_fmt(r['set_size'])} | "
-                    f"{_fmt(r['multi'])} | {bands} |")
-        if not ok and r.get("warning"):
+        if not isinstance(r, dict):
+            continue
+        rows.append("| " + " | ".join(cell(mode, r) for _, cell in columns) + " |")
+        if not r.get("guarantee", True) and r.get("warning"):
             notes.append(f"- {mode}: {r['warning']}.")
     text = head + "\n".join(rows) + "\n"
     if notes:
@@ -202,7 +250,8 @@ def write_size_map(path: Path, sets: torch.Tensor, num_classes: int) -> None:
     cv2.imwrite(str(path), cv2.applyColorMap(grey, cv2.COLORMAP_VIRIDIS))
 
 
-__all__ = ["ConformalTestView", "conformal_evaluation", "conformal_sets", "conformal_table",
+__all__ = ["CLASSIFICATION_COLUMNS", "SEGMENTATION_COLUMNS", "ConformalTestView",
+           "conformal_evaluation", "conformal_sets", "conformal_table",
            "image_sets", "set_summary", "write_set_outputs", "write_size_map"]
 
 
