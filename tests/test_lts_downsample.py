@@ -85,3 +85,42 @@ def test_low_resolution_lts_fits_a_planted_case():
     ts.fit(lambda: ((a, b) for a, b, _ in batches()), ignore_index=255)
     with torch.no_grad():
         assert nll(cal(logits, image)) < nll(ts(logits)) < nll(logits)
+
+
+def _reflect_index(n: int, pad: int) -> list[int]:
+    """Source index of each position of a side of ``n`` reflection-padded by ``pad``."""
+    out = []
+    for i in range(-pad, n + pad):
+        while i < 0 or i >= n:
+            i = -i if i < 0 else 2 * (n - 1) - i
+        out.append(i)
+    return out
+
+
+def test_the_convolution_without_the_padded_copy_equals_the_padded_one():
+    """lts's branches (``_reflect_conv``: zero-padded, channels-last, the borders recomputed
+    from reflected strips) equal the convolution of the reflection-padded input (padding
+    written out by index), values and gradients in float64, on generated sizes, kernels and
+    dilations, including sides under ``3 pad`` (the padded path)."""
+    from cals_seg.calibrators.lts import _reflect_conv
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        k, d = (3, 5, 7)[trial % 3], (1, 2, 3)[trial // 3 % 3]
+        pad = d * (k - 1) // 2
+        n, c = 1 + trial % 2, 1 + trial % 5
+        h, w = (int(torch.randint(pad + 1, 40, (1,), generator=g)) for _ in range(2))
+        x = torch.randn(n, c, h, w, dtype=torch.float64, generator=g, requires_grad=True)
+        weight = torch.randn(4, c, k, k, dtype=torch.float64, generator=g, requires_grad=True)
+        bias = torch.randn(4, dtype=torch.float64, generator=g)
+        rows, cols = _reflect_index(h, pad), _reflect_index(w, pad)
+        padded = x[:, :, rows][:, :, :, cols]
+        want = F.conv2d(padded, weight, bias, dilation=d)
+        got = _reflect_conv(x, weight, bias, pad, d)
+        assert got.shape == want.shape
+        assert (got - want).abs().max() < 1e-10, (trial, h, w, k, d)
+        grad = torch.randn(want.shape, dtype=torch.float64, generator=g)
+        want_g = torch.autograd.grad((want * grad).sum(), (x, weight))
+        got_g = torch.autograd.grad((got * grad).sum(), (x, weight))
+        for a, b in zip(got_g, want_g):
+            assert (a - b).abs().max() < 1e-10, trial

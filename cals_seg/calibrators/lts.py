@@ -51,6 +51,43 @@ def _conv(in_channels: int, kernel_size: int, dilation: int) -> nn.Conv2d:
     return conv
 
 
+def _reflect_conv(x: Tensor, weight: Tensor, bias: Tensor, pad: int, dilation: int) -> Tensor:
+    """``conv2d(reflect_pad(x, pad), weight, bias, dilation)`` without the padded copy of ``x``.
+
+    The convolution runs with zero padding, on the CPU in the channels-last layout (oneDNN's
+    kernels for a few output channels are several times faster there than on NCHW, which pays
+    for the layout change), and the output within ``pad`` of each side, where zeros and
+    reflection differ, is recomputed from reflection-padded strips ``3 pad`` wide (the kernel
+    of an output row ``< pad`` reaches input rows ``< 3 pad``). Images with a side under
+    ``3 pad``, and any trace (``torch.export``, ``torch.compile``: the size test would become
+    a guard on the traced sides), take the padded copy; both are the same convolution, equal
+    to float rounding.
+
+    Shape:
+        - x: ``(N, C, H, W)``; weight: ``(O, C, k, k)`` with ``dilation (k - 1) = 2 pad``;
+          returns ``(N, O, H, W)``.
+    """
+    h, w = x.shape[-2:]
+    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    if tracing or pad == 0 or min(h, w) < 3 * pad:
+        return F.conv2d(F.pad(x, (pad, pad, pad, pad), mode="reflect"), weight, bias,
+                        dilation=dilation)
+    if x.device.type == "cpu":
+        x = x.contiguous(memory_format=torch.channels_last)
+    out = F.conv2d(x, weight, bias, padding=pad, dilation=dilation)
+    edge = 3 * pad
+
+    def strip(part: Tensor) -> Tensor:
+        return F.conv2d(F.pad(part, (pad, pad, pad, pad), mode="reflect"), weight, bias,
+                        dilation=dilation)
+
+    out[..., :pad, :] = strip(x[..., :edge, :])[..., :pad, :]
+    out[..., h - pad:, :] = strip(x[..., h - edge:, :])[..., edge - pad:, :]
+    out[..., :, :pad] = strip(x[..., :, :edge])[..., :, :pad]
+    out[..., :, w - pad:] = strip(x[..., :, w - edge:])[..., :, edge - pad:]
+    return out
+
+
 def _nll_sum(logits: Tensor, target: Tensor, ignore_index: int) -> tuple[Tensor, int] | None:
     n = int((target != ignore_index).sum())
     if n == 0:
@@ -112,18 +149,18 @@ class LocalTemperatureScaling(Calibrator):
             x = F.avg_pool2d(x, s, ceil_mode=True)
             img = None if img is None else F.avg_pool2d(img, s, ceil_mode=True)
         # The four branches on the logits as one convolution with four output channels (one
-        # reflection-padded copy of the logits and one pass over it instead of four).
+        # pass over the logits instead of four).
         branches = (self.t_a, self.t_b, self.gate_ab, self.gate_image)
         weight = torch.cat([c.weight for c in branches])
         bias = torch.cat([c.bias for c in branches])
-        xp = F.pad(x, (pad, pad, pad, pad), mode="reflect")
-        t_a, t_b, gate_ab, gate_image = F.conv2d(
-            xp, weight, bias, dilation=self.params["dilation"]).split(1, dim=1)
-        g1 = torch.sigmoid(gate_ab)
-        t = g1 * t_a + (1 - g1) * t_b
+        dilation = self.params["dilation"]
+        # (contiguous: the channels-last output's channels are strided views)
+        t_a, t_b, gate_ab, gate_image = _reflect_conv(
+            x, weight, bias, pad, dilation).contiguous().split(1, dim=1)
+        t = torch.lerp(t_b, t_a, torch.sigmoid(gate_ab))  # g1 t_a + (1 - g1) t_b
         if self.t_image is not None:
-            g2 = torch.sigmoid(gate_image)
-            t = g2 * t + (1 - g2) * self.t_image(img)
+            t_image = _reflect_conv(img, self.t_image.weight, self.t_image.bias, pad, dilation)
+            t = torch.lerp(t_image, t, torch.sigmoid(gate_image))  # g2 t + (1 - g2) t_image
         if low:
             t = F.interpolate(t, size=size, mode="bilinear", align_corners=False)
         return t.clamp(-LOG_T_MAX, LOG_T_MAX)
