@@ -272,10 +272,14 @@ def _main(args: argparse.Namespace) -> int:
             run = open_run(args)
         plan = plan_of(run, args, ensemble)
         check_voc_data(run.task, tuple(dict.fromkeys(("val", plan.split))))  # files named
-        lock = claim_outputs(run, plan, out_of(run, args), bool(args.out))  # noqa: F841 (held)
+        lock = claim_outputs(run, plan, out_of(run, args), bool(args.out))
     except USER_ERRORS as err:
         return report(err)
-    return evaluate_run(run, plan, out_of(run, args))
+    try:
+        return evaluate_run(run, plan, out_of(run, args))
+    finally:  # main called in a process that goes on (a test, a notebook): not held after
+        if lock is not None:
+            lock.release()
 
 
 def out_of(run, args: argparse.Namespace) -> Path:
