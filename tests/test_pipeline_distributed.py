@@ -15,6 +15,7 @@ from cals_seg.tasks import build_task
 from cals_seg.training.engine import seed_everything
 from cals_seg.training.trainer import fit
 
+from .conftest import figures_undrawn, load_tool
 from .test_pipeline import CONFIG, ROOT, _overrides
 
 
@@ -35,19 +36,23 @@ def single_run(tmp_path_factory):
         "data.synthetic={num_train: 23, num_test: 7, image_size: 32}", "eval.batch_size=2"]
     cfg = load_config(CONFIG, sets)
     seed_everything(cfg.train.seed)
-    fit(cfg, build_task(cfg))
+    with figures_undrawn():  # its figures are not what this file checks
+        fit(cfg, build_task(cfg))
     return tmp, cfg, sets
+
+
+def _one_process(*argv: str) -> None:
+    """tools/eval_seg.py in this process (one torch thread, tests/conftest.py: one_thread, as
+    the torchrun workers have: the convolutions sum in the same order), figures undrawn."""
+    with figures_undrawn():
+        assert load_tool("eval_seg").main(list(argv)) == 0
 
 
 def test_eval_seg_under_torchrun_equals_one_process(single_run):
     tmp, cfg, _ = single_run
     ckpt = str(cfg.run_dir / "checkpoint_best.pt")
     conf = str(cfg.run_dir / "config.yaml")
-    # same thread count as the torchrun workers, so the convolutions sum in the same order
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "tools" / "eval_seg.py"), conf, "--checkpoint",
-                    ckpt, "--out", str(tmp / "one")], check=True, cwd=ROOT,
-                   capture_output=True, env=env)
+    _one_process(conf, "--checkpoint", ckpt, "--out", str(tmp / "one"))
     _torchrun("eval_seg.py", conf, "--checkpoint", ckpt, "--out", str(tmp / "two"))
     one = json.loads((tmp / "one" / "metrics.json").read_text())
     two = json.loads((tmp / "two" / "metrics.json").read_text())
@@ -92,10 +97,7 @@ def test_eval_seg_with_fits_and_a_corruption_under_torchrun_equals_one_process(s
     conf = str(cfg.run_dir / "config.yaml")
     opts = ["--calibrators", "ts", "boundary_ts", "--shift", "fog:1", "--num-maps", "0",
             "--refit-calibrators"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "tools" / "eval_seg.py"), conf, "--checkpoint",
-                    ckpt, "--out", str(tmp / "one_all"), *opts], check=True, cwd=ROOT,
-                   capture_output=True, env=env)
+    _one_process(conf, "--checkpoint", ckpt, "--out", str(tmp / "one_all"), *opts)
     _torchrun("eval_seg.py", conf, "--checkpoint", ckpt, "--out", str(tmp / "two_all"), *opts)
     one = json.loads((tmp / "one_all" / "metrics.json").read_text())
     two = json.loads((tmp / "two_all" / "metrics.json").read_text())
