@@ -10,8 +10,8 @@ import pytest
 
 from cals_seg.training.study import backfill_test_metrics
 
-from .conftest import load_tool
-from .test_pipeline import ROOT, _overrides
+from .conftest import TRAINED_NAME, copy_run, load_tool
+from .test_pipeline import ROOT
 
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
 # checks numbers, messages and which files are written, not how a figure looks.
@@ -22,14 +22,12 @@ def _compare():
     return load_tool("compare")
 
 
-def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
-    # the pipeline's tiny settings, with the smaller network and data of the shared runs
-    # (conftest.tiny_seg_sets) and no confidence maps: the runs are subprocesses that draw
-    sets = [s for s in _overrides(tmp_path, "x", epochs=1)
-            if not s.startswith(("name=", "output_dir=", "loss.params=", "model.params=",
-                                 "data.synthetic=", "eval.num_maps="))]
-    sets += ["data.synthetic={num_train: 12, num_test: 4, image_size: 32}", "eval.num_maps=0",
-             "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
+def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys, trained_run):
+    # the shared runs' tiny settings (conftest.tiny_seg_sets, no confidence maps: the runs are
+    # subprocesses that draw); seed 0 of ce is a copy of the shared one-epoch run, trained with
+    # these settings under the name compare gives it: compare reuses it, and trains the others
+    sets = trained_run.sets
+    copy_run(trained_run.folder, tmp_path / "cmp" / "runs")
     bad = tmp_path / "broken.yaml"
     text = (ROOT / "configs" / "synthetic_deeplabv3.yaml").read_text()
     # a failure no rule can see before training: the run diverges (the rules refuse a bad
@@ -53,9 +51,12 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys):
     for name in ("ece_vs_score.png", "reliability_grid.png", "lambda_curves_cals_alm.png"):
         assert (out / name).stat().st_size > 0
     assert not (out / "lambda_curves_ce.png").exists()
-    run0 = out / "runs" / "synthetic_deeplabv3_ce_seed0"
-    assert (run0 / "checkpoint_best.pt").is_file()  # for eval_seg
-    assert not (run0 / "checkpoint_last.pt").exists()  # finished: no resume point needed
+    run0 = out / "runs" / TRAINED_NAME  # the shared run's copy: reused, never trained again
+    assert "reusing " + str(run0) in capsys.readouterr().out
+    for run in (run0, out / "runs" / "synthetic_deeplabv3_ce_seed1"):
+        assert (run / "checkpoint_best.pt").is_file()  # for eval_seg
+    # a run compare trained is finished: no resume point needed
+    assert not (out / "runs" / "synthetic_deeplabv3_ce_seed1" / "checkpoint_last.pt").exists()
     # a second call reuses the finished runs
     capsys.readouterr()
     compare.main(configs[:2] + ["--out", str(out), "--seeds", "0", "1", "--set", *sets,
