@@ -355,7 +355,7 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys):
 
     from cals_seg.config.schema import load_config
 
-    from .conftest import fake_run, load_tool
+    from .conftest import fake_run, figures_undrawn, load_tool
 
     setup = Path(__file__).resolve().parents[1] / "configs" / "synthetic_deeplabv3.yaml"
     sets = [f"data.root={tmp_path / 'data'}",
@@ -370,7 +370,8 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys):
             "--out", str(tmp_path / "eval"), "--calibrators", *names, "--set", *sets,
             "--save-calibrators-to-run"]  # saved as the run's own fits (--out elsewhere)
     params = ["--calibrator-param", "selective.epochs=1", "dirichlet.max_iter=5"]
-    assert load_tool("eval_seg").main(base + params) == 0
+    with figures_undrawn():  # the numbers and files are checked, not how a figure looks
+        assert load_tool("eval_seg").main(base + params) == 0
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     cals = metrics["calibrators"]
     assert list(cals) == names
@@ -389,7 +390,8 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys):
     assert (tmp_path / "eval" / "reliability_boundary_ts.png").is_file()
     # A second call loads the saved calibrators and gives the same numbers.
     capsys.readouterr()
-    assert load_tool("eval_seg").main(base + params) == 0
+    with figures_undrawn():
+        assert load_tool("eval_seg").main(base + params) == 0
     again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert all(again["calibrator_fits"][n]["loaded"] for n in names)
     assert again["calibrators"] == cals
@@ -397,7 +399,8 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys):
     record = again["calibrator_fits"]["dirichlet"]["fitted_for"]
     assert record["params"]["max_iter"] == 5 and record["split"] == "val"
     # Without the parameters: dirichlet and selective were fitted with others, so refit.
-    assert load_tool("eval_seg").main(base) == 0
+    with figures_undrawn():
+        assert load_tool("eval_seg").main(base) == 0
     third = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert {n: third["calibrator_fits"][n]["loaded"] for n in names} == {
         "ts": True, "boundary_ts": True, "dirichlet": False, "selective": False}
