@@ -28,46 +28,21 @@ from torch import Tensor, nn
 from cals_seg.metrics.distance import int_thresholds
 
 
-def _cat_zeros(x: Tensor, dim: int, before: int, after: int) -> Tensor:
-    """``x`` with ``before`` / ``after`` slices of zeros (False) added along ``dim``; a
-    concatenation, so that the other sizes stay symbolic."""
-    parts = []
-    for count in (before, after):
-        if count:
-            shape = list(x.shape)
-            shape[dim] = count
-            parts.append(x.new_zeros(shape))
-        else:
-            parts.append(None)
-    return torch.cat([p for p in (parts[0], x, parts[1]) if p is not None], dim=dim)
-
-
 def graph_boundary(label: Tensor) -> Tensor:
     """Pixels with at least one of their 8 neighbours inside the image of another label: the
-    rule of :func:`cals_seg.metrics.distance.boundary_mask` (no void), written without
-    in-place writes into slices.
+    rule of :func:`cals_seg.metrics.distance.boundary_mask` (no void), as the 3 x 3 maximum and
+    minimum of the labels (max pooling, whose padding is never the maximum) differing: the
+    window around a pixel holds two labels exactly when one of its neighbours has another
+    label than its own. Four operations whatever the image (no slice or in-place write).
 
     Shape:
-        - label: ``(N, H, W)`` integer; returns ``(N, H, W)`` bool.
+        - label: ``(N, H, W)`` integer (class indices below ``2^24``, exact in float32);
+          returns ``(N, H, W)`` bool.
     """
-    out = None
-    # (differences of the pairs, padding of the first pixel, padding of the second): each pair
-    # marks both of its pixels, as boundary_mask does.
-    vertical = label[:, 1:, :] != label[:, :-1, :]
-    horizontal = label[:, :, 1:] != label[:, :, :-1]
-    diagonal = label[:, 1:, 1:] != label[:, :-1, :-1]
-    anti = label[:, 1:, :-1] != label[:, :-1, 1:]
-    placed = [
-        _cat_zeros(vertical, 1, 1, 0), _cat_zeros(vertical, 1, 0, 1),
-        _cat_zeros(horizontal, 2, 1, 0), _cat_zeros(horizontal, 2, 0, 1),
-        _cat_zeros(_cat_zeros(diagonal, 1, 1, 0), 2, 1, 0),
-        _cat_zeros(_cat_zeros(diagonal, 1, 0, 1), 2, 0, 1),
-        _cat_zeros(_cat_zeros(anti, 1, 1, 0), 2, 0, 1),
-        _cat_zeros(_cat_zeros(anti, 1, 0, 1), 2, 1, 0),
-    ]
-    for mark in placed:
-        out = mark if out is None else out | mark
-    return out
+    x = label.unsqueeze(1).to(torch.float32)
+    high = torch.nn.functional.max_pool2d(x, 3, stride=1, padding=1)
+    low = -torch.nn.functional.max_pool2d(-x, 3, stride=1, padding=1)
+    return (high != low).squeeze(1)
 
 
 def _shifted(x: Tensor, dim: int, step: int, fill: int) -> tuple[Tensor, Tensor]:
