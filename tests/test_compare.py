@@ -10,12 +10,20 @@ import pytest
 
 from cals_seg.training.study import backfill_test_metrics
 
+from ._undrawn import children_undrawn
 from .conftest import TRAINED_NAME, copy_run, load_tool
 from .test_pipeline import ROOT
 
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
 # checks numbers, messages and which files are written, not how a figure looks.
-pytestmark = pytest.mark.usefixtures("undrawn_figures")
+# So are the figures of the runs compare trains in subprocesses (tests/_undrawn).
+pytestmark = pytest.mark.usefixtures("undrawn_figures", "undrawn_children")
+
+
+@pytest.fixture(scope="module")
+def undrawn_children():
+    with children_undrawn():
+        yield
 
 
 def _compare():
