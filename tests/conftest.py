@@ -386,3 +386,28 @@ def text_run(tmp_path_factory) -> Path:
     """:func:`tiny_cls_run` of the embedded topic corpus (read only: copy_run it to write into
     it)."""
     return tiny_cls_run(tmp_path_factory.mktemp("text"), "synthetic_text")
+
+
+@pytest.fixture(scope="session")
+def fitted_calibrators(tmp_path_factory) -> Path:
+    """tests/test_export_calibrators.py's run with every registered calibrator fitted
+    (:func:`~tests.test_export_calibrators.fitted_run`; read only: a test that changes it works
+    on a :func:`copy_run`), built once for the two files that export it: under pytest-xdist the
+    first worker that asks builds it in the session's common temporary folder, the others wait
+    for it and read it."""
+    import shutil
+
+    from filelock import FileLock  # a dependency of torch
+
+    from .test_export_calibrators import fitted_run
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return fitted_run(tmp_path_factory.mktemp("fitted_calibrators"))
+    root = tmp_path_factory.getbasetemp().parent / "fitted_calibrators"
+    with FileLock(f"{root}.lock"):
+        if not (root / "built").is_file():
+            shutil.rmtree(root, ignore_errors=True)  # a worker that failed half-way
+            root.mkdir()
+            fitted_run(root)
+            (root / "built").write_text("")
+    return root / "run"

@@ -5,7 +5,7 @@ the registry (a calibrator registered later is tested without an edit here): the
 every calibrator here; ONNX for every calibrator's own program and, through the whole network,
 in the slow run (one in make test), the boundary bands inside the program and the conformal
 sets after a calibrator in tests/test_export_calibrator_programs.py (the second half, for the
-test workers' balance), on the run built here (:func:`fitted_run`).
+test workers' balance), on the run built here (:func:`fitted_run`, once for both files).
 """
 
 from __future__ import annotations
@@ -125,9 +125,11 @@ def fitted_run(tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    """:func:`fitted_run` (the conformal test fits into it)."""
-    return fitted_run(tmp_path_factory.mktemp("export_calibrators"))
+def run(fitted_calibrators) -> Path:
+    """:func:`fitted_run`, built once for this file and
+    tests/test_export_calibrator_programs.py (tests/conftest.py: ``fitted_calibrators``; read
+    only)."""
+    return fitted_calibrators
 
 
 def _predictor(run: Path, name: str | None, tmp_path: Path):
