@@ -33,7 +33,8 @@ def graph_boundary(label: Tensor) -> Tensor:
     rule of :func:`cals_seg.metrics.distance.boundary_mask` (no void), as the 3 x 3 maximum and
     minimum of the labels (max pooling, whose padding is never the maximum) differing: the
     window around a pixel holds two labels exactly when one of its neighbours has another
-    label than its own. Four operations whatever the image (no slice or in-place write).
+    label than its own. Two poolings and a comparison whatever the image (no slice, no
+    in-place write).
 
     Shape:
         - label: ``(N, H, W)`` integer (class indices below ``2^24``, exact in float32);
