@@ -722,3 +722,25 @@ def test_check_data_reports_an_id_that_leaves_the_root(form, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 1 and "train.txt' line 2" in err and "\n" not in err, err
     assert tree_sum(tmp_path) == before
+
+
+@pytest.mark.parametrize("tool, fixture", [("eval_seg", "untrained_run"), ("eval_cls", "cls_run")])
+def test_an_evaluation_called_in_process_leaves_the_run_unlocked(tool, fixture, request,
+                                                                 tmp_path):
+    """main() of an evaluation that writes into the run holds the run's lock while it works and
+    drops it when it returns: a process that goes on (a test, a notebook) does not keep the run
+    locked against every other process (the lock file is free to a new open file at once)."""
+    import fcntl
+
+    from .conftest import copy_run, load_tool
+
+    run = copy_run(request.getfixturevalue(fixture), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_tool(tool).main([str(run), "--calibrators", "ts"]) == 0
+    assert run.resolve() not in RunLock._held
+    fd = os.open(run / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError when held
+    finally:
+        os.close(fd)

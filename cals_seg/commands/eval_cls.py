@@ -173,19 +173,23 @@ def _main(args: argparse.Namespace) -> int:
         if plan.conformal:
             check_conformal(plan.conformal)
         out = output_folder(run, args)
-        lock = claim_outputs(run, plan, out, bool(args.out))  # noqa: F841 (held)
+        lock = claim_outputs(run, plan, out, bool(args.out))
     except USER_ERRORS as err:
         return report(err)
     from cals_seg.evaluation.evaluator import Evaluator
     from cals_seg.utils.distributed import is_main_process
 
-    result = Evaluator(run, plan).run()
-    if not is_main_process():
-        return 0
-    write_evaluation(run, plan, result.metrics, out)
-    if result.advice:  # under-confident, and no post-hoc calibrator fitted: the one line
-        print(result.advice, flush=True)
-    return 1 if result.skipped else 0
+    try:
+        result = Evaluator(run, plan).run()
+        if not is_main_process():
+            return 0
+        write_evaluation(run, plan, result.metrics, out)
+        if result.advice:  # under-confident, and no post-hoc calibrator fitted: the one line
+            print(result.advice, flush=True)
+        return 1 if result.skipped else 0
+    finally:  # main called in a process that goes on (a test, a notebook): not held after
+        if lock is not None:
+            lock.release()
 
 
 def output_folder(run: Any, args: argparse.Namespace) -> Path:
