@@ -181,3 +181,42 @@ def test_conformal_sets_after_a_calibrator_are_predict_seg_s(run, tmp_path, caps
         assert (probs - want_probs).abs().max() <= 1e-5
         want_sets = np.load(pred / f"{path.stem}_sets.npz")["sets"]
         assert np.array_equal(sets[0].numpy(), want_sets)
+
+
+def _brute_squared_distance(boundary: torch.Tensor, limit: int) -> torch.Tensor:
+    """min(D, limit) by loops: every pixel against every boundary pixel of its image."""
+    n, h, w = boundary.shape
+    out = torch.full((n, h, w), limit, dtype=torch.int64)
+    for i in range(n):
+        points = boundary[i].nonzero().tolist()
+        for y in range(h):
+            for x in range(w):
+                for by, bx in points:
+                    out[i, y, x] = min(int(out[i, y, x]), (y - by) ** 2 + (x - bx) ** 2)
+    return out
+
+
+def test_the_programs_distance_and_boundary_equal_loops_and_the_library():
+    """graph_squared_distance (doubling steps along the height) equals the capped squared
+    Euclidean distance by loops and capped_squared_distance, and graph_boundary (3 x 3 max /
+    min pooling) equals boundary_mask, on generated maps: every limit from 1 to 40 and some
+    larger, sides from 1, boundary densities from none to all."""
+    from cals_seg.calibrators._export import graph_boundary, graph_squared_distance
+    from cals_seg.metrics.distance import boundary_mask, capped_squared_distance
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 1, 1), (1, 1, 9), (2, 7, 1), (1, 6, 13), (2, 11, 8), (1, 17, 17)]
+    for trial in range(60):
+        n, h, w = shapes[trial % len(shapes)]
+        density = (0.0, 0.02, 0.1, 0.5, 1.0)[trial % 5]
+        boundary = torch.rand((n, h, w), generator=g) < density
+        for limit in [*range(1, 41, 1 + trial % 3), 100, 1000]:
+            got = graph_squared_distance(boundary, limit)
+            assert torch.equal(got.long(), capped_squared_distance(boundary, limit).long())
+            if limit in (1, 2, 5, 17, 40, 100) and h * w <= 200:
+                assert torch.equal(got.long(), _brute_squared_distance(boundary, limit)), \
+                    (trial, limit)
+        label = torch.randint(0, 1 + trial % 4, (n, h, w), generator=g)
+        label = F.interpolate(label[:, None].float(), scale_factor=1 + trial % 3,
+                              mode="nearest")[:, 0].long()
+        assert torch.equal(graph_boundary(label), boundary_mask(label)), trial
