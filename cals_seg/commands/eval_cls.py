@@ -58,7 +58,6 @@ from cals_seg.commands._cli import (
 from cals_seg.commands.eval_seg import calibrator_name
 from cals_seg.config.rules import check_folder
 from cals_seg.errors import UserError
-from cals_seg.evaluation.conformal_eval import CLASSIFICATION_COLUMNS, conformal_table
 from cals_seg.evaluation.evaluator import (  # noqa: F401 (the commands' names)
     MODES,
     check_conformal,
@@ -291,6 +290,8 @@ def write_evaluation(run: Any, plan: Any, result: dict[str, Any], out: Path) -> 
                                             + table)
         print(table)
     if result.get("conformal"):
+        from cals_seg.evaluation.conformal_eval import CLASSIFICATION_COLUMNS, conformal_table
+
         table = conformal_table(result["conformal"], CLASSIFICATION_COLUMNS)
         (out / "conformal.md").write_text(f"{title}: conformal sets (docs/conformal.md).\n\n"
                                           + table)
