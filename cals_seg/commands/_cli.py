@@ -221,9 +221,9 @@ def training_parser(doc: str | None) -> argparse.ArgumentParser:
 def run_config(args: argparse.Namespace) -> Config:
     """The config of a training command: the given file, or, with ``--resume``, the run's own
     resolved ``config.yaml``; ``--set`` overrides on top."""
-    from cals_seg.runs.run import Run
-
     if args.resume:
+        from cals_seg.runs.run import Run
+
         if args.config is not None:  # the older form CONFIG --resume RUN_DIR: still validated
             load_config(args.config, args.set, args.method)
         run = Run(args.resume)
@@ -315,15 +315,15 @@ def train_command(
 
     def main(argv: list[str] | None = None) -> int:
         args = training_parser(doc).parse_args(argv)
-        from cals_seg.tasks import build_task
-        from cals_seg.training.engine import seed_everything
-        from cals_seg.training.trainer import fit
-        from cals_seg.utils.distributed import is_main_process
-
         cfg = None
         try:
             cfg = run_config(args)
             check_config(cfg, reads_data=True, writes_run=True)  # all keys, before any work
+            # torch, the models and the data only now: a config refused above is said at once
+            from cals_seg.tasks import build_task
+            from cals_seg.training.engine import seed_everything
+            from cals_seg.training.trainer import fit
+
             seed_everything(cfg.train.seed)  # the model's initialisation depends on it
             task = build_task(cfg, family)
             test = fit(cfg, task, resume=args.resume)
@@ -335,6 +335,8 @@ def train_command(
                                          cfg.train.epochs if cfg is not None else None))
         except KeyboardInterrupt:
             return interrupted(args.resume or (cfg.run_dir if cfg is not None else None))
+        from cals_seg.utils.distributed import is_main_process
+
         if not is_main_process():
             return 0
         metric = task.score_metric
@@ -363,10 +365,11 @@ def after_training(err: UserError, run_dir: str | os.PathLike | None,
     met after a checkpoint was written: ``--resume`` runs only the test when every epoch is
     trained (a bad mask of the test split, found after the training), else continues."""
     from cals_seg.errors import DataError
-    from cals_seg.runs.run import Run
 
     if run_dir is None or not isinstance(err, DataError):
         return err
+    from cals_seg.runs.run import Run
+
     run = Run(run_dir)
     if not run.last.is_file() or run.finished():
         return err
