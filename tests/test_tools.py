@@ -34,6 +34,23 @@ def test_help_answers_without_importing_torch(name):
     assert "usage:" in result.stdout
 
 
+
+@pytest.mark.parametrize("tool, config", [("train_seg", "synthetic_deeplabv3"),
+                                          ("train_cls", "synthetic_cls")])
+@pytest.mark.parametrize("item", ["loss.params={oops", "train.bogus_key=1", "name=[1, 2"])
+def test_a_refused_set_answers_without_importing_torch(tool, config, item):
+    """A --set that the config refuses is said (one line, exit status 2) before torch, the
+    models and the data are imported."""
+    code = (f"import sys; from cals_seg.commands.{tool} import main\n"
+            f"code = main(['configs/{config}.yaml', '--set', {item!r}])\n"
+            "assert code == 2, code\n"
+            "assert 'torch' not in sys.modules, 'torch imported for a refused config'\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
+        result.stderr
+
 def test_nothing_edits_sys_path():
     for folder in ("tools", "tests", "cals_seg", "benchmarks", "examples"):
         for path in (ROOT / folder).rglob("*.py"):
