@@ -122,5 +122,5 @@ def test_the_convolution_without_the_padded_copy_equals_the_padded_one():
         grad = torch.randn(want.shape, dtype=torch.float64, generator=g)
         want_g = torch.autograd.grad((want * grad).sum(), (x, weight))
         got_g = torch.autograd.grad((got * grad).sum(), (x, weight))
-        for a, b in zip(got_g, want_g):
+        for a, b in zip(got_g, want_g, strict=True):
             assert (a - b).abs().max() < 1e-10, trial
