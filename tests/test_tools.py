@@ -58,3 +58,29 @@ def test_nothing_edits_sys_path():
                 continue
             text = path.read_text()
             assert "sys.path.insert" not in text and "sys.path.append" not in text, path
+
+
+def test_missing_prediction_inputs_are_named_and_counted(tmp_path):
+    """check_inputs_exist (predict_seg, predict_cls): the first missing input named, the others
+    counted, on every mix of existing files, folders, dangling links and missing paths."""
+    import itertools
+
+    from cals_seg.commands._cli import check_inputs_exist
+    from cals_seg.errors import MissingPathError
+
+    (tmp_path / "a.png").write_bytes(b"x")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")  # exists as a link: the reader says
+    present = [str(tmp_path / "a.png"), str(tmp_path / "folder"), str(tmp_path / "dangling")]
+    absent = [str(tmp_path / f"missing{i}.png") for i in range(3)]
+    for n in range(1, 5):
+        for items in itertools.permutations(present + absent, n):
+            missing = [i for i in items if i in absent]
+            if not missing:
+                check_inputs_exist(list(items))
+                continue
+            with pytest.raises(MissingPathError) as err:
+                check_inputs_exist(list(items))
+            more = f" (nor {len(missing) - 1} more inputs)" if len(missing) > 1 else ""
+            assert str(err.value) == (f"{missing[0]} does not exist{more}; check the path. "
+                                      "Nothing was written.")

@@ -247,6 +247,20 @@ def run_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, args.set, args.method)
 
 
+
+def check_inputs_exist(inputs: Sequence[str]) -> None:
+    """Refuse the first of the prediction inputs that does not exist (counting the others),
+    before anything is created.
+
+    Raises:
+        MissingPathError: one line naming the path.
+    """
+    missing = [item for item in inputs if not os.path.lexists(item)]
+    if missing:
+        more = f" (nor {len(missing) - 1} more inputs)" if len(missing) > 1 else ""
+        raise MissingPathError(f"{missing[0]} does not exist{more}; check the path. Nothing "
+                               "was written.")
+
 def one_line(err: BaseException) -> str:
     """The message of ``err`` on one line. An error raised in a DataLoader worker comes back
     with the worker's traceback inside its message (``Caught DataError in DataLoader worker

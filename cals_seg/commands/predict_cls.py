@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -58,6 +57,7 @@ from cals_seg.commands._cli import (
     USER_ERRORS,
     add_set_argument,
     add_trust_argument,
+    check_inputs_exist,
     report,
     run_folder_command,
 )
@@ -273,12 +273,7 @@ def image_inputs(run: Any) -> Any:
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        missing = [item for item in args.inputs if not os.path.lexists(item)]
-        if missing:
-            raise MissingPathError(f"{missing[0]} does not exist"
-                                   + (f" (nor {len(missing) - 1} more inputs)" if len(missing) > 1
-                                      else "")
-                                   + "; check the path. Nothing was written.")
+        check_inputs_exist(args.inputs)  # a mistyped path: said before anything is created
         check_folder("--out", args.out, must_exist=False, writable=True)
         out_folder = OutputFolder(args.out, "predict_cls", inputs=args.inputs)
         spec = None

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
@@ -63,6 +62,7 @@ from cals_seg.commands._cli import (
     add_protocol_arguments,
     add_set_argument,
     add_trust_argument,
+    check_inputs_exist,
     protocol_overrides,
     report,
     run_folder_command,
@@ -70,7 +70,7 @@ from cals_seg.commands._cli import (
 from cals_seg.commands._shift import entropy_reference
 from cals_seg.commands.eval_seg import calibrator_name
 from cals_seg.config.rules import check_folder
-from cals_seg.errors import MissingPathError, UserError
+from cals_seg.errors import UserError
 from cals_seg.utils.paths import OutputFolder, os_error
 
 
@@ -155,12 +155,7 @@ def _main(args: argparse.Namespace) -> int:
     )
 
     try:
-        missing = [item for item in args.inputs if not os.path.lexists(item)]
-        if missing:  # a mistyped path: said before anything is created
-            raise MissingPathError(f"{missing[0]} does not exist"
-                                   + (f" (nor {len(missing) - 1} more inputs)" if len(missing) > 1
-                                      else "")
-                                   + "; check the path. Nothing was written.")
+        check_inputs_exist(args.inputs)  # a mistyped path: said before anything is created
         check_folder("--out", args.out, must_exist=False, writable=True)
         # never into (or around) the inputs; never over a file predict_seg did not write
         out_folder = OutputFolder(args.out, "predict_seg", inputs=args.inputs)
