@@ -32,7 +32,11 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world: int = 2, *args: Any) -> None:
+def run_distributed(fn: Callable[..., Any], world: int = 2, *args: Any,
+                    start_method: str = "spawn") -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; raises if any fails.
-    ``fn`` must be a module-level function (it is pickled)."""
-    mp.spawn(_worker, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    ``fn`` must be a module-level function (it is pickled). ``start_method="fork"``: the
+    processes are forks of this one (no fresh interpreter importing torch and the test module,
+    seconds each) for a check of what the processes compute together, not of how they start."""
+    mp.start_processes(_worker, args=(world, _free_port(), fn, args), nprocs=world, join=True,
+                       start_method=start_method)

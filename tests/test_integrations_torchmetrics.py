@@ -116,7 +116,7 @@ def _rank_fn(rank: int, world: int, want: dict) -> None:
 
 def test_wrappers_under_two_processes():
     logits, target = _data(5)
-    run_distributed(_rank_fn, 2, _reference(logits, target))
+    run_distributed(_rank_fn, 2, _reference(logits, target), start_method="fork")
 
 
 def test_missing_torchmetrics_gives_the_install_command(monkeypatch):

@@ -61,4 +61,4 @@ def _one_process(extra: int) -> dict:
 def test_two_gloo_ranks_equal_one_process():
     expected, expected_more = _one_process(0), _one_process(2)
     assert expected["cal"]["num_images"] == 5  # the void image is skipped
-    run_distributed(_rank_fn, 2, expected, expected_more)
+    run_distributed(_rank_fn, 2, expected, expected_more, start_method="fork")
