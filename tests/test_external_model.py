@@ -172,7 +172,7 @@ def upsample(logits: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     False, pytest.param(True, marks=pytest.mark.slow)], ids=["pipeline", "with-pt2-export"])
 def test_torchvision_deeplabv3(tmp_path, data_root, capsys, pt2):
     """torchvision's dict output ({"out": ..., "aux": ...}) read without user code (its pt2
-    export in the slow run; make test exports the smp and own-factory networks)."""
+    export in the slow run; make test exports the own-factory network)."""
     from torchvision.models.segmentation import deeplabv3_mobilenet_v3_large
 
     torch.manual_seed(0)
@@ -185,9 +185,13 @@ def test_torchvision_deeplabv3(tmp_path, data_root, capsys, pt2):
     run_pipeline(tmp_path, config, lambda x: net(x)["out"], capsys, pt2)
 
 
-def test_smp_unet_wrapped_weights_and_own_normalisation(tmp_path, data_root, capsys):
+@pytest.mark.parametrize("pt2", [
+    False, pytest.param(True, marks=pytest.mark.slow)], ids=["pipeline", "with-pt2-export"])
+def test_smp_unet_wrapped_weights_and_own_normalisation(tmp_path, data_root, capsys, pt2):
     """An smp Unet saved as {"state_dict": {"module.<key>": ...}} (DataParallel in a training
-    checkpoint), read with model.key_map, and its own input statistics."""
+    checkpoint), read with model.key_map, and its own input statistics (its pt2 export in the
+    slow run, 7 s of torch.export and torch.export.load; make test exports the own-factory
+    network, with its own input statistics too)."""
     import segmentation_models_pytorch as smp
 
     torch.manual_seed(0)
@@ -201,22 +205,25 @@ def test_smp_unet_wrapped_weights_and_own_normalisation(tmp_path, data_root, cap
         "params": {"encoder_depth": 3, "decoder_channels": [32, 16, 8]},
         "weights": str(tmp_path / "unet.pth"), "key_map": {"module.": ""},
         "mean": mean, "std": std})
-    run = run_pipeline(tmp_path, config, lambda x: net(own_input(x, mean, std)), capsys)
+    run = run_pipeline(tmp_path, config, lambda x: net(own_input(x, mean, std)), capsys, pt2)
     # Padded as the toolkit pads its own smp models (smp's Unet takes any size: no padding).
     assert load_run(run).model.input_multiple == input_multiple(net)
 
 
 def test_own_factory_smaller_output_is_upsampled(tmp_path, data_root, capsys):
     """A factory of one's own whose logits are 1/4 of the input, in a dict read by
-    model.output_key: upsampled bilinearly to the input's size."""
+    model.output_key: upsampled bilinearly to the input's size; with its own input statistics
+    (as the smp Unet above), which its pt2 export applies too."""
     torch.manual_seed(0)
     net = TinyNet(stride=4, output="dict").eval()
     torch.save(net.state_dict(), tmp_path / "tiny.pt")
+    mean, std = [0.4, 0.5, 0.6], [0.2, 0.25, 0.3]
     config = write_config(tmp_path, data_root, {
         "factory": "tests.test_external_model:tiny_net",
         "params": {"stride": 4, "output": "dict"}, "output_key": "seg", "output_stride": 4,
-        "weights": str(tmp_path / "tiny.pt")})
-    run_pipeline(tmp_path, config, lambda x: upsample(net(x)["seg"], x), capsys)
+        "weights": str(tmp_path / "tiny.pt"), "mean": mean, "std": std})
+    run_pipeline(tmp_path, config, lambda x: upsample(net(own_input(x, mean, std))["seg"], x),
+                 capsys)
 
 
 def test_transformers_segformer(tmp_path, data_root, capsys):
