@@ -29,8 +29,12 @@ def test_image_run_calibrators_sets_and_diagrams(cls_run, tmp_path, capsys):
     per class, threshold and calibration inputs; the uncalibrated numbers are the training's
     test pass, and the sets' numbers those of the saved fit applied by a plain loop."""
     out = tmp_path / "eval"
+    # vector and dirichlet with 10 L-BFGS iterations (of 100; each a pass over validation): their
+    # numbers are checked for their keys and files here, their fits in test_calibrators.py
     code, stdout, err = run_eval([cls_run, "--calibrators", "ts", "vector", "dirichlet",
-                                  "--conformal", "alpha=0.1", "score=aps", "--out", out], capsys)
+                                  "--calibrator-param", "vector.max_iter=10",
+                                  "dirichlet.max_iter=10", "--conformal", "alpha=0.1",
+                                  "score=aps", "--out", out], capsys)
     assert code == 0, err
     m = json.loads((out / "metrics.json").read_text())
     assert m["family"] == "classification" and m["split"] == "test"

@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"
 
 
-def _overrides(tmp: Path, name: str, epochs: int = 2) -> list[str]:
+def _overrides(tmp: Path, name: str, epochs: int = 2, num_train: int = 20) -> list[str]:
     return [
         f"name={name}", f"output_dir={tmp / 'runs'}", f"data.root={tmp / 'data'}",
-        "data.synthetic={num_train: 20, num_test: 6, image_size: 32}", "data.crop_size=32",
+        f"data.synthetic={{num_train: {num_train}, num_test: 6, image_size: 32}}",
+        "data.crop_size=32",
         f"train.epochs={epochs}", "train.batch_size=4", "eval.batch_size=4", "train.progress=false",
         "train.threads=1", "eval.num_maps=2",
         "loss.params={margin: auto, margin_init: 3.0}",  # the auto margin, resumed too
@@ -34,8 +35,9 @@ def _overrides(tmp: Path, name: str, epochs: int = 2) -> list[str]:
     ]
 
 
-def _run(tmp: Path, name: str, epochs: int = 2, resume: Path | None = None):
-    cfg = load_config(CONFIG, _overrides(tmp, name, epochs))
+def _run(tmp: Path, name: str, epochs: int = 2, resume: Path | None = None,
+         num_train: int = 20):
+    cfg = load_config(CONFIG, _overrides(tmp, name, epochs, num_train))
     seed_everything(cfg.train.seed)
     return cfg, fit(cfg, build_task(cfg), resume=resume)
 
@@ -204,7 +206,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(straight, tmp_path, monke
 
     monkeypatch.setattr(trainer_mod, "train_one_epoch", nan_on_second_epoch)
     with pytest.raises(NonFiniteLossError):
-        _run(tmp_path, "nan")
+        _run(tmp_path, "nan", num_train=8)  # one epoch and a checkpoint: 8 images will do
     ckpt = load_checkpoint(tmp_path / "runs" / "nan" / "checkpoint_last.pt")
     assert ckpt["epoch"] == 0 and all(torch.isfinite(v).all() for v in ckpt["model"].values()
                                       if v.is_floating_point())
