@@ -59,7 +59,7 @@ def _finite(x: Any) -> bool:
 
 
 def _colours(value: Any) -> bool:
-    from cals_seg.data.folder import is_colour  # the colour rule of the colour table itself
+    from cals_seg.data.colours import is_colour  # the colour table's own rule; no torch
 
     return all(is_colour(c) for c in value)
 

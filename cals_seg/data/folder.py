@@ -22,10 +22,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from cals_seg.data.colours import is_colour
 from cals_seg.data.paired import (
     IMAGE_SUFFIXES,
     MASK_SUFFIXES,
@@ -47,14 +47,6 @@ SPLIT_NAMES: dict[str, tuple[str, ...]] = {
     "test": ("test", "testing"),
 }
 UNKNOWN_COLOURS = ("error", "void")
-
-
-def is_colour(value: Any) -> bool:
-    """The colour rule (of ``data.palette`` and ``data.void_colours`` too): ``[r, g, b]``,
-    three integers in ``[0, 255]``."""
-    return (isinstance(value, list | tuple) and len(value) == 3
-            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255
-                    for v in value))
 
 
 class ColourTable:
