@@ -359,11 +359,36 @@ def tools(family: str, key: str, value: str, everything: bool, tmp: Path) -> lis
     return TOOLS[family][:1] + (others if pick else [])
 
 
+def _built_once(create: Any) -> Any:
+    """``create`` (``smp.create_model`` / ``timm.create_model``) building each network with
+    random weights once: a later call with the same arguments gets a copy of it (a case whose
+    value reaches the network builds it through the same call; an error is raised each time).
+    Building a network is most of the cost of a case that reaches the work."""
+    import copy
+
+    built: dict[str, Any] = {}
+
+    def create_once(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("pretrained") or kwargs.get("encoder_weights") is not None:
+            return create(*args, **kwargs)
+        key = repr((args, sorted(kwargs.items())))
+        if key not in built:
+            built[key] = create(*args, **kwargs)
+        return copy.deepcopy(built[key])
+
+    return create_once
+
+
 def _fuzz(env, monkeypatch, after_work: bool, families=tuple(BASE)) -> tuple[int, list[str]]:
     count, failures, index = 0, [], 0
     start = time.perf_counter()
     seconds: dict[str, float] = {}
     monkeypatch.chdir(env["tmp"])  # relative paths among the values land in the test's folder
+    import segmentation_models_pytorch as smp
+    import timm
+
+    monkeypatch.setattr(smp, "create_model", _built_once(smp.create_model))
+    monkeypatch.setattr(timm, "create_model", _built_once(timm.create_model))
     for family, key, loss, value in cases(env["tmp"]):
         if family not in families:
             continue
@@ -425,3 +450,19 @@ def test_every_config_key_has_a_rule_and_every_setup_key_is_fuzzed():
     fuzzed = {key for _, key in setup_keys()}
     assert len(fuzzed) >= 60 and {"train.epochs", "data.root", "loss.params.margin"} <= fuzzed
 
+
+
+def test_a_value_the_rule_table_refuses_answers_without_importing_torch():
+    """A range rule (``train.epochs=0``) is said (one line, exit status 2) before torch is
+    imported: the colour rule of the table lives in :mod:`cals_seg.data.colours`, not with the
+    datasets."""
+    code = ("import sys; from cals_seg.commands.train_seg import main\n"
+            "code = main(['configs/synthetic_deeplabv3.yaml', '--method', 'ce', '--set', "
+            "'train.epochs=0'])\n"
+            "assert code == 2, code\n"
+            "assert 'torch' not in sys.modules, 'torch imported for a refused config'\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("error: train.epochs: ") \
+        and result.stderr.count("\n") == 1, result.stderr
