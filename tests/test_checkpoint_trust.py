@@ -34,17 +34,38 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def _poisoned_copy(trained_run, where: Path) -> tuple[Path, Path]:
+@pytest.fixture(scope="module")
+def poisoned(trained_run, tmp_path_factory) -> tuple[Path, Path]:
     """A copy of the session's finished run (1 epoch of CE named as tools/compare.py names seed
     0, checkpoint_last.pt kept) whose two checkpoints would run code; and the marker file that
-    code creates."""
+    code creates. Written once (two 137 MB checkpoints): each test reads a copy of it."""
     run = trained_run.folder
+    where = tmp_path_factory.mktemp("poisoned") / RUN_NAME
     copy_run(run, where.parent, where.name)
     marker = where.parent / f"{where.name}_MARKER"
     for name in ("checkpoint_best.pt", "checkpoint_last.pt"):
         state = torch.load(run / name, weights_only=True)
         state["extra"] = Payload(marker)
         torch.save(state, where / name)
+    return where, marker
+
+
+def _link_big(src: str, dst: str) -> str:
+    """Hard-link the checkpoints (every command here refuses them before writing anything, and
+    a writer replaces a checkpoint, never rewrites it in place), copy the rest."""
+    if os.path.getsize(src) >= 2**20:
+        os.link(src, dst)
+        return dst
+    return shutil.copy2(src, dst)
+
+
+def _poisoned_copy(poisoned: tuple[Path, Path], where: Path) -> tuple[Path, Path]:
+    """A copy of the :func:`poisoned` run at ``where``, and the marker file its code would
+    create (none exists before)."""
+    run, marker = poisoned
+    assert not marker.exists(), "the checkpoint's code ran in an earlier test"
+    where.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(run, where, copy_function=_link_big)
     return where, marker
 
 
@@ -81,9 +102,10 @@ COMMANDS = ["predict_seg", "eval_seg", "train_seg --resume", "margin gaps", "com
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_a_checkpoint_that_would_run_code_is_refused(command, trained_run, tmp_path, capsys):
+def test_a_checkpoint_that_would_run_code_is_refused(command, trained_run, poisoned, tmp_path,
+                                                    capsys):
     where = tmp_path / "out" / "runs" / RUN_NAME
-    run, marker = _poisoned_copy(trained_run, where)
+    run, marker = _poisoned_copy(poisoned, where)
     tool, argv = _argv(command, run, tmp_path, trained_run.sets)
     capsys.readouterr()
     with warnings.catch_warnings():
@@ -98,8 +120,8 @@ def test_a_checkpoint_that_would_run_code_is_refused(command, trained_run, tmp_p
     assert f"{RUN_NAME}/checkpoint_" in last
 
 
-def test_library_load_refuses_it_too(trained_run, tmp_path):
-    run, marker = _poisoned_copy(trained_run, tmp_path / "lib")
+def test_library_load_refuses_it_too(poisoned, tmp_path):
+    run, marker = _poisoned_copy(poisoned, tmp_path / "lib")
     with pytest.raises(UntrustedCheckpointError, match=r"os\.system|posix\.system"):
         load_checkpoint(run / "checkpoint_best.pt")
     assert not marker.exists()
