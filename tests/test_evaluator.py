@@ -70,9 +70,12 @@ def _eval(args: list) -> dict:
 
 def test_the_config_keys_and_the_flags_are_one_plan(run, tmp_path):
     common = [run, "--num-maps", "0"]
+    # vector on 10 L-BFGS iterations (of 100): the two plans are compared, not the fit
     flags = _eval([*common, "--out", tmp_path / "flags", "--calibrators", "ts", "vector",
+                   "--calibrator-param", "vector.max_iter=10",
                    "--conformal", "alpha=0.3", "mode=risk,class", "--shift", "fog:1"])
     keys = _eval([*common, "--out", tmp_path / "keys", "--set", "eval.calibrators=[ts, vector]",
+                  "eval.calibrator_params={vector: {max_iter: 10}}",
                   "eval.conformal={alpha: 0.3, mode: [risk, class]}", "eval.shift=[fog:1]"])
     assert not _close(flags, keys), _close(flags, keys)[:5]
     assert flags["plan"] == keys["plan"]
@@ -119,7 +122,8 @@ def test_the_evaluator_equals_the_engine_by_hand(run, tmp_path):
 
 def test_a_folder_holds_one_evaluation(run, tmp_path):
     out = tmp_path / "out"
-    first = _eval([run, "--out", out, "--calibrators", "ts", "vector", "--num-maps", "2"])
+    first = _eval([run, "--out", out, "--calibrators", "ts", "vector", "--num-maps", "2",
+                   "--calibrator-param", "vector.max_iter=10"])
     assert (out / "reliability_vector.png").is_file() and (out / "maps").is_dir()
     assert first["plan"]["calibrators"] == ["ts", "vector"]
     fits = sorted(p.name for p in (out / "calibrators").glob("*.pt"))
@@ -166,7 +170,7 @@ def test_the_final_test_runs_the_configs_plan(tmp_path):
 
     sets = [*tiny_seg_sets(tmp_path / "synthetic"), "model.encoder_name=tu-mobilenetv3_small_050",
             f"output_dir={tmp_path / 'runs'}", "name=planned", "eval.calibrators=[ts, vector]",
-            "eval.conformal={alpha: 0.4}"]
+            "eval.calibrator_params={vector: {max_iter: 10}}", "eval.conformal={alpha: 0.4}"]
     cfg = load_config(SEG_SETUP, sets, "ce")
     seed_everything(0)
     with warnings.catch_warnings():
