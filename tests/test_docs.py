@@ -239,7 +239,8 @@ def workspace(tmp_path_factory) -> Path:
                                        "configs/synthetic_deeplabv3.yaml"])
     assert words == ["python", "tools/train_seg.py", "configs/synthetic_deeplabv3.yaml"]
     # The run's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
-    # checks what the documented commands print and write, tests/test_pipeline.py draws them.
+    # checks what the documented commands print and write; tests/test_pipeline.py and
+    # tests/test_contrib_auto_margin.py draw them.
     with chdir(work), contextlib.redirect_stdout(printed := io.StringIO()), figures_undrawn():
         assert run_tool("train_seg", [*words[2:], "--set", *TINY]) == 0
     (work / "train_output.txt").write_text(printed.getvalue())

@@ -45,7 +45,11 @@ def _run(tmp: Path, name: str, epochs: int = 2, resume: Path | None = None,
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    cfg, test = _run(tmp, "straight")
+    # Its figures are saved undrawn: test_eval_seg_reproduces_test_metrics draws those of the
+    # evaluation (reliability, multipliers, maps, ...) from this run, and
+    # tests/test_contrib_auto_margin.py a training run's curves and margin evidence.
+    with figures_undrawn():
+        cfg, test = _run(tmp, "straight")
     return tmp, cfg, test
 
 
