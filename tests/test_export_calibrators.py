@@ -85,20 +85,26 @@ def fitted_run(tmp: Path) -> Path:
     each of :data:`SIZES`."""
     from cals_seg.calibrators import calibrator_key, save_calibrator
     from cals_seg.config.schema import load_config, save_config
-    from cals_seg.evaluation.inference import normalise, segment_logits
+    from cals_seg.evaluation.inference import input_multiple, normalise, segment_logits
     from cals_seg.runs.run import load_run
 
-    # The setup's ResNet-18 encoder: a fifth fewer seconds per export than a MobileNetV3 (what
-    # torch.export and its loading cost goes with the number of operations, not their size).
+    # timm's ResNet-10-T (one block a stage; random weights: model.encoder_weights stays null)
+    # to its third stage (encoder_depth 4), still of output stride 16: what torch.export, its
+    # saving and its loading cost goes with the number of operations and of symbolic sizes, not
+    # their size (a fifth fewer seconds per export and load than the setup's ResNet-18, which
+    # costs a fifth fewer than a MobileNetV3). These tests check the calibrators inside the
+    # program; tests/test_export.py exports the setup's own network.
     sets = [f"data.root={tmp / 'data'}", "train.amp=auto", "train.threads=1",
             "data.synthetic={num_train: 30, num_test: 2, image_size: 32}",
             "train.progress=false", "eval.num_maps=0", "train.device=cpu",
-            "model.params={encoder_output_stride: 16, decoder_channels: 16}"]
+            "model.encoder_name=tu-resnet10t",
+            "model.params={encoder_output_stride: 16, decoder_channels: 16, encoder_depth: 4}"]
     cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", sets, "ce")
     folder = tmp / "run"
     folder.mkdir()
     save_config(cfg, folder / "config.yaml")
     model = _network(cfg)
+    assert input_multiple(model) == 16  # SIZES are no multiple of it
     torch.save({"model": model.state_dict(), "num_classes": K, "epoch": 0},
                folder / "checkpoint_best.pt")
     (folder / "temperature.json").write_text(json.dumps({"temperature": 1.3}))
