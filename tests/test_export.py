@@ -55,10 +55,20 @@ def _images(shape, seed: int) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def pt2_export(run, tmp_path_factory) -> tuple[Path, dict]:
-    """The run's default .pt2 export (``export_run(RUN, OUT, "pt2")``) and what it returned."""
+def pt2_export(run, tmp_path_factory) -> tuple[Path, dict, str]:
+    """The run's .pt2 export by tools/export.py with ``--calibrator ts`` where eval_seg has not
+    fitted ``calibrators/ts.pt``: the run's own temperature, the program of the default export
+    (``export_run(RUN, OUT, "pt2")``; one export for the tests of both); what it wrote to
+    ``OUT.json`` and what it printed."""
+    import contextlib
+    import io
+
     out = tmp_path_factory.mktemp("pt2") / "model.pt2"
-    return out, export_run(run[0], out, "pt2")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert load_tool("export").main([str(run[0]), "--format", "pt2", "--out", str(out),
+                                         "--calibrator", "ts"]) == 0
+    return out, json.loads(Path(f"{out}.json").read_text()), printed.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +85,9 @@ def onnx_export(run, tmp_path_factory) -> Path:
 
 def test_pt2_program_equals_pytorch(run, pt2_export):
     _, model, temperature = run
-    out, info = pt2_export
+    out, info, _ = pt2_export
     assert info["temperature"] == temperature and info["num_classes"] == 11
-    assert json.loads(Path(f"{out}.json").read_text())["class_names"][0] == "background"
+    assert info["class_names"][0] == "background"
     program = torch.export.load(out).module()
     assert temperature != 1.0
     for i, shape in enumerate(SHAPES):
@@ -125,17 +135,17 @@ def test_tool_exports_logits(run, tmp_path, capsys):
     assert (got - _reference(model, x, None)).abs().max() <= 1e-4
 
 
-def test_calibrator_ts_without_a_fit_is_the_run_s_temperature(run, tmp_path, capsys):
+def test_calibrator_ts_without_a_fit_is_the_run_s_temperature(run, pt2_export):
     """--calibrator ts where eval_seg has not fitted calibrators/ts.pt: the run's own fitted
-    temperature (what the flag meant before every calibrator was exportable), said."""
+    temperature (what the flag meant before every calibrator was exportable), said (the
+    program: test_pt2_program_equals_pytorch)."""
     run_dir, _, temperature = run
-    out = tmp_path / "ts.pt2"
-    assert load_tool("export").main([str(run_dir), "--format", "pt2", "--out", str(out),
-                                     "--calibrator", "ts"]) == 0
-    assert "temperature.json, is used" in capsys.readouterr().out
-    info = json.loads(Path(f"{out}.json").read_text())
-    assert info["temperature"] == temperature and info["calibrator_file"].endswith(
-        "temperature.json")
+    out, info, printed = pt2_export
+    assert not (run_dir / "calibrators" / "ts.pt").exists()
+    assert "temperature.json, is used" in printed
+    assert f"wrote 2 files: {out}, {out}.json" in printed
+    assert info["calibrator"] == "ts" and info["temperature"] == temperature
+    assert info["calibrator_file"].endswith("temperature.json")
 
 
 def test_bad_requests_give_one_line_errors(run, tmp_path, capsys, monkeypatch):
@@ -242,6 +252,8 @@ def test_unwritable_output_is_one_line(run, tmp_path, capsys, monkeypatch):
         raise PermissionError(13, "Permission denied", str(tmp_path / "ro" / "m.pt2"))
 
     monkeypatch.setattr(torch.export, "save", refuse)
+    # refused before the program is used: no trace needed to reach the write
+    monkeypatch.setattr("cals_seg.runs.export.trace_program", lambda *args, **kwargs: (None, 17))
     assert tool.main([str(run_dir), "--format", "pt2", "--out", str(tmp_path / "ro" / "m.pt2"),
                       "--calibrator", "none"]) == 2
     err = capsys.readouterr().err.strip()
