@@ -264,14 +264,21 @@ def test_holdout_needs_enough_images():
 
 
 # ----------------------------------------------------------------------------- save / load
+# Short fits for the tests that check what is done with a fitted state (saved and loaded, one
+# test pass), whatever it is: 2 epochs, 5 L-BFGS iterations (the fits themselves are checked
+# above against references and planted cases).
+SHORT_FITS = {"lts": {"epochs": 2}, "selective": {"epochs": 2}, "vector": {"max_iter": 5},
+              "dirichlet": {"max_iter": 5}, "cms_ap": {"max_iter": 5},
+              "cms_op": {"max_iter": 5}, "image_ts": {"max_iter": 5}}
+
+
 @pytest.mark.filterwarnings("ignore:boundary_ts")  # an empty band on these small images
 @pytest.mark.parametrize("name", sorted(CALIBRATORS))
 def test_save_load_round_trip(name, tmp_path):
     z, target = structured(n=10, h=16, w=16, seed=7)
     logits = 2 * z
     image = torch.randn(10, 3, 16, 16)
-    params = {"epochs": 2} if name in ("lts", "selective") else {}
-    cal = build_calibrator(name, 4, **params)
+    cal = build_calibrator(name, 4, **SHORT_FITS.get(name, {}))
     cal.fit(batches_of(logits, target, image), ignore_index=VOID)
     path = save_calibrator(cal, tmp_path / "calibrators" / f"{name}.pt")
     saved = torch.load(path, weights_only=True)
@@ -313,12 +320,7 @@ def test_test_pass_evaluates_every_calibrator_in_one_pass():
         return DataLoader(TensorDataset(x, y), batch_size=3)
 
     val, test = split(15, 1), split(6, 2)
-    # Short fits (what is checked is the one test pass, whatever the fitted state): 2 epochs, 5
-    # L-BFGS iterations.
-    short = {"lts": {"epochs": 2}, "selective": {"epochs": 2}, "vector": {"max_iter": 5},
-             "dirichlet": {"max_iter": 5}, "cms_ap": {"max_iter": 5}, "cms_op": {"max_iter": 5},
-             "image_ts": {"max_iter": 5}}
-    cals = {n: build_calibrator(n, k, **short.get(n, {})) for n in CALIBRATORS}
+    cals = {n: build_calibrator(n, k, **SHORT_FITS.get(n, {})) for n in CALIBRATORS}
     fit_calibrators(cals, model, val, torch.device("cpu"), VOID)
 
     def meters():
