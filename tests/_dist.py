@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
-    faulthandler.enable()  # a C++ abort in a worker prints the Python stack of every thread
+    # A C++ abort in a worker prints the Python stack of every thread, on the process's own
+    # stderr (a forked worker inherits pytest's sys.stderr, which may have no file descriptor).
+    faulthandler.enable(file=sys.__stderr__)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)  # the machine is shared: every worker on one thread
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
