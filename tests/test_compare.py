@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -30,12 +31,36 @@ def _compare():
     return load_tool("compare")
 
 
+def _train_as_compare_would(config: Path, seed: int, out: Path, sets: list[str]) -> None:
+    """``out/runs/<name>_seed<seed>`` trained in this process with the config compare's
+    ``run_one`` gives its subprocess (``cals_seg.training.study``), so that compare reuses it."""
+    import warnings
+
+    from cals_seg.config.schema import load_config
+    from cals_seg.tasks import build_task
+    from cals_seg.training.engine import seed_everything
+    from cals_seg.training.trainer import fit
+
+    name = f"{load_config(config, sets).name}_seed{seed}"
+    cfg = load_config(config, [*sets, f"name={name}", f"output_dir={out / 'runs'}",
+                               f"train.seed={seed}", "train.progress=false"])
+    seed_everything(cfg.train.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(cfg, build_task(cfg))
+
+
 def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys, trained_run):
     # the shared runs' tiny settings (conftest.tiny_seg_sets, no confidence maps: the runs are
     # subprocesses that draw); seed 0 of ce is a copy of the shared one-epoch run, trained with
-    # these settings under the name compare gives it: compare reuses it, and trains the others
+    # these settings under the name compare gives it, and the two seeds of cals_alm are trained
+    # here, in this process, as compare would train them: compare reuses them, and trains the
+    # others (seed 1 of ce and both seeds of the failing method) in subprocesses, two at a time
     sets = trained_run.sets
     copy_run(trained_run.folder, tmp_path / "cmp" / "runs")
+    for seed in (0, 1):
+        _train_as_compare_would(ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml", seed,
+                                tmp_path / "cmp", sets)
     bad = tmp_path / "broken.yaml"
     text = (ROOT / "configs" / "synthetic_deeplabv3.yaml").read_text()
     # a failure no rule can see before training: the run diverges (the rules refuse a bad
