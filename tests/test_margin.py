@@ -3,6 +3,8 @@ sweep's recommendation against the rule applied to the runs' own history files."
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 
@@ -17,25 +19,31 @@ from cals_seg.tasks import build_task
 from cals_seg.utils.io import load_checkpoint, read_jsonl
 
 from ._undrawn import children_undrawn
-from .conftest import load_tool
-from .test_pipeline import ROOT, _overrides
+from .conftest import TRAINED_NAME, copy_run, load_tool
+from .test_pipeline import ROOT
 
 MARGINS = (0.05, 0.1, 0.2, 0.4)
 SWEEP_MARGINS = ("0.1", "3")
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
+def sweep(tmp_path_factory, trained_run):
+    """The sweep at the shared runs' tiny settings (conftest.tiny_seg_sets, one epoch): its ce
+    run is a copy of the shared one (trained with these settings under the name the sweep gives
+    it), which the sweep reuses; it trains the two cals_alm margins in subprocesses."""
     tmp = tmp_path_factory.mktemp("margin")
-    sets = [s for s in _overrides(tmp, "x", epochs=1)
-            if not s.startswith(("name=", "output_dir=", "loss.params="))]
-    sets += ["train.amp=none", "eval.num_maps=0"]
+    sets = trained_run.sets
     out = tmp / "sweep"
-    with children_undrawn():  # the runs' figures (subprocesses) are not what this file checks
+    copy_run(trained_run.folder, out / "runs")
+    printed = io.StringIO()
+    # the runs' figures (subprocesses) are not what this file checks
+    with children_undrawn(), contextlib.redirect_stdout(printed):
         rc = load_tool("margin").main(
             ["sweep", str(ROOT / "configs" / "synthetic_deeplabv3.yaml"), "--margins",
              *SWEEP_MARGINS, "--epochs", "1", "--jobs", "3", "--out", str(out), "--set", *sets]
         )
+    print(printed.getvalue())
+    assert f"reusing {out / 'runs' / TRAINED_NAME}" in printed.getvalue()  # not trained again
     return rc, out
 
 
