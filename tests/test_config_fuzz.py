@@ -41,6 +41,7 @@ from PIL import Image
 from cals_seg.config import schema as config_mod
 from cals_seg.config.schema import load_config
 
+from ._networks_h import build_networks_once
 from .conftest import copy_run, load_tool
 
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
@@ -359,36 +360,14 @@ def tools(family: str, key: str, value: str, everything: bool, tmp: Path) -> lis
     return TOOLS[family][:1] + (others if pick else [])
 
 
-def _built_once(create: Any) -> Any:
-    """``create`` (``smp.create_model`` / ``timm.create_model``) building each network with
-    random weights once: a later call with the same arguments gets a copy of it (a case whose
-    value reaches the network builds it through the same call; an error is raised each time).
-    Building a network is most of the cost of a case that reaches the work."""
-    import copy
-
-    built: dict[str, Any] = {}
-
-    def create_once(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("pretrained") or kwargs.get("encoder_weights") is not None:
-            return create(*args, **kwargs)
-        key = repr((args, sorted(kwargs.items())))
-        if key not in built:
-            built[key] = create(*args, **kwargs)
-        return copy.deepcopy(built[key])
-
-    return create_once
-
-
 def _fuzz(env, monkeypatch, after_work: bool, families=tuple(BASE)) -> tuple[int, list[str]]:
     count, failures, index = 0, [], 0
     start = time.perf_counter()
     seconds: dict[str, float] = {}
     monkeypatch.chdir(env["tmp"])  # relative paths among the values land in the test's folder
-    import segmentation_models_pytorch as smp
-    import timm
-
-    monkeypatch.setattr(smp, "create_model", _built_once(smp.create_model))
-    monkeypatch.setattr(timm, "create_model", _built_once(timm.create_model))
+    # each network built once per set of arguments (a copy for each case): building it was
+    # most of the cost of a case that reaches the work
+    build_networks_once(monkeypatch)
     for family, key, loss, value in cases(env["tmp"]):
         if family not in families:
             continue

@@ -31,9 +31,10 @@ import yaml
 from cals_seg.commands import compare, eval_seg, export, predict_seg, train_seg
 from cals_seg.runs.run import Run
 
+from ._networks_h import build_networks_once
 from .conftest import SEG_SETUP, TRAINED_NAME, tiny_seg_sets
 
-pytestmark = pytest.mark.usefixtures("undrawn_figures", "no_clean_figures")
+pytestmark = pytest.mark.usefixtures("undrawn_figures", "no_clean_figures", "networks_once")
 
 ALPHA = "0.3"  # the conformal fit the base run holds: conformal_risk_lac_a0.3_s0.json
 
@@ -57,6 +58,15 @@ def no_clean_figures():
     tested here is how the run's files are read, and the child was half of each call."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(eval_seg, "draw_clean_figures", lambda *args, **kwargs: None)
+        yield
+
+
+@pytest.fixture(scope="module")
+def networks_once():
+    """The run's network built once (:func:`tests._networks_h.build_networks_once`): each
+    command loading the run built it again before reading its weights from the checkpoint."""
+    with pytest.MonkeyPatch.context() as patch:
+        build_networks_once(patch)
         yield
 
 
@@ -399,10 +409,28 @@ def test_a_users_error_in_a_dataloader_worker_is_one_line(base, tmp_path, capsys
     bad.putpalette(png.getpalette())
     bad.save(mask)
     monkeypatch.setattr("cals_seg.data.checks.check_voc_data", lambda *a, **k: None)
+    import multiprocessing
+
+    children = set(multiprocessing.active_children())
     code = _main(eval_seg, [run, "--num-maps", "0", "--out", tmp_path / "e", "--set",
                             f"data.root={data}", "data.num_workers=1"])
     line = _error_line(capsys.readouterr().err)
     assert code == 2 and "[200]" in line and "outside [0, 11)" in line
+    _end_loader_workers(children)
+
+
+def _end_loader_workers(before: set) -> None:
+    """End the DataLoader worker the failed test pass left (a child process started since
+    ``before``): its iterator, kept alive by the error's traceback, is freed by a later garbage
+    collection, whose shutdown waited 5 s (torch's MP_STATUS_CHECK_INTERVAL) for the worker to
+    exit, in whichever test came next."""
+    import gc
+    import multiprocessing
+
+    for child in set(multiprocessing.active_children()) - before:
+        child.terminate()
+        child.join()
+    gc.collect()
 
 
 def test_every_user_error_of_a_worker_is_known_again():
