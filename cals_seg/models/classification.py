@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import timm
 from torch import nn
 
 from cals_seg.errors import MissingPathError, UserError
@@ -40,6 +39,8 @@ def build_classification_model(
         WeightsUnavailableError: pretrained weights could not be obtained (offline); the message
             says how to proceed.
     """
+    import timm  # (seconds of imports: when a network is built)
+
     if not timm.is_model(name):
         raise UserError(
             f"model.encoder_name: {name!r} is not a timm model; see timm.list_models(), e.g. "

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 
@@ -34,6 +33,8 @@ def build_segmentation_model(
             message says how to proceed. Offline with the weights not cached, it is raised
             before smp is called (no download retries).
     """
+    import segmentation_models_pytorch as smp  # (with timm, seconds of imports: when used)
+
     local = encoder_weights is not None and (
         Path(encoder_weights).suffix in (".pt", ".pth", ".bin") or Path(encoder_weights).exists()
     )
