@@ -581,8 +581,12 @@ class _Broken(torch.utils.data.Dataset):
 
 def test_a_data_error_in_a_loader_worker_is_one_line_without_its_traceback():
     loader = torch.utils.data.DataLoader(_Broken(), batch_size=1, num_workers=1)
-    with pytest.raises(DataError) as info:
-        next(iter(loader))
+    batches = iter(loader)
+    try:
+        with pytest.raises(DataError) as info:
+            next(batches)
+    finally:  # its worker stopped now: the iterator is in a reference cycle, and stopped by the
+        batches._shutdown_workers()  # garbage collector it waits 5 s (in some later test)
     assert "Traceback" in str(info.value)  # what torch re-raises
     assert one_line(info.value) == "cannot read image 'x0.jpg': truncated; restore it"
 
