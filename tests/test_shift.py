@@ -443,7 +443,8 @@ def test_entropy_reference_is_validated_and_recorded(tmp_path, capsys):
         code, _, err = call(f"b{i}")
         line = error_line(err)
         assert code != 0 and str(path) in line and "--no-ood-check" in line, (name, line)
-        assert call(f"n{i}", "--no-ood-check")[0] == 0  # the way out named works
+        if i == 0:  # the way out named works (it never reads the file: once for every damage)
+            assert call(f"n{i}", "--no-ood-check")[0] == 0
     (tmp_path / "data.away").rename(data)
     # each recorded field changed: recomputed, the record restored
     for key in sorted(record):
