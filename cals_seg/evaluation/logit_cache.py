@@ -22,8 +22,16 @@ The rule:
   For the embedded dataset everything fits; a Cityscapes image's logits take 160 MB (K = 19,
   1024 x 2048, float32), so about a dozen fit in the default budget.
 
-:attr:`LogitCache.stats` counts images forwarded, served from memory and recomputed; eval_seg
-writes it to ``metrics.json["network_passes"]``.
+* **Passes.** A consumer that streams the same loader several times (a fit: the temperature's
+  three passes, an L-BFGS iteration per pass of ``vector`` or ``dirichlet``) gets, after one
+  complete pass held within the same budget, the batches of that pass again from memory
+  (:meth:`LogitCache.replay`, called by :func:`cals_seg.evaluation.stream.predict`): the split
+  is not read, decoded and hashed again for every pass. The batches are the same tensors a new
+  pass would give (evaluation loaders are in order and their transforms deterministic; the
+  corrupted copies of ``image_ts``'s fit are seeded per image), handed out as copies.
+
+:attr:`LogitCache.stats` counts images forwarded, served from memory (by image or by replayed
+pass) and recomputed; eval_seg writes it to ``metrics.json["network_passes"]``.
 """
 
 from __future__ import annotations
@@ -70,6 +78,8 @@ class LogitCache:
             weakref.WeakKeyDictionary()
         self.stats = {"forwarded": 0, "served": 0, "recomputed": 0}
         self._seen: weakref.WeakKeyDictionary[nn.Module, set] = weakref.WeakKeyDictionary()
+        self._passes: weakref.WeakKeyDictionary[Any, dict[tuple, list[tuple[Tensor, ...]]]] = \
+            weakref.WeakKeyDictionary()
 
     def logits(self, model: nn.Module, images: Tensor, context: tuple,
                compute: Callable[[], Tensor]) -> Tensor:
@@ -97,6 +107,35 @@ class LogitCache:
                 store[key] = out[i].detach().clone()
                 self.held_bytes += size
         return out
+
+
+    def replay(self, loader: Any, context: tuple,
+               source: Callable[[], Iterator[tuple[Tensor, ...]]]) -> Iterator[tuple[Tensor, ...]]:
+        """The batches of one pass of ``loader`` (``source()``, e.g. ``(logits, target,
+        inputs)``): the first pass is streamed and held (copies) while ``held_bytes`` stays
+        within the budget; once one pass has been held to its end, every later pass with the
+        same ``context`` (the network, device, precision, protocol) is served from memory, as
+        copies (a consumer may work in place), each image counted as served. A pass stopped
+        early or over the budget is not held (the next one streams again)."""
+        held = self._passes.setdefault(loader, {})
+        if context in held:
+            for batch in held[context]:
+                self.stats["served"] += int(batch[0].shape[0])
+                yield tuple(t.clone() for t in batch)
+            return
+        kept: list[tuple[Tensor, ...]] | None = []
+        size = 0
+        for batch in source():
+            if kept is not None:
+                size += sum(t.numel() * t.element_size() for t in batch)
+                if self.held_bytes + size <= self.budget_bytes:
+                    kept.append(tuple(t.detach().clone() for t in batch))
+                else:
+                    kept = None
+            yield batch
+        if kept is not None:
+            held[context] = kept
+            self.held_bytes += size
 
 
 @contextlib.contextmanager

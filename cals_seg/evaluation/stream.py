@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_in
 from tqdm import tqdm
 
 from cals_seg.evaluation.inference import EvalProtocol, FiniteLogits, segment_logits
-from cals_seg.evaluation.logit_cache import cached_logits
+from cals_seg.evaluation.logit_cache import active_cache, cached_logits
 from cals_seg.metrics import BoundaryAwareECEMeter
 from cals_seg.utils.distributed import (
     ShardedBatchSampler,
@@ -226,14 +226,21 @@ def predict(
     :func:`cals_seg.evaluation.inference.segment_logits`: whatever the network input (resized,
     padded,
     tiled), they are at each image's own resolution, like its unmodified mask. The progress bar
-    counts images.
+    counts images. Inside a :func:`~cals_seg.evaluation.logit_cache.logit_cache` block, a
+    second pass over the same ``DataLoader`` is served from memory once a first one was held
+    (:meth:`~cals_seg.evaluation.logit_cache.LogitCache.replay`).
     """
-    for logits, target, inputs, _ in _predict(model, loader, device, amp, progress, desc,
-                                              protocol, with_groups=False):
-        if with_inputs:
+
+    def stream() -> Iterator[tuple[Tensor, ...]]:
+        for logits, target, inputs, _ in _predict(model, loader, device, amp, progress, desc,
+                                                  protocol, with_groups=False):
             yield logits, target, inputs
-        else:
-            yield logits, target
+
+    cache = active_cache()
+    passes = stream() if cache is None or not isinstance(loader, DataLoader) else cache.replay(
+        loader, (model, str(device), amp, protocol), stream)
+    for logits, target, inputs in passes:
+        yield (logits, target, inputs) if with_inputs else (logits, target)
 
 
 @torch.no_grad()
