@@ -394,20 +394,26 @@ def fitted_calibrators(tmp_path_factory) -> Path:
     (:func:`~tests.test_export_calibrators.fitted_run`; read only: a test that changes it works
     on a :func:`copy_run`), built once for the two files that export it: under pytest-xdist the
     first worker that asks builds it in the session's common temporary folder, the others wait
-    for it and read it."""
+    for it and read it. Its network's factory (a function of that file) is allowed for it in
+    every process that reads it (consent is remembered per test process)."""
     import shutil
 
     from filelock import FileLock  # a dependency of torch
 
-    from .test_export_calibrators import fitted_run
+    from cals_seg.models.consent import remember
+
+    from .test_export_calibrators import FACTORY, fitted_run
 
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return fitted_run(tmp_path_factory.mktemp("fitted_calibrators"))
-    root = tmp_path_factory.getbasetemp().parent / "fitted_calibrators"
-    with FileLock(f"{root}.lock"):
-        if not (root / "built").is_file():
-            shutil.rmtree(root, ignore_errors=True)  # a worker that failed half-way
-            root.mkdir()
-            fitted_run(root)
-            (root / "built").write_text("")
-    return root / "run"
+        run = fitted_run(tmp_path_factory.mktemp("fitted_calibrators"))
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "fitted_calibrators"
+        with FileLock(f"{root}.lock"):
+            if not (root / "built").is_file():
+                shutil.rmtree(root, ignore_errors=True)  # a worker that failed half-way
+                root.mkdir()
+                fitted_run(root)
+                (root / "built").write_text("")
+        run = root / "run"
+    remember(run, FACTORY)
+    return run

@@ -53,10 +53,38 @@ def _image(height: int, width: int, seed: int) -> np.ndarray:
     return x.clamp(0, 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
 
 
-def _network(cfg):
-    """A random DeepLabV3 whose batch-norm statistics are those of structured images and whose
-    head is 8 times its initial scale: its predictions have regions, boundaries and
-    confidences from 0.2 to 1 (a fresh one predicts one class everywhere, near 1 / K)."""
+# The network of fitted_run (model.arch: external): torch.export's trace, its saving and its
+# loading cost go with the number of operations and of symbolic sizes, not with their size;
+# these tests check the calibrators inside the program (tests/test_export.py exports the
+# setup's own DeepLabV3), on a network of output stride 16 padded to it.
+FACTORY = "tests.test_export_calibrators:strided_segmenter"
+
+
+class _Strided(torch.nn.Module):
+    """Two convolutions of stride 4 with a batch norm between: normalised images
+    ``(N, 3, H, W)``, sides multiples of 16, to logits ``(N, K, H / 16, W / 16)`` (upsampled
+    to the input's size by :class:`~cals_seg.models.external.ExternalSegmenter`)."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 4, stride=4), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+            torch.nn.Conv2d(32, classes, 4, stride=4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def strided_segmenter(classes: int = K) -> torch.nn.Module:
+    """The factory :data:`FACTORY`: :class:`_Strided` of ``classes`` classes."""
+    return _Strided(classes)
+
+
+def _network(cfg, head=None, gain: float = 8.0):
+    """A random DeepLabV3 (or the config's network, ``head(model)`` its last layer) whose
+    batch-norm statistics are those of structured images and whose head is ``gain`` times its
+    initial scale: its predictions have regions, boundaries and confidences from 0.2 to 1 (a
+    fresh one predicts one class everywhere, near 1 / K)."""
     from cals_seg.tasks.segmentation import build_model
 
     torch.manual_seed(0)
@@ -69,7 +97,7 @@ def _network(cfg):
     with torch.no_grad():
         for seed in range(4):
             model(_structured((4, 3, 48, 48), 100 + seed) * 2)
-        model.segmentation_head[0].weight.mul_(8.0)
+        (head(model) if head else model.segmentation_head[0]).weight.mul_(gain)
     return model.eval()
 
 
@@ -86,24 +114,23 @@ def fitted_run(tmp: Path) -> Path:
     from cals_seg.calibrators import calibrator_key, save_calibrator
     from cals_seg.config.schema import load_config, save_config
     from cals_seg.evaluation.inference import input_multiple, normalise, segment_logits
+    from cals_seg.models.consent import remember
     from cals_seg.runs.run import load_run
 
-    # timm's ResNet-10-T (one block a stage; random weights: model.encoder_weights stays null)
-    # to its third stage (encoder_depth 4), still of output stride 16: what torch.export, its
-    # saving and its loading cost goes with the number of operations and of symbolic sizes, not
-    # their size (a fifth fewer seconds per export and load than the setup's ResNet-18, which
-    # costs a fifth fewer than a MobileNetV3). These tests check the calibrators inside the
-    # program; tests/test_export.py exports the setup's own network.
+    # the synthetic setup with the network of FACTORY (random weights, output stride 16)
     sets = [f"data.root={tmp / 'data'}", "train.amp=auto", "train.threads=1",
             "data.synthetic={num_train: 30, num_test: 2, image_size: 32}",
             "train.progress=false", "eval.num_maps=0", "train.device=cpu",
-            "model.encoder_name=tu-resnet10t",
-            "model.params={encoder_output_stride: 16, decoder_channels: 16, encoder_depth: 4}"]
+            "model.arch=external", f"model.factory={FACTORY}", "model.output_stride=16",
+            "model.params={}"]
     cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", sets, "ce")
     folder = tmp / "run"
     folder.mkdir()
     save_config(cfg, folder / "config.yaml")
-    model = _network(cfg)
+    remember(folder, FACTORY)  # as a command that makes a run from a config allows its factory
+    # gain 16: confidences from 0.3 to 1, which every calibrator's fit moves (lts: its held-out
+    # loss improves on the untrained one's)
+    model = _network(cfg, head=lambda m: m.net.body[-1], gain=16.0)
     assert input_multiple(model) == 16  # SIZES are no multiple of it
     torch.save({"model": model.state_dict(), "num_classes": K, "epoch": 0},
                folder / "checkpoint_best.pt")
