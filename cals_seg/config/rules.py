@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cals_seg.config.schema import Config, ConfigError, yaml_text
+from cals_seg.config.schema import Config, ConfigError, field_types, yaml_text
 
 # Largest image side, tile or input size a config may ask for (a 16384 x 16384 float32 input of
 # one channel is 1 GiB: anything larger is a typo, not a protocol).
@@ -231,7 +231,7 @@ RULES: dict[str, Rule | None] = {
 def config_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
     """Every leaf key of the config dataclasses -> its default."""
     keys: dict[str, Any] = {}
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             keys.update(config_keys(hints[f.name], f"{prefix}{f.name}."))

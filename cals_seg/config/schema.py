@@ -345,12 +345,20 @@ def _check_type(value: Any, tp: Any) -> Any:
     return value
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)`` of a config dataclass, evaluated once: the annotations are
+    strings (``from __future__ import annotations``), and evaluating them again for every
+    section of every config read and checked was most of the time of a check. Read only."""
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, data: dict[str, Any], where: str, in_force: Any = None) -> Any:
     """``cls`` built from ``data``, checked key by key; ``in_force``: the same section as the
     config file gives it before ``--set`` (the value a wrong override's message suggests)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}.")
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
