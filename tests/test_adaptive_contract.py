@@ -163,7 +163,7 @@ def test_a_new_adaptive_loss_gives_the_same_update_on_two_processes(tmp_path):
     """The contract, not the loss, does the all-reduce: a loss that declares its pieces is
     exact under torch.distributed without a line about it."""
     path = str(tmp_path / "res")
-    run_distributed(_rank_fn, 2, path)
+    run_distributed(_rank_fn, 2, path, start_method="fork")
     _rank_fn(0, 1, path + "_one")
     one = json.load(open(path + "_one.0"))
     for rank in range(2):

@@ -157,7 +157,7 @@ def test_two_gloo_ranks_equal_one_process():
     logits, target = _data()
     meter = BoundaryAwareECEMeter(4, ignore_index=VOID)
     meter.update(logits, target)
-    run_distributed(_rank_fn, 2, meter.compute())
+    run_distributed(_rank_fn, 2, meter.compute(), start_method="fork")
 
 
 def test_reported_beside_the_band_weighted_ece():

@@ -478,4 +478,4 @@ def test_scaling_fits_agree_on_two_processes():
         cal = build_calibrator(name, 4)
         cal.fit(batches_of(logits, target), ignore_index=VOID)
         want[name] = {k: v.clone() for k, v in cal.state_dict().items()}
-    run_distributed(_ddp_fit, 2, want)
+    run_distributed(_ddp_fit, 2, want, start_method="fork")

@@ -67,7 +67,7 @@ def _rank_fn(rank, world, path):
 
 def test_two_ranks_equal_one_process(tmp_path):
     path = str(tmp_path / "res")
-    run_distributed(_rank_fn, 2, path)
+    run_distributed(_rank_fn, 2, path, start_method="fork")
     single = _run(_criteria(), _batches())
     margins = [epoch[2]["margin"] for epoch in single]
     assert len(set(margins)) == 3 and all(0.01 <= m < 10 for m in margins)  # the rule acted

@@ -495,7 +495,7 @@ def test_two_gloo_ranks_equal_one_process():
     for m in meters:
         m.update(logits[:1], target[:1])
         m.update(logits[1:], target[1:])
-    run_distributed(_rank_fn, 2, [m.compute() for m in meters])
+    run_distributed(_rank_fn, 2, [m.compute() for m in meters], start_method="fork")
 
 
 # ---------------------------------------------------------------------------- errors, tasks
