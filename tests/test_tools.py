@@ -22,34 +22,43 @@ def test_every_tool_has_a_command_and_a_console_script():
         assert f'cals-{name.replace("_", "-")} = "cals_seg.commands.{name}:cli"' in scripts
 
 
+def python(code: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter in the repository root; it must exit with 0."""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
 @pytest.mark.parametrize("name", TOOLS)
 def test_help_answers_without_importing_torch(name):
     code = (f"import runpy, sys; sys.argv = ['{name}.py', '--help']\n"
             f"try:\n    runpy.run_path('tools/{name}.py', run_name='__main__')\n"
             "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
             "assert 'torch' not in sys.modules, 'torch imported by --help'\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    result = python(code)
     assert "usage:" in result.stdout
 
 
 
 @pytest.mark.parametrize("tool, config", [("train_seg", "synthetic_deeplabv3"),
                                           ("train_cls", "synthetic_cls")])
-@pytest.mark.parametrize("item", ["loss.params={oops", "train.bogus_key=1", "name=[1, 2"])
+@pytest.mark.parametrize("item", ["loss.params={oops", "train.bogus_key=1", "name=[1, 2",
+                                  "train.epochs=0"])
 def test_a_refused_set_answers_without_importing_torch(tool, config, item):
-    """A --set that the config refuses is said (one line, exit status 2) before torch, the
-    models and the data are imported."""
+    """A --set that the config refuses (one it cannot read, or a value out of the rule table's
+    range) is said (one line naming the key, exit status 2) before torch, the models and the
+    data are imported."""
     code = (f"import sys; from cals_seg.commands.{tool} import main\n"
             f"code = main(['configs/{config}.yaml', '--set', {item!r}])\n"
             "assert code == 2, code\n"
             "assert 'torch' not in sys.modules, 'torch imported for a refused config'\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
+    result = python(code)
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
         result.stderr
+    assert item.split("=")[0].split(".")[-1] in result.stderr, result.stderr  # the key named
+    if item == "train.epochs=0":  # a rule of the table: its one format, the key first
+        assert result.stderr.startswith("error: train.epochs: "), result.stderr
 
 def test_nothing_edits_sys_path():
     for folder in ("tools", "tests", "cals_seg", "benchmarks", "examples"):
