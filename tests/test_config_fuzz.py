@@ -41,7 +41,7 @@ from PIL import Image
 from cals_seg.config import schema as config_mod
 from cals_seg.config.schema import load_config
 
-from ._networks_h import build_networks_once
+from ._networks import build_networks_once
 from .conftest import copy_run, load_tool
 
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file

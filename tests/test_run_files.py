@@ -31,7 +31,7 @@ import yaml
 from cals_seg.commands import compare, eval_seg, export, predict_seg, train_seg
 from cals_seg.runs.run import Run
 
-from ._networks_h import build_networks_once
+from ._networks import build_networks_once
 from .conftest import SEG_SETUP, TRAINED_NAME, tiny_seg_sets
 
 pytestmark = pytest.mark.usefixtures("undrawn_figures", "no_clean_figures", "networks_once")
@@ -63,7 +63,7 @@ def no_clean_figures():
 
 @pytest.fixture(scope="module")
 def networks_once():
-    """The run's network built once (:func:`tests._networks_h.build_networks_once`): each
+    """The run's network built once (:func:`tests._networks.build_networks_once`): each
     command loading the run built it again before reading its weights from the checkpoint."""
     with pytest.MonkeyPatch.context() as patch:
         build_networks_once(patch)
