@@ -26,15 +26,42 @@ MARGINS = (0.05, 0.1, 0.2, 0.4)
 SWEEP_MARGINS = ("0.1", "3")
 
 
+def _train_here(out, margin: str, sets: list[str]) -> str:
+    """Train, in this process, the cals_alm run of ``margin`` that the sweep below would train
+    in a subprocess: the same config (the sweep's ``--set`` values, its name, folder and seed),
+    so that the sweep reuses it (it compares the config first); its figures undrawn. Returns
+    the run's folder name."""
+    import warnings
+
+    from cals_seg.training.engine import seed_everything
+    from cals_seg.training.trainer import fit
+
+    from .conftest import figures_undrawn
+
+    name = f"synthetic_deeplabv3_cals_alm_m{margin}"
+    cfg = load_config(ROOT / "configs" / "synthetic_deeplabv3.yaml", [
+        "train.threads=1", "train.epochs=1", *sets, f"loss.params.margin={margin}",
+        f"name={name}", f"name={name}_seed0", f"output_dir={out / 'runs'}", "train.seed=0",
+        "train.progress=false"], "cals_alm")
+    seed_everything(cfg.train.seed)
+    with warnings.catch_warnings(), figures_undrawn():
+        warnings.simplefilter("ignore")
+        fit(cfg, build_task(cfg))
+    return f"{name}_seed0"
+
+
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, trained_run):
     """The sweep at the shared runs' tiny settings (conftest.tiny_seg_sets, one epoch): its ce
     run is a copy of the shared one (trained with these settings under the name the sweep gives
-    it), which the sweep reuses; it trains the two cals_alm margins in subprocesses."""
+    it) and its first cals_alm margin a run trained here with the config the sweep gives it
+    (a subprocess less), both of which the sweep reuses; it trains the last margin in a
+    subprocess."""
     tmp = tmp_path_factory.mktemp("margin")
     sets = trained_run.sets
     out = tmp / "sweep"
     copy_run(trained_run.folder, out / "runs")
+    here = _train_here(out, SWEEP_MARGINS[0], sets)
     printed = io.StringIO()
     # the runs' figures (subprocesses) are not what this file checks
     with children_undrawn(), contextlib.redirect_stdout(printed):
@@ -43,7 +70,11 @@ def sweep(tmp_path_factory, trained_run):
              *SWEEP_MARGINS, "--epochs", "1", "--jobs", "3", "--out", str(out), "--set", *sets]
         )
     print(printed.getvalue())
-    assert f"reusing {out / 'runs' / TRAINED_NAME}" in printed.getvalue()  # not trained again
+    for name in (TRAINED_NAME, here):  # not trained again: the config matched
+        assert f"reusing {out / 'runs' / name}" in printed.getvalue()
+    trained = f"synthetic_deeplabv3_cals_alm_m{SWEEP_MARGINS[-1]}_seed0"
+    commands = [line for line in printed.getvalue().splitlines() if line.startswith("$ ")]
+    assert len(commands) == 1 and f" name={trained} " in commands[0]  # its subprocess
     return rc, out
 
 
