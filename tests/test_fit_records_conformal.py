@@ -20,17 +20,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ._s15_d import clean_figures_left_out, networks_built_once, seeded_networks
 from .conftest import load_tool, untrained_seg_run
 
 ROOT = Path(__file__).resolve().parents[1]
-# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
-# checks numbers, messages and which files are written, not how a figure looks.
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn), eval_seg's
+# clean ones not made, and a run's network built once for all the commands loading it
+# (tests/_s15_d.py): this file checks numbers, messages and which fit files are written.
 pytestmark = [
     pytest.mark.filterwarnings(
         "ignore:.*temperature.json", "ignore:The validation NLL is minimal",
         "ignore:.*search boundary", "ignore:no far-from-validation check"),
-    pytest.mark.usefixtures("undrawn_figures"),
+    pytest.mark.usefixtures("undrawn_figures", "cheaper_commands"),
 ]
+
+
+@pytest.fixture(scope="module")
+def cheaper_commands():
+    with networks_built_once(), clean_figures_left_out():
+        yield
 
 RECORD_KEYS = {"kind", "name", "network", "classes", "split", "ids", "params", "precision",
                "protocol", "seed", "after"}
@@ -39,8 +47,9 @@ RECORD_KEYS = {"kind", "name", "network", "classes", "split", "ids", "params", "
 def _run(tmp: Path, name: str, seed: int = 0, num_train: int = 30) -> Path:
     """A random-weight run of the synthetic setup (conftest.untrained_seg_run); ``num_train //
     5`` validation images (the data folder is shared by the runs of the same ``num_train``)."""
-    return untrained_seg_run(tmp / name, tmp / f"data{num_train}", seed, [
-        f"data.synthetic={{num_train: {num_train}, num_test: 2, image_size: 32}}"])
+    with seeded_networks():
+        return untrained_seg_run(tmp / name, tmp / f"data{num_train}", seed, [
+            f"data.synthetic={{num_train: {num_train}, num_test: 2, image_size: 32}}"])
 
 
 def _images(tmp: Path) -> Path:
@@ -338,6 +347,8 @@ def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
     """Every broken fit file ends predict_seg (and export) with one line naming the file and
     the refit command, a non-zero exit, no traceback and no output, when the validation images
     cannot be read to refit it; when they can, it is refitted with a line naming it."""
+    from cals_seg.runs.run import Run
+
     run = _run(tmp_path, "r")
     assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"),
                                        "--save-calibrators-to-run", "--conformal",
@@ -345,9 +356,15 @@ def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
     path = run / "calibrators" / "conformal_risk_lac_a0.3_s0.json"
     text = path.read_text()
     d = json.loads(text)
-    path.write_text("{")  # damaged, the data readable: refitted
-    code, out, err = _predict(run, tmp_path, "remade", ["alpha=0.3"], capsys)
+    path.write_text("{")  # damaged, the data readable: refitted, the run's checkpoint read once
+    reads = []
+    with pytest.MonkeyPatch.context() as patch:
+        read = Run.read_checkpoint
+        patch.setattr(Run, "read_checkpoint",
+                      lambda self, *args, **kwargs: reads.append(1) or read(self, *args, **kwargs))
+        code, out, err = _predict(run, tmp_path, "remade", ["alpha=0.3"], capsys)
     assert code == 0 and path.name in out and "refitting" in out, err
+    assert len(reads) == 1  # the refit builds the run's task, it does not load the run again
     assert json.loads(path.read_text())["threshold"] == d["threshold"]
     data = tmp_path / "data30"
     data.rename(tmp_path / "data30.away")  # the validation images cannot be read: refused

@@ -90,11 +90,8 @@ def load_or_fit_conformal(run: Any, spec: dict[str, Any], family: str = "segment
     if cs is None:
         data_run = run
         if run.task is None:
-            from cals_seg.runs.run import load_run
-
             try:  # the run's data (an embedded synthetic set is generated on first use)
-                data_run = load_run(run.checkpoint, with_data=True, device=str(run.device),
-                                    amp=run.precision, family=family)
+                data_run = with_task(run)
             except (UserError, FileNotFoundError) as err:
                 why = unreadable or str(err).splitlines()[0]
                 if reason is not None:
@@ -114,3 +111,19 @@ def load_or_fit_conformal(run: Any, spec: dict[str, Any], family: str = "segment
     if not status["guarantee"]:
         print(f"warning: {path}: {status['warning']}", file=sys.stderr, flush=True)
     return cs
+
+
+def with_task(run: Any) -> Any:
+    """``run`` (loaded without its data) with its task built: the three splits of its
+    config, checked as a command that reads the data checks them. The loaded network, device,
+    precision and temperature are kept: the run is not read again (the task's own network,
+    built with it, is not used).
+
+    Raises:
+        UserError / FileNotFoundError: the data cannot be read (one line).
+    """
+    from cals_seg.config.checks import check_config
+    from cals_seg.tasks import build_task
+
+    check_config(run.config, reads_data=True, writes_run=False)
+    return run.replace(task=build_task(run.config, run.family))
