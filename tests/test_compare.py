@@ -11,14 +11,23 @@ import pytest
 
 from cals_seg.training.study import backfill_test_metrics
 
+from ._s15_d import networks_built_once, seeded_networks
 from ._undrawn import children_undrawn
 from .conftest import TRAINED_NAME, copy_run, load_tool
 from .test_pipeline import ROOT
 
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
 # checks numbers, messages and which files are written, not how a figure looks.
-# So are the figures of the runs compare trains in subprocesses (tests/_undrawn).
-pytestmark = pytest.mark.usefixtures("undrawn_figures", "undrawn_children")
+# So are the figures of the runs compare trains in subprocesses (tests/_undrawn). The
+# networks compare builds in this process (each run's data prepared, test metrics checked,
+# calibrators fitted) are built once (tests/_s15_d.py); the runs trained here are seeded.
+pytestmark = pytest.mark.usefixtures("undrawn_figures", "undrawn_children", "networks_once")
+
+
+@pytest.fixture(scope="module")
+def networks_once():
+    with networks_built_once():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +54,7 @@ def _train_as_compare_would(config: Path, seed: int, out: Path, sets: list[str])
     cfg = load_config(config, [*sets, f"name={name}", f"output_dir={out / 'runs'}",
                                f"train.seed={seed}", "train.progress=false"])
     seed_everything(cfg.train.seed)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), seeded_networks():
         warnings.simplefilter("ignore")
         fit(cfg, build_task(cfg))
 

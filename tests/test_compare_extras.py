@@ -13,18 +13,26 @@ from pathlib import Path
 import pytest
 import torch
 
+from ._s15_d import clean_figures_left_out, networks_built_once, seeded_networks
 from .conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 CE = ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"
-# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
-# checks numbers, messages and which files are written, not how a figure looks.
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn), eval_seg's
+# clean ones not made, and a run's network built once for all the commands loading it
+# (tests/_s15_d.py): this file checks numbers, messages and which files are written.
 pytestmark = [
     pytest.mark.filterwarnings(
         "ignore:.*temperature.json", "ignore:The validation NLL is minimal",
         "ignore:.*search boundary:UserWarning", "ignore:.*have no validation pixel"),
-    pytest.mark.usefixtures("undrawn_figures"),
+    pytest.mark.usefixtures("undrawn_figures", "cheaper_commands"),
 ]
+
+
+@pytest.fixture(scope="module")
+def cheaper_commands():
+    with networks_built_once(), clean_figures_left_out():
+        yield
 EXACT = 1e-9  # relative: the tables hold eval_seg's numbers (times 100), not near ones
 
 
@@ -52,7 +60,9 @@ def _finished_run(tmp_path: Path, out: Path, seed: int) -> Path:
     run.mkdir(parents=True)
     save_config(cfg, run / "config.yaml")
     torch.manual_seed(seed)
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
+    with seeded_networks():
+        model = build_model(cfg)
+    torch.save({"model": model.state_dict(), "num_classes": 11, "epoch": 0},
                run / "checkpoint_best.pt")
     loaded = load_run(run, with_data=True)
     test = loaded.test(make_loader(loaded.task.test_set, 4, False, 0), progress=False)
@@ -77,7 +87,9 @@ def test_given_run_folder_with_conformal_and_shift(tmp_path, capsys):
     run.mkdir()
     save_config(cfg, run / "config.yaml")
     torch.manual_seed(3)
-    torch.save({"model": build_model(cfg).state_dict(), "num_classes": 11, "epoch": 0},
+    with seeded_networks():
+        model = build_model(cfg)
+    torch.save({"model": model.state_dict(), "num_classes": 11, "epoch": 0},
                run / "checkpoint_best.pt")
     out = tmp_path / "cmp"
     argv = [str(run), "--out", str(out), "--calibrators", "ts", "--conformal", "alpha=0.3",

@@ -23,11 +23,19 @@ from cals_seg.data.corruptions import (
 )
 from cals_seg.errors import UserError
 
+from ._s15_d import clean_figures_left_out, networks_built_once, seeded_networks
 from .conftest import untrained_seg_run
 
-# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn): this file
-# checks numbers, messages and which files are written, not how a figure looks.
-pytestmark = pytest.mark.usefixtures("undrawn_figures")
+# The library's figures are saved undrawn (tests/conftest.py: figures_undrawn), eval_seg's
+# clean ones not made, and a run's network built once for all the commands loading it
+# (tests/_s15_d.py): this file checks numbers, messages and which files are written.
+pytestmark = pytest.mark.usefixtures("undrawn_figures", "cheaper_commands")
+
+
+@pytest.fixture(scope="module")
+def cheaper_commands():
+    with networks_built_once(), clean_figures_left_out():
+        yield
 
 ROOT = Path(__file__).resolve().parents[1]
 # ImageNet-C's own parameters are not monotone in PSNR for these (glass blur: severity 2 has one
@@ -254,8 +262,9 @@ def test_a_member_given_twice_is_refused(tmp_path: Path):
 def _tiny_run(tmp_path: Path, name: str, seed: int, extra: tuple[str, ...] = ()) -> Path:
     """A random-weight run (conftest.untrained_seg_run) of 20 training and 3 test images; the
     data folder is shared by the runs of one test."""
-    return untrained_seg_run(tmp_path / name, tmp_path / "data", seed, [
-        "data.synthetic={num_train: 20, num_test: 3, image_size: 32}", *extra])
+    with seeded_networks():
+        return untrained_seg_run(tmp_path / name, tmp_path / "data", seed, [
+            "data.synthetic={num_train: 20, num_test: 3, image_size: 32}", *extra])
 
 
 def test_eval_seg_shift_ensemble_and_drift_fit(tmp_path, capsys):
