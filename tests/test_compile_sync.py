@@ -7,7 +7,8 @@
   MbLS graph saves beyond the compiled cross-entropy's is per-position maps, nothing K-sized.
 - ``set_margin`` (what ``margin: auto`` calls) changes the margin without recompiling; a
   compiled model + loss step gives eager's gradients; training with the compiled criterion
-  gives eager's weights and multipliers, to float32 rounding.
+  gives eager's weights and multipliers, to float32 rounding (aot_eager: with the graph of
+  the dynamic-sizes check, reused; inductor: slow).
 - A training step (``train_one_epoch``) converts no tensor to a Python value (``item``,
   ``bool``, ``float``, ``int``, ``index``, ``tolist`` counted by patching ``torch.Tensor``): the
   label check is ``torch._assert_async`` at the call (checked at once on the CPU, device-side
@@ -19,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 
@@ -88,7 +90,24 @@ def _fresh_dynamo():
 
 
 # ---------------------------------------------------------------- compiled criteria
-def _check_compiled_equals_eager(name: str, backend: str, shapes) -> None:
+@contextlib.contextmanager
+def _backend_in_process(backend):
+    """Inductor compiles its C++ kernels in this process (``compile_threads=1``): the same
+    code as with its pool of compile workers, without starting the pool (processes that import
+    torch) for one or two graphs. Other backends: nothing changes."""
+    if backend != "inductor":
+        yield
+        return
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(compile_threads=1):
+        yield
+
+
+def _check_compiled_equals_eager(name: str, backend: str, shapes):
+    """The compiled criterion (``fullgraph``, dynamic sizes) against eager at each of
+    ``shapes``: value, gradient and terms; one graph in all. Returns the compile counter (its
+    backend: reusing it reuses the compiled graph)."""
     eager = _make(name)
     compiled_loss = _make(name)
     compiled_loss.deferred_checks = True  # the label check on the device: one graph
@@ -97,13 +116,15 @@ def _check_compiled_equals_eager(name: str, backend: str, shapes) -> None:
     for i, shape in enumerate(shapes):
         logits, target = _data(*shape, seed=i)
         v0, g0 = _value_and_grad(eager, logits, target)
-        v1, g1 = _value_and_grad(compiled, logits, target)
+        with _backend_in_process(backend):
+            v1, g1 = _value_and_grad(compiled, logits, target)
         torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-8)
         assert set(compiled_loss.terms) == set(eager.terms)
         for key, term in eager.terms.items():
             torch.testing.assert_close(compiled_loss.terms[key], term, rtol=1e-5, atol=1e-6)
     assert _graphs(counter) == 1, f"{name}: compiled {_graphs(counter)} times"
+    return counter
 
 
 def _graphs(counter) -> int:
@@ -117,8 +138,13 @@ def _graphs(counter) -> int:
 def test_every_loss_is_one_graph_with_dynamic_sizes(name):
     """aot_eager: dynamo's graph (no break: fullgraph) and AOTAutograd's forward and backward
     graphs, run without a code generator; three batch / spatial sizes, one compilation (sizes
-    of 1 are left out: dynamo specialises them)."""
-    _check_compiled_equals_eager(name, "aot_eager", [(2, 6, 7), (3, 4, 9), (4, 5, 5)])
+    of 1 are left out: dynamo specialises them). The adaptive losses then train with that
+    compiled criterion (:func:`_check_training_equals_eager`: the same backend, so the same
+    graph, no second compilation) and give eager's weights and multipliers."""
+    counter = _check_compiled_equals_eager(name, "aot_eager", [(2, 6, 7), (3, 4, 9), (4, 5, 5)])
+    if name in ADAPTIVE:
+        _check_training_equals_eager(name, counter)
+        assert _graphs(counter) == 1, f"{name}: compiled {_graphs(counter)} times"
 
 
 def test_cals_alm_compiles_with_inductor():
@@ -212,9 +238,10 @@ def test_compiled_model_and_loss_step_matches_eager():
             torch.testing.assert_close(g_compiled, g_eager, rtol=1e-4, atol=1e-6)
 
 
-def _train_then_update(name: str, backend: str | None):
-    """Three SGD steps of a 1x1 convolution with the criterion (compiled with ``backend``),
-    then one validation pass (observe) and the multiplier update, twice."""
+def _train_then_update(name: str, backend):
+    """Three SGD steps of a 1x1 convolution with the criterion (compiled with ``backend``, a
+    name or a compile counter; ``None``: eager), then one validation pass (observe) and the
+    multiplier update, twice."""
     torch.manual_seed(0)
     model = nn.Conv2d(3, K, 1)
     loss = _make(name)
@@ -237,15 +264,24 @@ def _train_then_update(name: str, backend: str | None):
     return model, loss
 
 
-@pytest.mark.parametrize("name", ADAPTIVE)
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_training_with_the_compiled_criterion_gives_eager_multipliers(name, backend):
+def _check_training_equals_eager(name: str, backend) -> None:
+    """Training with the compiled criterion gives eager's weights and multipliers."""
     m0, l0 = _train_then_update(name, None)
-    m1, l1 = _train_then_update(name, backend)
+    with _backend_in_process(backend):
+        m1, l1 = _train_then_update(name, backend)
     for p0, p1 in zip(m0.parameters(), m1.parameters(), strict=True):
         torch.testing.assert_close(p1, p0, rtol=1e-5, atol=1e-6)
     for key, value in l0.state_tensors().items():
         torch.testing.assert_close(getattr(l1, key), value, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ADAPTIVE)
+@pytest.mark.parametrize("backend", ["inductor"])
+def test_training_with_the_compiled_criterion_gives_eager_multipliers(name, backend):
+    """Inductor (slow); aot_eager: in test_every_loss_is_one_graph_with_dynamic_sizes, on the
+    graph compiled there."""
+    _check_training_equals_eager(name, backend)
 
 
 # ---------------------------------------------------------------- no host reads per step
@@ -486,15 +522,20 @@ def test_default_call_reads_nothing_and_is_one_graph(name):
                                                  rf"\[0, 5\) that are not ignore_index={void}"):
                 loss(x, bad)
         loss.check()
+    # One graph, no break (fullgraph raises at a break, with its reason), the assertion inside
+    # it: the bad label raises when the same graph runs (no second trace).
     logits, target = _data(2, 6, 7, seed=5)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
     fresh = build_loss(name, K, ignore_index=VOID)
-    explained = torch._dynamo.explain(fresh)(logits, target)
-    assert explained.graph_count == 1 and explained.graph_break_count == 0, \
-        explained.break_reasons
+    traced = torch.compile(fresh, backend=counter, fullgraph=True)
+    torch.testing.assert_close(traced(logits, target),
+                               build_loss(name, K, ignore_index=VOID)(logits, target))
+    assert _graphs(counter) == 1, counter.graphs
     target[1, 2, 3] = K + 4
     with pytest.raises(RuntimeError, match=r"`target` holds some values outside \[0, 5\) that "
                                            r"are not ignore_index=255"):
-        torch._dynamo.explain(build_loss(name, K, ignore_index=VOID))(logits, target)
+        traced(logits, target)
+    assert _graphs(counter) == 1, counter.graphs
 
 
 @pytest.mark.parametrize("name", ["ce", "cals_alm"])
