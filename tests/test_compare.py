@@ -59,12 +59,24 @@ def _train_as_compare_would(config: Path, seed: int, out: Path, sets: list[str])
         fit(cfg, build_task(cfg))
 
 
+def _leftover_with_another_config(config: Path, seed: int, out: Path, sets: list[str]) -> None:
+    """``out/runs/<name>_seed<seed>/config.yaml`` of ``config`` with ``sets``: a run folder
+    that an earlier call with other values left (stopped before its first checkpoint)."""
+    from cals_seg.config.schema import load_config, save_config
+
+    name = f"{load_config(config, sets).name}_seed{seed}"
+    cfg = load_config(config, [*sets, f"name={name}", f"output_dir={out / 'runs'}",
+                               f"train.seed={seed}", "train.progress=false"])
+    (out / "runs" / name).mkdir(parents=True)
+    save_config(cfg, out / "runs" / name / "config.yaml")
+
+
 def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys, trained_run):
     # the shared runs' tiny settings (conftest.tiny_seg_sets, no confidence maps: the runs are
     # subprocesses that draw); seed 0 of ce is a copy of the shared one-epoch run, trained with
     # these settings under the name compare gives it, and the two seeds of cals_alm are trained
     # here, in this process, as compare would train them: compare reuses them, and trains the
-    # others (seed 1 of ce and both seeds of the failing method) in subprocesses, two at a time
+    # others (seed 1 of ce and seed 0 of the failing method) in subprocesses, two at a time
     sets = trained_run.sets
     copy_run(trained_run.folder, tmp_path / "cmp" / "runs")
     for seed in (0, 1):
@@ -77,6 +89,9 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys, trained_r
     bad.write_text(re.sub(r"lr: [0-9.e-]+", "lr: 1.0e+6",
                           text.replace("name: synthetic_deeplabv3", "name: broken")
                           .replace("method: cals_alm", "method: mbls")))
+    # its seed 1 fails without a training: a folder of that name left by an earlier call with
+    # another config (never overwritten; compare trains two runs, seed 0 of it and seed 1 of ce)
+    _leftover_with_another_config(bad, 1, tmp_path / "cmp", [*sets, "train.epochs=2"])
     configs = [str(ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"),
                str(ROOT / "configs" / "synthetic_deeplabv3_cals_alm.yaml"), str(bad)]
     out = tmp_path / "cmp"
@@ -87,6 +102,8 @@ def test_compare_two_methods_two_seeds_and_a_failure(tmp_path, capsys, trained_r
     text = (out / "results.md").read_text()
     assert "| ce | 2 |" in text and "| cals_alm | 2 |" in text and " ± " in text
     assert "Failed runs" in text and "mbls, seed 0" in text and "optim.lr" in text
+    assert "mbls, seed 1" in text and "another config (differs in train.epochs)" in text
+    assert not (out / "runs" / "broken_seed1" / "checkpoint_best.pt").exists()
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [r["method"] for r in rows] == ["ce", "cals_alm", "mbls"]
     assert float(rows[0]["ece_mean"]) > 0 and rows[2]["failed"] == "2"
