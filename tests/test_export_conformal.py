@@ -28,19 +28,24 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
     """A random-weight run of the synthetic setup and a folder of two images whose sides are
-    no multiple of the network's stride (16). The network: timm's ResNet-10-T to its third
-    stage, of output stride 16 (random weights), whose program torch.export traces, saves and
-    loads in half the time of the MobileNetV3 of untrained_seg_run (the cost goes with the
-    number of operations and of symbolic sizes); these tests check the sets, not the
-    network."""
+    no multiple of the network's stride (16). The network: tests/test_export_calibrators.py's
+    two convolutions of stride 4 (model.arch external, output stride 16, random weights, its
+    factory allowed for this run as a command that makes a run from a config allows it), whose
+    program torch.export traces, saves and loads in a fraction of the time of a timm encoder's
+    (the cost goes with the number of operations and of symbolic sizes); these tests check
+    the sets, not the network."""
     from cals_seg.evaluation.inference import input_multiple
+    from cals_seg.models.consent import remember
     from cals_seg.runs.run import load_run
+
+    from .test_export_calibrators import FACTORY
 
     tmp = tmp_path_factory.mktemp("export_conformal")
     run = untrained_seg_run(tmp / "run", tmp / "data", sets=[
         "data.synthetic={num_train: 30, num_test: 2, image_size: 32}",
-        "model.encoder_name=tu-resnet10t",
-        "model.params={encoder_output_stride: 16, decoder_channels: 16, encoder_depth: 4}"])
+        "model.arch=external", f"model.factory={FACTORY}", "model.output_stride=16",
+        "model.params={}"])
+    remember(run, FACTORY)
     assert input_multiple(load_run(run, device="cpu", amp="none").model) == 16
     images = tmp / "images"
     images.mkdir()
