@@ -75,8 +75,8 @@ def test_calibrator_program_in_both_formats_equals_forward(run, name):
     for fmt in ("pt2", "onnx"):
         program = _Both(calibrator.export_module(fmt), calibrator.needs_image)
         example = batches[0]
-        # traced once when both formats get the same program (all but cms_ap's and cms_op's,
-        # whose ONNX one ranks with topk)
+        # traced once when both formats get the same program (all but cms_op's, whose ONNX
+        # one ranks with topk; cms_ap ranks nothing: tested below)
         same = [e for p, e in traced.values() if _same_program(p, program)]
         exported = same[0] if same else torch.export.export(
             program, example, dynamic_shapes={"logits": sizes, "image": sizes})
@@ -104,6 +104,19 @@ def test_calibrator_program_in_both_formats_equals_forward(run, name):
                 got = call(logits, image)
             assert (got.softmax(1) - want.softmax(1)).abs().max() <= 1e-5, (name, fmt)
             assert torch.equal(got.argmax(dim=1), want.argmax(dim=1)), (name, fmt)
+
+
+def test_expert_affine_ranks_with_topk_in_order_mode_only():
+    """cms_op's ONNX module ranks with topk (no stable sort in ONNX); cms_ap's ranks nothing,
+    so both formats get the same module, traced once above."""
+    from cals_seg.calibrators._export import ExpertAffine
+
+    weight, bias = torch.randn(4, 3, 3), torch.randn(4, 3)
+    assert ExpertAffine(weight, bias, "order", topk=True).topk
+    assert _same_program(ExpertAffine(weight, bias, "argmax", topk=True),
+                         ExpertAffine(weight, bias, "argmax", topk=False))
+    assert not _same_program(ExpertAffine(weight, bias, "order", topk=True),
+                             ExpertAffine(weight, bias, "order", topk=False))
 
 
 def _same_program(a: torch.nn.Module, b: torch.nn.Module) -> bool:

@@ -190,7 +190,8 @@ class ExpertAffine(nn.Module):
         weight: ``(K, K - 1, K - 1)``; bias: ``(K, K - 1)``; mode: ``argmax`` or ``order``.
         topk: rank the classes with ``topk`` (ONNX's ``TopK``, which puts equal values in
             class order, as the stable sort of the eager map does) instead of a stable sort
-            (which ONNX has not).
+            (which ONNX has not). Mode ``order`` only: ``argmax`` ranks nothing, so its
+            module (and its traced program) is the same for both formats.
 
     Shape:
         - logits: ``(N, K, *S)`` -> same shape.
@@ -198,7 +199,7 @@ class ExpertAffine(nn.Module):
 
     def __init__(self, weight: Tensor, bias: Tensor, mode: str, topk: bool = False) -> None:
         super().__init__()
-        self.mode, self.topk = mode, topk
+        self.mode, self.topk = mode, bool(topk) and mode == "order"
         self.register_buffer("weight", weight.detach().to("cpu", torch.float32).clone())
         self.register_buffer("bias", bias.detach().to("cpu", torch.float32).clone())
         k = weight.shape[0]
