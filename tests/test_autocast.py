@@ -223,10 +223,17 @@ def test_auto_is_float32_for_inference_on_every_cpu(native, monkeypatch):
     assert precision.resolve_amp("bf16", cpu, warn=False, inference=True) == "bf16"  # asked
 
 
+# The program the export below saved (export_run -> torch.export.save), as it was saved: this
+# process's CPU kind runs it without reading the file back (torch.export.load parses every
+# symbolic size of the 500 nodes with sympy: seconds); the AVX2 kind's process loads the file.
+SAVED: dict = {}
+
+
 @pytest.fixture(scope="module")
 def precision_run(tmp_path_factory):
     """A run whose config says train.amp: auto (as the setup files), its exported .pt2 (the
-    default export) and an image whose sides are no multiple of the stride (16)."""
+    default export; the program saved kept in :data:`SAVED`) and an image whose sides are no
+    multiple of the stride (16)."""
     from PIL import Image
 
     from cals_seg.config.schema import load_config, save_config
@@ -247,13 +254,22 @@ def precision_run(tmp_path_factory):
     (run / "temperature.json").write_text('{"temperature": 1.3}')
     (tmp / "images").mkdir()
     Image.fromarray(_image(37, 45, 7)).save(tmp / "images" / "a.png")
-    export_run(run, tmp / "model.pt2", "pt2")
+    save = torch.export.save
+
+    def keeping(program, path, *args, **kwargs):
+        SAVED[str(path)] = program
+        return save(program, path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.export, "save", keeping)
+        export_run(run, tmp / "model.pt2", "pt2")
+    assert list(SAVED) == [str(tmp / "model.pt2")]
     return run, tmp / "images" / "a.png", tmp / "model.pt2"
 
 
 # Run in a fresh process (so that a CPU kind can be set before torch loads; this process's own
-# kind: run here): predict_seg's default probabilities of the image (its own loading and path)
-# and the default .pt2's.
+# kind: run here, with the program as saved, PROGRAM): predict_seg's default probabilities of
+# the image (its own loading and path) and the default .pt2's.
 _BOTH = r"""
 import sys, numpy as np, torch
 from PIL import Image
@@ -266,8 +282,11 @@ image = np.asarray(Image.open(image_file).convert("RGB"))
 pred = predict_image(loaded.model, image, temperature, loaded.protocol, loaded.precision,
                      return_probs=True)
 pixels = torch.from_numpy(image.astype(np.float32)).permute(2, 0, 1)[None].contiguous()
+program = globals().get("PROGRAM")
+if program is None:
+    program = torch.export.load(program_file)
 with torch.no_grad():
-    exported = torch.export.load(program_file).module()(pixels)
+    exported = program.module()(pixels)
 np.savez(out + ".npz", predict=pred.probs.numpy(), export=exported.numpy(),
          precision=loaded.precision, kind=torch.backends.cpu.get_cpu_capability())
 """
@@ -283,11 +302,12 @@ def _both(precision_run, tmp_path, env):
     run, image, program = precision_run
     out = str(tmp_path / f"both_{len(env)}")
     argv = [str(run), str(image), str(program), out]
-    if not env:  # this process's own CPU kind: the same script, run here (one process less)
-        from unittest import mock
+    if not env:  # this process's own CPU kind: the same script, run here (one process less),
+        from unittest import mock  # on the program export_run saved (not read back)
 
         with mock.patch.object(sys, "argv", ["-c", *argv]):
-            exec(compile(_BOTH, "<both>", "exec"), {"__name__": "__main__"})
+            exec(compile(_BOTH, "<both>", "exec"),
+                 {"__name__": "__main__", "PROGRAM": SAVED[str(program)]})
         return np.load(out + ".npz")
     done = subprocess.run([sys.executable, "-c", _BOTH, *argv], env={**os.environ, **env},
                           capture_output=True, text=True,
@@ -299,8 +319,9 @@ def _both(precision_run, tmp_path, env):
 def test_predict_seg_default_equals_the_default_export_on_every_cpu_kind(precision_run,
                                                                             tmp_path):
     """predict_seg RUN img and the default export of RUN: every probability within 1e-4, on
-    this CPU and on the AVX2 kind (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2); and the
-    two kinds give predict_seg the same probabilities."""
+    this CPU (the program as saved) and on the AVX2 kind (ATEN_CPU_CAPABILITY=avx2
+    ONEDNN_MAX_CPU_ISA=AVX2: the .pt2 file loaded); and the two kinds give predict_seg the same
+    probabilities."""
     import numpy as np
 
     here, avx2 = _both(precision_run, tmp_path, {}), _both(precision_run, tmp_path, AVX2)
