@@ -29,6 +29,59 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(1, 3, 37, 45), (3, 3, 64, 64), (2, 3, 50, 33)]
 
 
+def small_lraspp(num_classes: int = 11):
+    """The factory ``tests.test_export:small_lraspp``: torchvision's LRASPP head (its pooled
+    branch, its ``{"out": ...}`` dict) on four stride-2 convolutions instead of MobileNetV3
+    (low features at stride 8, high at 16, as there): what torch.export traces is a few
+    operations, the pooled branch's 1 x 1 case the same."""
+    from torch import nn
+    from torchvision.models._utils import IntermediateLayerGetter
+    from torchvision.models.segmentation.lraspp import LRASPP
+
+    def block(c_in: int, c_out: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(c_in, c_out, 3, 2, 1), nn.BatchNorm2d(c_out),
+                             nn.Hardswish())
+
+    torch.manual_seed(0)
+    body = nn.Sequential(block(3, 8), block(8, 8), block(8, 16), block(16, 32))
+    return LRASPP(IntermediateLayerGetter(body, {"2": "low", "3": "high"}), 16, 32, num_classes,
+                  inter_channels=16)
+
+
+def _import_config(folder: Path, model: dict) -> Path:
+    """``folder/config.yaml`` for tools/import_model.py: the synthetic set at 32 x 32 (2
+    training images, half of them validation, and 1 test image) and ``model``."""
+    import yaml
+
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "data": {"name": "synthetic", "root": str(folder / "data"), "num_classes": 11,
+                 "crop_size": 32, "val_fraction": 0.5,
+                 "synthetic": {"num_train": 2, "num_test": 1, "image_size": 32}},
+        "model": {"arch": "external", **model},
+        "train": {"device": "cpu", "amp": "none", "progress": False},
+        "eval": {"batch_size": 2, "num_maps": 0}}))
+    return config
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """A run imported by tools/import_model.py from :func:`small_lraspp` (random weights),
+    padded to an output stride of 16 as the setup's DeepLabV3 (read only), and its network."""
+    import warnings
+
+    from cals_seg.runs.run import load_run
+
+    folder = tmp_path_factory.mktemp("small")
+    config = _import_config(folder, {"factory": "tests.test_export:small_lraspp",
+                                     "output_stride": 16})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a random network's temperature at the boundary
+        assert load_tool("import_model").main([str(config), "--out", str(folder / "run")]) == 0
+    model = load_run(folder / "run", device="cpu", amp="none").model
+    return folder / "run", model
+
+
 @pytest.fixture(scope="module")
 def run(trained_run):
     """The session's one-epoch run (the setup's ResNet-18 DeepLabV3, its fitted temperature;
@@ -121,8 +174,11 @@ def test_onnx_model_equals_pytorch(run, onnx_export, tmp_path):
         assert (got - want).abs().max() <= 1e-4, (shape, float((got - want).abs().max()))
 
 
-def test_tool_exports_logits(run, tmp_path, capsys):
-    run_dir, model, _ = run
+def test_tool_exports_logits(small_run, tmp_path, capsys):
+    """--logits: the network's logits, padded to its stride and cropped (the setup's network's
+    program: test_pt2_program_equals_pytorch; here a small one of the same stride)."""
+    run_dir, model = small_run
+    assert input_multiple(model) == 16
     out = tmp_path / "logits.pt2"
     tool = load_tool("export")
     assert tool.main([str(run_dir), "--format", "pt2", "--out", str(out), "--logits"]) == 0
@@ -261,28 +317,22 @@ def test_unwritable_output_is_one_line(run, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "ro" / "m.pt2.json").exists()
 
 
-def test_torchvision_lraspp_exports_at_the_defaults(tmp_path, capsys):
+def test_torchvision_lraspp_exports_at_the_defaults(small_run, tmp_path, capsys):
     """torchvision's LRASPP imported with import_model exports at the default smallest side
     (found: 17, where its pooled branch's 1 x 1 case would tie the program; the fixed default of
-    16 ended in 77 lines of torch.export), and --min-size 16 is refused naming 17."""
-    import yaml
+    16 ended in 77 lines of torch.export), and --min-size 16 is refused naming 17 (on
+    :func:`small_lraspp`, the same head on a small body: the refusal traces twice)."""
     from torchvision.models.segmentation import lraspp_mobilenet_v3_large
 
     torch.manual_seed(0)
     net = lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=11).eval()
     torch.save(net.state_dict(), tmp_path / "lraspp.pt")
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({
-        "data": {"name": "synthetic", "root": str(tmp_path / "data"), "num_classes": 11,
-                 "crop_size": 32, "val_fraction": 0.5,
-                 "synthetic": {"num_train": 2, "num_test": 1, "image_size": 32}},
-        "model": {"arch": "external", "factory": "torchvision:lraspp_mobilenet_v3_large",
-                  "weights": str(tmp_path / "lraspp.pt")},
-        "train": {"device": "cpu", "amp": "none", "progress": False},
-        "eval": {"batch_size": 2, "num_maps": 0}}))
+    config = _import_config(tmp_path, {"factory": "torchvision:lraspp_mobilenet_v3_large",
+                                       "weights": str(tmp_path / "lraspp.pt")})
     run_dir = tmp_path / "run"
+    import_model = load_tool("import_model")  # before pytest.warns: the tools' warning printer
     with pytest.warns(UserWarning):  # a random network's temperature at the search boundary
-        assert load_tool("import_model").main([str(config), "--out", str(run_dir)]) == 0
+        assert import_model.main([str(config), "--out", str(run_dir)]) == 0
     out = tmp_path / "lraspp.pt2"
     assert load_tool("export").main([str(run_dir), "--format", "pt2", "--out", str(out)]) == 0, \
         capsys.readouterr().err
@@ -294,7 +344,7 @@ def test_torchvision_lraspp_exports_at_the_defaults(tmp_path, capsys):
         with torch.no_grad():
             assert program(x).shape == (1, 11, h, w)
     capsys.readouterr()
-    assert load_tool("export").main([str(run_dir), "--format", "pt2", "--out",
+    assert load_tool("export").main([str(small_run[0]), "--format", "pt2", "--out",
                                      str(tmp_path / "small.pt2"), "--min-size", "16"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "use --min-size 17" in err, err
