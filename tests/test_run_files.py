@@ -658,3 +658,51 @@ def test_every_kind_of_fit_of_an_evaluation_elsewhere_stays_with_it(base, tmp_pa
     after = tree()
     assert {"conformal_risk_lac_a0.4_s0.json", "drift_s0/ts.pt"} <= set(after)
     assert {k: v for k, v in after.items() if k in before} == before  # ts.pt reused, unchanged
+
+
+# ------------------------------------------------------------------------------ read first
+def test_a_damaged_checkpoint_is_refused_before_the_network_is_built(base, tmp_path,
+                                                                     monkeypatch):
+    """load_run reads the checkpoint (and refuses a damaged one, or a config.yaml cut short
+    against its copy) before it builds the network or reads the data: a refusal costs no
+    network, however large."""
+    from cals_seg.errors import CheckpointError, RunFileError
+    from cals_seg.runs.run import load_run
+
+    def built(*args, **kwargs):
+        raise AssertionError("the network was built before the checkpoint was read")
+
+    run = _copy(base, tmp_path)
+    best = run / "checkpoint_best.pt"
+    data = best.read_bytes()
+    best.unlink()
+    best.write_bytes(data[: len(data) // 2])
+    monkeypatch.setattr("cals_seg.tasks.segmentation.build_model", built)
+    monkeypatch.setattr("cals_seg.tasks.build_task", built)
+    for with_data in (False, True):
+        with pytest.raises(CheckpointError, match="checkpoint_best.pt"):
+            load_run(run, device="cpu", amp="none", with_data=with_data)
+    best.unlink()
+    best.write_bytes(data)
+    config = run / "config.yaml"
+    saved = yaml.safe_load(config.read_text())
+    del saved["train"]["epochs"]
+    config.write_text(yaml.safe_dump(saved, sort_keys=False))
+    with pytest.raises(RunFileError, match="config.yaml is damaged"):
+        load_run(run, device="cpu", amp="none")
+
+
+def test_a_load_parses_the_runs_config_once(base, tmp_path, monkeypatch):
+    """config.yaml, checked as a saved config and then against the checkpoint's own copy, is
+    parsed by PyYAML once per text (the parse was most of each check)."""
+    from cals_seg.runs import run as lib
+
+    run = _copy(base, tmp_path)
+    config = run / "config.yaml"
+    config.write_text(config.read_text() + "# a text no other test parsed\n")
+    parsed = []
+    real = yaml.safe_load
+    monkeypatch.setattr(yaml, "safe_load", lambda text: parsed.append(text) or real(text))
+    loaded = lib.load_run(run, device="cpu", amp="none")
+    assert loaded.epoch == 0
+    assert parsed.count(config.read_text()) == 1

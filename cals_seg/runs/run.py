@@ -51,6 +51,7 @@ exporting) nothing but the run folder is read.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
@@ -305,7 +306,7 @@ class Run:
         if not raw.strip():
             raise RunFileError(path, "is empty (the write that made it did not finish)", fix)
         try:
-            data = yaml.safe_load(raw.decode("utf-8-sig"))
+            data = _parsed_config(raw.decode("utf-8-sig"))
         except UnicodeDecodeError:
             raise RunFileError(path, "is not YAML (it holds binary bytes)", fix) from None
         except yaml.YAMLError as err:
@@ -617,6 +618,16 @@ class Run:
 LoadedRun = Run
 
 
+@functools.lru_cache(maxsize=8)
+def _parsed_config(text: str) -> Any:
+    """``yaml.safe_load(text)``, remembered for the same text: a command checks the run's
+    config.yaml twice (as a saved config, then against the checkpoint's own copy), and
+    PyYAML's pure-Python parser is most of each check. Read only (shared by the callers)."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
 def _is_epoch_record(record: Mapping[str, Any]) -> bool:
     """A history line the readers can use: an integer ``epoch >= 0``."""
     epoch = record.get("epoch")
@@ -791,6 +802,16 @@ def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: b
             else "tools/eval_seg.py or tools/predict_seg.py"
         raise UserError(f"{folder} is a {found} run ({cfg.data.name!r}); this command needs a "
                         f"{family} run: use {tools} for it.")
+    if not with_data and found != "segmentation" and \
+            DATASETS[cfg.data.name].kind != "classification":  # text
+        raise UserError(f"{folder} is a text run: its vocabulary is built from the training "
+                        "split, so loading it needs its data (with_data=True).")
+    # the checkpoint read, and a damaged one or a config.yaml cut short refused, before the
+    # network is built and the data read
+    run = Run(folder)
+    state = run.read_checkpoint(file)
+    if own_config and isinstance(state.get("config"), Mapping):  # cut short: not "another" one
+        run.check_config_file(state["config"], file)
     task = None
     if with_data:
         task = build_task(cfg)
@@ -800,22 +821,15 @@ def _load(cfg: Config, folder: Path, file: Path, config_file: Path, with_data: b
 
         model = build_model(cfg, encoder_weights=None)  # every weight comes from the checkpoint
         protocol, names = eval_protocol(cfg, model), class_names(cfg)
-    elif DATASETS[cfg.data.name].kind == "classification":  # images: the timm model alone
+    else:  # image classification: the timm model alone
         from cals_seg.models.classification import build_classification_model
 
         model = build_classification_model(cfg.model.encoder_name, cfg.data.num_classes, None,
                                            **cfg.model.params)
         protocol, names = None, None  # the names the checkpoint records, read below
-    else:  # text: the vocabulary is made from the training split
-        raise UserError(f"{folder} is a text run: its vocabulary is built from the training "
-                        "split, so loading it needs its data (with_data=True).")
-    run = Run(folder)
-    state = run.read_checkpoint(file)
     if names is None:
         names = class_names_or_default(cfg.data.class_names or state.get("class_names"),
                                        cfg.data.num_classes)
-    if own_config and isinstance(state.get("config"), Mapping):  # cut short: not "another" one
-        run.check_config_file(state["config"], file)
     load_weights(model, state, file, config_file, cfg.data.num_classes)
     dev = resolve_device(cfg.train.device)
     # auto: float32 on every CPU for an evaluation, a prediction or an export (bf16 only when
