@@ -347,7 +347,7 @@ def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
     """Every broken fit file ends predict_seg (and export) with one line naming the file and
     the refit command, a non-zero exit, no traceback and no output, when the validation images
     cannot be read to refit it; when they can, it is refitted with a line naming it."""
-    from cals_seg.runs.run import Run
+    from cals_seg.runs import run as runs_run
 
     run = _run(tmp_path, "r")
     assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"),
@@ -356,15 +356,15 @@ def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
     path = run / "calibrators" / "conformal_risk_lac_a0.3_s0.json"
     text = path.read_text()
     d = json.loads(text)
-    path.write_text("{")  # damaged, the data readable: refitted, the run's checkpoint read once
-    reads = []
+    path.write_text("{")  # damaged, the data readable: refitted, the run loaded once
+    loads = []
     with pytest.MonkeyPatch.context() as patch:
-        read = Run.read_checkpoint
-        patch.setattr(Run, "read_checkpoint",
-                      lambda self, *args, **kwargs: reads.append(1) or read(self, *args, **kwargs))
+        load = runs_run.load_run
+        patch.setattr(runs_run, "load_run",
+                      lambda *args, **kwargs: loads.append(args) or load(*args, **kwargs))
         code, out, err = _predict(run, tmp_path, "remade", ["alpha=0.3"], capsys)
     assert code == 0 and path.name in out and "refitting" in out, err
-    assert len(reads) == 1  # the refit builds the run's task, it does not load the run again
+    assert len(loads) == 1  # the refit builds the run's task, it does not load the run again
     assert json.loads(path.read_text())["threshold"] == d["threshold"]
     data = tmp_path / "data30"
     data.rename(tmp_path / "data30.away")  # the validation images cannot be read: refused
