@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from ._s15_d import clean_figures_left_out, networks_built_once, seeded_networks
-from .conftest import load_tool, untrained_seg_run
+from .conftest import copy_run, load_tool, untrained_seg_run
 
 ROOT = Path(__file__).resolve().parents[1]
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn), eval_seg's
@@ -226,7 +226,22 @@ def _changed(value):
     return {**value, "changed": 1}
 
 
-def test_a_fit_is_used_only_for_what_it_was_fitted_for(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory) -> Path:
+    """A random-weight run (:func:`_run`, 6 validation images) with the conformal fits that
+    eval_seg saved into it (``--save-calibrators-to-run --conformal alpha=0.3``, with seed=1,
+    then with the default seed 0). Read only: a test that changes it works on a copy
+    (conftest.copy_run), which reads the same data folder."""
+    tmp = tmp_path_factory.mktemp("evaluated")
+    run = _run(tmp, "r")
+    for seed in (["seed=1"], []):
+        assert load_tool("eval_seg").main([str(run), "--out", str(tmp / "e"),
+                                           "--save-calibrators-to-run", "--conformal",
+                                           "alpha=0.3", *seed]) == 0
+    return run
+
+
+def test_a_fit_is_used_only_for_what_it_was_fitted_for(tmp_path, capsys, evaluated):
     """eval_seg saves each fit with its record; predict_seg reuses it when every recorded
     field matches, refits it (data readable) or refuses in one line naming the file and the
     key (data unreadable) when any one differs; a seed=1 fit is never used for seed=0."""
@@ -235,13 +250,7 @@ def test_a_fit_is_used_only_for_what_it_was_fitted_for(tmp_path, capsys):
     from cals_seg.tasks.segmentation import segmentation_splits
     from cals_seg.utils.fits import file_digest, ids_digest
 
-    run = _run(tmp_path, "r")
-    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"),
-                                       "--save-calibrators-to-run", "--conformal",
-                                       "alpha=0.3", "seed=1"]) == 0
-    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"),
-                                       "--save-calibrators-to-run", "--conformal",
-                                       "alpha=0.3"]) == 0
+    run = copy_run(evaluated, tmp_path)  # eval_seg's fits of seed 1 and seed 0
     folder = run / "calibrators"
     s0, s1 = folder / "conformal_risk_lac_a0.3_s0.json", folder / "conformal_risk_lac_a0.3_s1.json"
     saved = json.loads(s0.read_text())
@@ -343,16 +352,14 @@ BROKEN = {
 }
 
 
-def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
+def test_saved_fits_are_validated_like_a_config(tmp_path, capsys, evaluated):
     """Every broken fit file ends predict_seg (and export) with one line naming the file and
     the refit command, a non-zero exit, no traceback and no output, when the validation images
     cannot be read to refit it; when they can, it is refitted with a line naming it."""
+    from cals_seg.config.schema import load_config
     from cals_seg.runs import run as runs_run
 
-    run = _run(tmp_path, "r")
-    assert load_tool("eval_seg").main([str(run), "--out", str(tmp_path / "e"),
-                                       "--save-calibrators-to-run", "--conformal",
-                                       "alpha=0.3"]) == 0
+    run = copy_run(evaluated, tmp_path)  # eval_seg --save-calibrators-to-run --conformal 0.3
     path = run / "calibrators" / "conformal_risk_lac_a0.3_s0.json"
     text = path.read_text()
     d = json.loads(text)
@@ -366,8 +373,22 @@ def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
     assert code == 0 and path.name in out and "refitting" in out, err
     assert len(loads) == 1  # the refit builds the run's task, it does not load the run again
     assert json.loads(path.read_text())["threshold"] == d["threshold"]
-    data = tmp_path / "data30"
-    data.rename(tmp_path / "data30.away")  # the validation images cannot be read: refused
+    data = Path(load_config(run / "config.yaml").data.root)
+    away = data.with_name(data.name + ".away")
+    data.rename(away)  # the validation images cannot be read: refused
+    try:
+        _each_broken_fit_refused(run, path, text, d, tmp_path, capsys)
+    finally:
+        away.rename(data)
+    path.write_text(text)
+    code, _, err = _predict(run, tmp_path, "ok", ["alpha=0.3"], capsys)
+    assert code == 0, err
+
+
+def _each_broken_fit_refused(run: Path, path: Path, text: str, d: dict, tmp_path: Path,
+                             capsys) -> None:
+    """Each damage of :data:`BROKEN` written into ``path`` (the validation images away):
+    predict_seg refused in one line, and export too for four of them."""
     for i, (name, make) in enumerate(BROKEN.items()):
         broken = make(text, d)
         if name in ("alpha NaN", "bands inf"):
@@ -385,10 +406,6 @@ def test_saved_fits_are_validated_like_a_config(tmp_path, capsys):
             line = _one_line_error(capsys.readouterr().err)
             assert str(path) in line and "eval_seg" in line
             assert not (tmp_path / f"m{i}.pt2").exists()
-    (tmp_path / "data30.away").rename(data)
-    path.write_text(text)
-    code, _, err = _predict(run, tmp_path, "ok", ["alpha=0.3"], capsys)
-    assert code == 0, err
 
 
 # --------------------------------------------------------------------------------------------
