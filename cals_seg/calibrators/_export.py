@@ -94,7 +94,8 @@ def graph_squared_distance(boundary: Tensor, limit: int) -> Tensor:
     w = g2.shape[2]
     out = g2
     for dx in range(1, r + 1):
-        near = torch.minimum(padded[:, :, r - dx:r - dx + w], padded[:, :, r + dx:r + dx + w])
+        # narrow (start, length): no symbolic end to compute per offset, as a slice has
+        near = torch.minimum(padded.narrow(2, r - dx, w), padded.narrow(2, r + dx, w))
         out = torch.minimum(out, near + dx * dx)
     return out.clamp(max=limit)
 
