@@ -62,7 +62,7 @@ def sweep(tmp_path_factory, trained_run):
     copy_run(trained_run.folder, out / "runs")
     here = [_train_here(out, margin, sets) for margin in SWEEP_MARGINS]
     printed = io.StringIO()
-    # the runs' figures (subprocesses) are not what this file checks
+    # the runs' figures (subprocesses, were a run not reused) are not what this file checks
     with children_undrawn(), contextlib.redirect_stdout(printed):
         rc = load_tool("margin").main(
             ["sweep", str(ROOT / "configs" / "synthetic_deeplabv3.yaml"), "--margins",
