@@ -212,25 +212,29 @@ class ExpertAffine(nn.Module):
         work = logits.float()
         rows = work.movedim(1, -1).reshape(-1, k)
         top = rows.argmax(dim=1, keepdim=True)
-        out = torch.zeros_like(rows)
+        # columns read with narrow and the zeros made once: one traced node per read (a slice
+        # `x[:, a:b]` is two), none per class for the zeros
+        blank = torch.zeros_like(rows)
+        zero = blank.narrow(1, 0, 1)
+        out = blank
         weight, bias = self.weight.to(rows.dtype), self.bias.to(rows.dtype)
         if self.mode == "argmax":
             for c in range(k):
-                gaps = rows[:, c:c + 1] - rows.index_select(1, self.competitors[c])
+                gaps = rows.narrow(1, c, 1) - rows.index_select(1, self.competitors[c])
                 values = -(gaps @ weight[c].T + bias[c])
-                part = torch.cat([values[:, :c], torch.zeros_like(values[:, :1]),
-                                  values[:, c:]], dim=1)
+                part = torch.cat([values.narrow(1, 0, c), zero,
+                                  values.narrow(1, c, k - 1 - c)], dim=1)
                 out = torch.where(top == c, part, out)
         else:
             if self.topk:
                 values, perm = torch.topk(rows, k, dim=1, largest=True, sorted=True)
             else:
                 values, perm = torch.sort(rows, dim=1, descending=True, stable=True)
-            gaps = values[:, :-1] - values[:, 1:]
+            gaps = values.narrow(1, 0, k - 1) - values.narrow(1, 1, k - 1)
             for c in range(k):
                 steps = gaps @ weight[c].T + bias[c]
-                ranked = torch.cat([torch.zeros_like(steps[:, :1]), -steps.cumsum(dim=1)], dim=1)
-                part = torch.zeros_like(ranked).scatter(1, perm, ranked)
+                ranked = torch.cat([zero, -steps.cumsum(dim=1)], dim=1)
+                part = blank.scatter(1, perm, ranked)
                 out = torch.where(top == c, part, out)
         shape = (logits.shape[0], *logits.shape[2:], k)
         return out.reshape(shape).movedim(-1, 1).to(logits.dtype)
