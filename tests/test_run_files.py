@@ -32,6 +32,7 @@ from cals_seg.commands import compare, eval_seg, export, predict_seg, train_seg
 from cals_seg.runs.run import Run
 
 from ._networks import build_networks_once
+from ._s15_c import checkpoints_read_once
 from .conftest import SEG_SETUP, TRAINED_NAME, tiny_seg_sets
 
 pytestmark = pytest.mark.usefixtures("undrawn_figures", "no_clean_figures", "networks_once",
@@ -71,37 +72,12 @@ def networks_once():
         yield
 
 
-@pytest.fixture(scope="module")
-def checkpoints_read_once():
-    """Each checkpoint file read once (:func:`read_once`): every case's copy of the run
-    hard-links the base run's checkpoints, which each command read again."""
-    from cals_seg.runs import run as lib
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(lib, "load_checkpoint", read_once(lib.load_checkpoint))
+@pytest.fixture(scope="module", name="checkpoints_read_once")
+def _checkpoints_read_once():
+    """Each checkpoint file read once (:func:`tests._s15_c.read_once`): every case's copy of
+    the run hard-links the base run's checkpoints, which each command read again."""
+    with checkpoints_read_once():
         yield
-
-
-def read_once(load):
-    """``load`` (:func:`cals_seg.utils.io.load_checkpoint`) remembering what it read from each
-    file, known by its inode, size and modification time (a damaged file is a new one: it is
-    read for real, and a refusal is raised again each time); a later read of the same file gets
-    a copy (the tensors cloned: a resumed training steps its optimizer's state in place)."""
-    from torch.utils._pytree import tree_map
-
-    read: dict[tuple, dict] = {}
-
-    def load_once(path, map_location="cpu", fix=None):
-        try:
-            st = os.stat(path)
-        except OSError:
-            return load(path, map_location, fix)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, str(map_location))
-        if key not in read:
-            read[key] = load(path, map_location, fix)
-        return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, read[key])
-
-    return load_once
 
 
 def _main(module, argv: list[str], said: list[str] | None = None) -> int:
