@@ -60,15 +60,8 @@ def test_onnx_model_equals_predict_seg(run, tmp_path, name):
 def test_calibrator_program_in_both_formats_equals_forward(run, name):
     """Each fitted calibrator's own program (export_module), traced with dynamic N, H, W and
     run by torch.export and by onnxruntime, equals its forward on logits with regions of every
-    class: within 1e-5, labels exactly.
-
-    The ONNX conversion here is the exporter's translation without onnxscript's optimiser
-    (optimize=False: about 40% of each conversion's seconds): what is checked is that ONNX and
-    onnxruntime hold each calibrator's operations with their numbers. The optimised file users
-    get (export_run keeps the optimiser) is checked against the PyTorch program by the export
-    itself (onnx_check, refused beyond ONNX_TOLERANCE) and against predict_seg by
-    test_onnx_model_equals_predict_seg (boundary_ts_conf in make test, every calibrator in the
-    slow run)."""
+    class: within 1e-5, labels exactly. The ONNX program is converted as export_run converts
+    it (onnxscript's optimiser on: the graph users get) and run from memory."""
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     from cals_seg.calibrators import load_calibrator
@@ -95,7 +88,7 @@ def test_calibrator_program_in_both_formats_equals_forward(run, name):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 converted = torch.onnx.export(exported, example, dynamo=True, verbose=False,
-                                              input_names=["logits", "image"], optimize=False)
+                                              input_names=["logits", "image"])
             session = ort.InferenceSession(converted.model_proto.SerializeToString(),
                                            providers=["CPUExecutionProvider"])
             inputs = [i.name for i in session.get_inputs()]
