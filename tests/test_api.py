@@ -22,6 +22,32 @@ def test_import_does_not_pull_heavy_dependencies():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_commands_import_the_network_and_augmentation_libraries_when_they_use_them():
+    """The modules every command imports load no network library (smp, timm) and no
+    augmentation library (albumentations: about a second of imports); building a pipeline
+    loads albumentations, and the pipelines still work."""
+    code = (
+        "import sys\n"
+        "import cals_seg.commands.eval_seg, cals_seg.commands.predict_seg, cals_seg.runs.run\n"
+        "import cals_seg.tasks, cals_seg.data.transforms, cals_seg.data.classification\n"
+        "lazy = ('albumentations', 'segmentation_models_pytorch', 'timm')\n"
+        "early = [m for m in lazy if m in sys.modules]\n"
+        "assert not early, early\n"
+        "import numpy as np\n"
+        "from cals_seg.data.transforms import train_transform, eval_transform\n"
+        "from cals_seg.data.classification import classification_eval_transform\n"
+        "image, mask = np.zeros((5, 9, 3), np.uint8), np.zeros((5, 9), np.uint8)\n"
+        "out = train_transform(8)(image=image, mask=mask)\n"
+        "assert tuple(out['image'].shape) == (3, 8, 8), out['image'].shape\n"
+        "assert str(out['mask'].dtype) == 'torch.int64', out['mask'].dtype\n"
+        "out = eval_transform(None)(image=image, mask=mask)\n"
+        "assert tuple(out['image'].shape) == (3, 5, 9), out['image'].shape\n"
+        "assert tuple(classification_eval_transform(8)(image).shape) == (3, 8, 8)\n"
+        "assert 'albumentations' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_public_names():
     from cals_seg.calibrators.ts import TemperatureScaler, fit_temperature
     from cals_seg.losses import LOSSES, build_loss

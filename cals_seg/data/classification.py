@@ -25,17 +25,18 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import albumentations as A
 import numpy as np
-from albumentations.pytorch import ToTensorV2
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from cals_seg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from cals_seg.errors import DataError, MissingPathError
 from cals_seg.utils.paths import check_id, read_lines
+
+if TYPE_CHECKING:
+    import albumentations as A
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 Sample = tuple[str, int]
@@ -54,6 +55,8 @@ class ClassificationTransform:
     """
 
     def __init__(self, transforms: list[A.BasicTransform]) -> None:
+        import albumentations as A  # (about a second of imports: when a pipeline is built)
+
         self.compose = A.Compose(transforms)
 
     def __call__(self, image: np.ndarray) -> Tensor:
@@ -73,6 +76,9 @@ def classification_train_transform(
     contrast and saturation by ``1 +- color_jitter``, hue untouched; skipped when 0), then
     normalisation and, with probability ``random_erasing``, one rectangle of 2-33% of the area
     set to 0 (the dataset mean after normalisation)."""
+    import albumentations as A
+    from albumentations.pytorch import ToTensorV2
+
     ops: list[A.BasicTransform] = [
         A.RandomResizedCrop(size=(image_size, image_size), scale=tuple(crop_scale)),
         A.HorizontalFlip(p=0.5),
@@ -97,6 +103,9 @@ def classification_eval_transform(
         raise ValueError(
             f"Expected the eval resize ({resize}) to be at least image_size ({image_size})."
         )
+    import albumentations as A
+    from albumentations.pytorch import ToTensorV2
+
     return ClassificationTransform(
         [
             A.SmallestMaxSize(max_size=resize),

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import albumentations as A
 import cv2
 import numpy as np
 import torch
-from albumentations.pytorch import ToTensorV2
+
+if TYPE_CHECKING:
+    import albumentations as A
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
@@ -36,6 +37,8 @@ class SegmentationTransform:
     """
 
     def __init__(self, transforms: list[A.BasicTransform]) -> None:
+        import albumentations as A  # (about a second of imports: when a pipeline is built)
+
         self.compose = A.Compose(transforms)
         self.extras: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {}
 
@@ -65,6 +68,9 @@ class SegmentationTransform:
 
 
 def _normalise_and_tensor() -> list[A.BasicTransform]:
+    import albumentations as A
+    from albumentations.pytorch import ToTensorV2
+
     return [A.Normalize(mean=IMAGENET_MEAN, std=IMAGENET_STD), ToTensorV2()]
 
 
@@ -99,6 +105,8 @@ def train_transform(
     if not 0 < low <= high:
         raise ValueError(f"Expected `scale_range` to be (low, high) with 0 < low <= high, but got "
                          f"{scale_range}.")
+    import albumentations as A
+
     steps: list[A.BasicTransform] = []
     if (low, high) != (1.0, 1.0):
         steps.append(A.RandomScale(scale_limit=(low - 1.0, high - 1.0),
@@ -158,6 +166,8 @@ def eval_transform(
     Returns:
         A pipeline producing ``image (3, size, size)`` and ``mask (size, size)``.
     """
+    import albumentations as A
+
     to_multiple = [] if multiple <= 1 else [A.PadIfNeeded(
         min_height=None, min_width=None, pad_height_divisor=multiple, pad_width_divisor=multiple,
         position="top_left", border_mode=cv2.BORDER_CONSTANT, fill=0, fill_mask=ignore_index)]
