@@ -202,12 +202,14 @@ def test_classification_config_rejects_void_label_255(tmp_path):
 
 
 # ----------------------------------------------------------------------------- embedded set
-SMALL = {"max_train": 120, "min_train": 5, "num_val": 4, "num_test": 6, "image_size": 16}
+# 101 ... 2 training images per class (281 in all): still one class of each shot group (many
+# > 100, medium 20-100, few < 20), the smallest set that has all three.
+SMALL = {"max_train": 101, "min_train": 2, "num_val": 4, "num_test": 6, "image_size": 16}
 
 
 def test_synthetic_set_is_long_tailed_and_deterministic(tmp_path):
-    counts = long_tail_counts(10, 120, 5)
-    assert counts[0] == 120 and counts[-1] == 5 and counts == sorted(counts, reverse=True)
+    counts = long_tail_counts(10, 101, 2)
+    assert counts[0] == 101 and counts[-1] == 2 and counts == sorted(counts, reverse=True)
     a = generate_synthetic_images(tmp_path / "a", **SMALL)
     b = generate_synthetic_images(tmp_path / "b", **SMALL)
     files = sorted(p.relative_to(a) for p in a.rglob("*.png"))
@@ -286,7 +288,7 @@ def test_two_epoch_run_of_embedded_config(tmp_path, method, capsys):
     assert test["post_ts"]["acc"] == pytest.approx(acc, abs=1e-12)  # T never changes the argmax
     assert test["pre_ts"]["count"] == n
     counts = test["pre_ts"]["class_counts"]
-    assert sorted(counts, reverse=True) == long_tail_counts(10, 120, 5)
+    assert sorted(counts, reverse=True) == long_tail_counts(10, 101, 2)
     for key in ("pre_ts", "post_ts"):
         block = test[key]
         for metric in ("acc", "ece", "aece", "cwce", "nll"):
