@@ -33,6 +33,7 @@ from cals_seg.losses.temperature_stats import (
     largest_gap_bound,
     mean_confidence,
     solve_temperature,
+    solve_temperature_at,
     temperature_interval,
 )
 
@@ -455,6 +456,35 @@ def test_rate_limit_on_random_histograms():
             assert new == pytest.approx(init * rate if target > init else init / rate, rel=1e-12)
             seen["limited"] += 1
     assert min(seen.values()) >= 20, seen  # every branch was exercised
+
+
+def test_solve_equals_a_bisection_of_mean_confidence():
+    # The rule's solve (non-empty bins in NumPy, one copy of the histogram) is the same
+    # bisection as one on the public mean_confidence, up to float64 rounding: sparse and dense
+    # histograms, mass in the open last bin, two and many classes, both ends of the range.
+    def reference(hist, accuracy, k):
+        lo, hi = math.log(T_RANGE[0]), math.log(T_RANGE[1])
+        if mean_confidence(hist, k, T_RANGE[0]) <= accuracy:
+            return T_RANGE[0]
+        if mean_confidence(hist, k, T_RANGE[1]) >= accuracy:
+            return T_RANGE[1]
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if mean_confidence(hist, k, math.exp(mid)) > accuracy else (lo, mid)
+        return math.exp(0.5 * (lo + hi))
+
+    g = torch.Generator().manual_seed(5)
+    for case in range(24):
+        k = (2, 7, 150)[case % 3]
+        n = (3, 400)[case % 2]
+        hist = torch.bincount(torch.randint(0, NUM_BINS, (n,), generator=g),
+                              minlength=NUM_BINS).double()
+        hist[-1] += case % 4  # the open last bin, at its left edge
+        for accuracy in (0.0, 0.2, float(torch.rand(1, generator=g)), 0.95, 1.0):
+            got, want = solve_temperature_at(hist, accuracy, k), reference(hist, accuracy, k)
+            assert got == pytest.approx(want, rel=1e-12), (case, accuracy)
+            if T_RANGE[0] < got < T_RANGE[1]:
+                assert mean_confidence(hist, k, got) == pytest.approx(accuracy, rel=1e-9)
 
 
 def test_margin_walk_stays_in_bounds_and_rate():
