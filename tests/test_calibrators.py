@@ -352,7 +352,7 @@ def test_test_pass_evaluates_every_calibrator_in_one_pass():
 
 # ----------------------------------------------------------------------------- eval_seg
 @pytest.mark.filterwarnings("ignore:boundary_ts", "ignore:The validation NLL is minimal")
-def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys):
+def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys, monkeypatch):
     """eval_seg --calibrators: fitted on validation, saved in the run, evaluated in the same
     pass as pre/post-TS; the ts calibrator reproduces post-TS; a second call with the same
     parameters loads them; one with other parameters refits those they change, saying so."""
@@ -394,19 +394,31 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys):
     table = (tmp_path / "eval" / "calibrators.md").read_text()
     assert "band-weighted ECE" in table and "| boundary_ts |" in table
     assert (tmp_path / "eval" / "reliability_boundary_ts.png").is_file()
-    # A second call loads the saved calibrators and gives the same numbers.
+    # A second call loads the saved calibrators and gives the same numbers. The first call made
+    # the figures; the next two only mark where they would be made (numbers and fits checked).
     capsys.readouterr()
-    with figures_undrawn():
-        assert load_tool("eval_seg").main(base + params) == 0
+    import cals_seg.commands.eval_seg as eval_seg_command
+
+    def mark_figures(result: dict, out: Path, setup: str, split: str) -> None:
+        (out / "clean_figures.marked").write_text(",".join(result.get("calibrators", {})))
+
+    monkeypatch.setattr(eval_seg_command, "draw_clean_figures", mark_figures)
+    (tmp_path / "eval" / "reliability_boundary_ts.png").unlink()
+    assert load_tool("eval_seg").main(base + params) == 0
     again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert all(again["calibrator_fits"][n]["loaded"] for n in names)
+    assert (tmp_path / "eval" / "clean_figures.marked").read_text() == ",".join(names)
+    assert not (tmp_path / "eval" / "reliability_boundary_ts.png").exists()
     assert again["calibrators"] == cals
     assert "refitting" not in capsys.readouterr().err
     record = again["calibrator_fits"]["dirichlet"]["fitted_for"]
     assert record["params"]["max_iter"] == 5 and record["split"] == "val"
-    # Without the parameters: dirichlet and selective were fitted with others, so refit.
-    with figures_undrawn():
-        assert load_tool("eval_seg").main(base) == 0
+    # Other parameters for dirichlet and selective (ts and boundary_ts keep theirs): those two
+    # were fitted with others, so refit (still short fits: the record check is tested).
+    other = ["--calibrator-param", "selective.epochs=2", "dirichlet.max_iter=4"]
+    (tmp_path / "eval" / "clean_figures.marked").unlink()
+    assert load_tool("eval_seg").main(base + other) == 0
+    assert (tmp_path / "eval" / "clean_figures.marked").read_text() == ",".join(names)
     third = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert {n: third["calibrator_fits"][n]["loaded"] for n in names} == {
         "ts": True, "boundary_ts": True, "dirichlet": False, "selective": False}
