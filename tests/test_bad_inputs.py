@@ -239,15 +239,37 @@ def test_5_negative_num_maps_is_refused(finished, capsys):
 
 
 # --------------------------------------------------------------------------- behaviours
-def extend_epochs_on_resume(finished, tmp: Path) -> None:
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> tuple:
+    """A fresh 2-epoch CE run killed after epoch 1's history line, before its checkpoints
+    (``trainer.save_checkpoint`` raises KeyboardInterrupt at epoch 1): its config and the two
+    history lines it wrote, a fresh 2-epoch run's own (read before anything resumes it). Case 3
+    resumes it; case 1 compares lr schedules with those lines."""
+    tmp = tmp_path_factory.mktemp("killed")
+    cfg = _cfg(tmp, "killed", **{"train.epochs": "2"})
+    real = trainer_mod.save_checkpoint
+
+    def killed_at_epoch_1(state, path):
+        if state["epoch"] == 1:  # epoch 1's history line is written, its checkpoint is not
+            raise KeyboardInterrupt
+        real(state, path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer_mod, "save_checkpoint", killed_at_epoch_1)
+        with pytest.raises(KeyboardInterrupt):
+            _fit(cfg)
+    assert trainer_mod.save_checkpoint is real
+    return cfg, read_jsonl(cfg.run_dir / "history.jsonl")
+
+
+def extend_epochs_on_resume(finished, tmp: Path, killed) -> None:
     """1: a 1-epoch run resumed with train.epochs=2 runs at a fresh 2-epoch run's lr (the
-    1-epoch schedule would have reached 0)."""
-    fresh = _cfg(tmp, "fresh2", **{"train.epochs": "2"})
-    _fit(fresh)
+    1-epoch schedule would have reached 0); the fresh run's lines: those of ``killed``."""
     run = _copy_run(finished, "extended")
     cfg = load_config(run / "config.yaml", ["train.epochs=2", f"output_dir={run.parent}"])
     _fit(cfg, resume=run)
-    want = [h["lr"] for h in read_jsonl(fresh.run_dir / "history.jsonl")]
+    want = [h["lr"] for h in killed[1]]
+    assert len(want) == 2
     got = [h["lr"] for h in read_jsonl(run / "history.jsonl")]
     assert got == pytest.approx(want, rel=1e-12) and got[1] > 0  # 1e-3, 5e-4
 
@@ -263,22 +285,11 @@ def finished_run_is_not_overwritten(finished, tmp: Path) -> None:
     assert (run / "history.jsonl").read_text() == before
 
 
-def kill_between_history_and_checkpoint(finished, tmp: Path, monkeypatch) -> None:
-    """3: killed after epoch 2's history line, before its checkpoints: the resumed run has
-    each epoch's line once and a best checkpoint consistent with the history."""
-    cfg = _cfg(tmp, "killed", **{"train.epochs": "2"})
-    real, saves = trainer_mod.save_checkpoint, []
-
-    def killed_at_epoch_1(state, path):
-        saves.append(path)
-        if state["epoch"] == 1:  # epoch 1's history line is written, its checkpoint is not
-            raise KeyboardInterrupt
-        real(state, path)
-
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", killed_at_epoch_1)
-    with pytest.raises(KeyboardInterrupt):
-        _fit(cfg)
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", real)
+def kill_between_history_and_checkpoint(finished, tmp: Path, killed) -> None:
+    """3: killed after epoch 2's history line, before its checkpoints (``killed``): the resumed
+    run has each epoch's line once and a best checkpoint consistent with the history."""
+    cfg, before = killed
+    assert [h["epoch"] for h in before] == [0, 1]
     assert [h["epoch"] for h in read_jsonl(cfg.run_dir / "history.jsonl")] == [0, 1]
     _fit(cfg, resume=cfg.run_dir)
     history = read_jsonl(cfg.run_dir / "history.jsonl")
@@ -325,10 +336,10 @@ BEHAVIOURS = {
 
 
 @pytest.mark.parametrize("case", list(BEHAVIOURS), ids=list(BEHAVIOURS))
-def test_behaviour(case, finished, tmp_path, monkeypatch):
+def test_behaviour(case, finished, tmp_path, request):
     check = BEHAVIOURS[case]
-    if "monkeypatch" in check.__code__.co_varnames[: check.__code__.co_argcount]:
-        check(finished, tmp_path, monkeypatch)
+    if "killed" in check.__code__.co_varnames[: check.__code__.co_argcount]:
+        check(finished, tmp_path, request.getfixturevalue("killed"))
     else:
         check(finished, tmp_path)
     assert torch.get_num_threads() >= 1
