@@ -72,6 +72,30 @@ def _ref_image_stats(image: np.ndarray) -> list[float]:
             sum(sat) / len(sat)]
 
 
+def _array_stats(logits: np.ndarray, image: np.ndarray) -> list[float]:
+    """:func:`_ref_image_stats` + :func:`_ref_logit_stats` of one (K, H, W) and its (3, H, W),
+    the same formulas on whole float64 NumPy arrays (checked against the loops where used): for
+    the tests that need them on many images."""
+    rgb = np.clip(image * STD[:, None, None] + MEAN[:, None, None], 0.0, 1.0)  # (3, H, W)
+    y = 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
+    p = np.pad(y, 1, mode="edge")  # replicate padding
+    up, down, left, right = p[:-2, 1:-1], p[2:, 1:-1], p[1:-1, :-2], p[1:-1, 2:]
+    lap = up + down + left + right - 4 * y
+    noise = np.abs(p[:-2, :-2] + p[:-2, 2:] + p[2:, :-2] + p[2:, 2:]
+                   - 2 * (up + down + left + right) + 4 * y)
+    sigma = math.sqrt(math.pi / 2) / 6 * noise.mean()
+    sat = (rgb.max(axis=0) - rgb.min(axis=0)) / (rgb.max(axis=0) + 1e-3)
+    top = logits.max(axis=0)
+    e = np.exp(logits - top)
+    prob = e / e.sum(axis=0)
+    ent = -np.where(prob > 0, prob * np.log(np.where(prob > 0, prob, 1.0)), 0.0).sum(axis=0)
+    ranked = np.sort(logits, axis=0)
+    margin = ranked[-1] - ranked[-2]
+    return [y.mean(), math.log(y.std() + 1e-3), math.log(lap.var() + 1e-6),
+            math.log(sigma + 1e-4), sat.mean(), ent.mean(), ent.std(), margin.mean(),
+            margin.std()]
+
+
 def _ref_pixel_maps(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Entropy and top-2 margin of every pixel of one (K, H, W), by loops."""
     k, h, w = logits.shape
@@ -428,9 +452,12 @@ def test_outside_fit_flags_exactly_the_images_beyond_the_fit_range(contrast_fit)
     fitting = [j for j in range(len(x)) if (j // 4) % 5 != 4]
 
     def ref_stats(logits: torch.Tensor, image: torch.Tensor) -> list[float]:
-        return (_ref_image_stats(image.double().numpy())
-                + _ref_logit_stats(logits.double().numpy()))
+        return _array_stats(logits.double().numpy(), image.double().numpy())
 
+    for j in (0, 1, len(x) - 1):  # the array formulas are the loop references
+        np.testing.assert_allclose(
+            ref_stats(x[j], im[j]), _ref_image_stats(im[j].double().numpy())
+            + _ref_logit_stats(x[j].double().numpy()), rtol=1e-12, atol=1e-12)
     seen = np.array([ref_stats(x[j], im[j]) for j in fitting])
     low, high = seen.min(axis=0), seen.max(axis=0)
     with torch.no_grad():
@@ -446,6 +473,11 @@ def test_outside_fit_flags_exactly_the_images_beyond_the_fit_range(contrast_fit)
         flags = cal.outside_fit(logits, images)
     scale = cal.feature_scale[:len(low)].double().numpy()
     checked = 0
+    np.testing.assert_allclose(  # and on the generated images (the first and the last)
+        [ref_stats(logits[j], images[j]) for j in (0, len(logits) - 1)],
+        [_ref_image_stats(images[j].double().numpy()) + _ref_logit_stats(logits[j].double()
+                                                                         .numpy())
+         for j in (0, len(logits) - 1)], rtol=1e-12, atol=1e-12)
     for j in range(len(logits)):
         v = np.array(ref_stats(logits[j], images[j]))
         margin = np.minimum(np.abs(v - low), np.abs(v - high)) / scale
