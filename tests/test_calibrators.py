@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -272,22 +273,25 @@ SHORT_FITS = {"lts": {"epochs": 2}, "selective": {"epochs": 2}, "vector": {"max_
               "cms_op": {"max_iter": 5}, "image_ts": {"max_iter": 5}}
 
 
-@pytest.mark.filterwarnings("ignore:boundary_ts")  # an empty band on these small images
 @pytest.mark.parametrize("name", sorted(CALIBRATORS))
-def test_save_load_round_trip(name, tmp_path):
-    z, target = structured(n=10, h=16, w=16, seed=7)
-    logits = 2 * z
-    image = torch.randn(10, 3, 16, 16)
-    cal = build_calibrator(name, 4, **SHORT_FITS.get(name, {}))
-    cal.fit(batches_of(logits, target, image), ignore_index=VOID)
+def test_save_load_round_trip(name, short_fits, tmp_path):
+    """Each calibrator of :func:`short_fits`, saved and loaded, gives bitwise the same output
+    on the test split's logits and images."""
+    model, _, test, cals = short_fits
+    cal = cals[name]
+    image = torch.cat([x for x, _ in test])
+    with torch.no_grad():
+        logits = model(image)
     path = save_calibrator(cal, tmp_path / "calibrators" / f"{name}.pt")
     saved = torch.load(path, weights_only=True)
     assert saved["name"] == name and saved["params"] == cal.params
     back = load_calibrator(path)
     assert type(back) is type(cal) and back.params == cal.params
+    training = cal.training  # the fixture's calibrator is left as it was
     with torch.no_grad():
         torch.testing.assert_close(back(logits, image), cal.eval()(logits, image), atol=0,
                                    rtol=0)
+    cal.train(training)
 
 
 def test_load_rejects_other_files(tmp_path):
@@ -299,11 +303,12 @@ def test_load_rejects_other_files(tmp_path):
 
 
 # ----------------------------------------------------------------------------- one pass
-@pytest.mark.filterwarnings("ignore:boundary_ts")
-def test_test_pass_evaluates_every_calibrator_in_one_pass():
-    """Fit every calibrator on a validation loader, evaluate all on a test loader in one pass:
-    each calibrator's metrics equal meters fed its output directly; the argmax-keeping ones
-    leave mIoU bit-identical."""
+@pytest.fixture(scope="module")
+def short_fits() -> tuple:
+    """A 3 x 3 convolution (4 classes), a validation and a test loader of 16 x 16 images
+    (labels: its argmax, 30% flipped, the first row void), and every calibrator fitted on
+    validation with :data:`SHORT_FITS` through ``fit_calibrators`` (the engine's fit). Read
+    only: the one-pass test evaluates them, the round trips save and load them."""
     torch.manual_seed(0)
     k = 4
     model = nn.Conv2d(3, k, 3, padding=1)
@@ -321,7 +326,19 @@ def test_test_pass_evaluates_every_calibrator_in_one_pass():
 
     val, test = split(15, 1), split(6, 2)
     cals = {n: build_calibrator(n, k, **SHORT_FITS.get(n, {})) for n in CALIBRATORS}
-    fit_calibrators(cals, model, val, torch.device("cpu"), VOID)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "boundary_ts")  # an empty band on these small images
+        fit_calibrators(cals, model, val, torch.device("cpu"), VOID)
+    return model, val, test, cals
+
+
+@pytest.mark.filterwarnings("ignore:boundary_ts")
+def test_test_pass_evaluates_every_calibrator_in_one_pass(short_fits):
+    """Fit every calibrator on a validation loader, evaluate all on a test loader in one pass:
+    each calibrator's metrics equal meters fed its output directly; the argmax-keeping ones
+    leave mIoU bit-identical."""
+    model, _, test, cals = short_fits
+    k = 4
 
     def meters():
         return {"calibration": CalibrationMeter(k, ignore_index=VOID),
