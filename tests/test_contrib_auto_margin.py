@@ -593,7 +593,8 @@ def _check_safe(history, epochs: int) -> None:
 
 
 def test_shipped_classification_setup_first_epochs(tmp_path, monkeypatch):
-    # Tiny data (16 px, 40 ... 5 training and 4 validation images per class), 3 epochs,
+    # Tiny data (16 px, 40 ... 5 training and 4 validation images per class), 3 epochs of 3
+    # batches of 64 (the setup's size; each SGD step of the ResNet-18 costs more than its batch),
     # float32: finite losses, the margin inside its bounds, within the rate, and kept while the
     # accuracy is near chance. The run's margin evidence figure is drawn for real (no other test
     # draws it); its other figures, drawn in tests/test_plotting*.py, are saved undrawn.
@@ -609,7 +610,7 @@ def test_shipped_classification_setup_first_epochs(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", only_the_evidence)
     small = {"max_train": 40, "min_train": 5, "num_val": 4, "num_test": 6, "image_size": 16}
     history = _train_auto(tmp_path, 3, [
-        f"data.synthetic={json.dumps(small)}", "data.image_size=16", "train.batch_size=32",
+        f"data.synthetic={json.dumps(small)}", "data.image_size=16", "train.batch_size=64",
         "eval.batch_size=64", "train.amp=none",
     ])
     _check_safe(history, 3)
