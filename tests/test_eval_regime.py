@@ -17,23 +17,18 @@ from torch import nn
 
 from cals_seg.commands import eval_seg, import_model
 
+from ._s15_e import figures_skipped
+
 K = 11
 # The cases check eval_seg's line and metrics.json, never its figures: those are not even built
-# here (no_figures below; building them undrawn was most of an evaluation's time, in a forked
-# child that a busy machine does not overlap). eval_seg's figures are drawn for real by
-# tests/test_pipeline.py and checked by tests/test_plotting*.py; anything else saved undrawn.
+# here (tests/_s15_e.py: figures_skipped; building them undrawn was most of an evaluation's
+# time); anything else is saved undrawn.
 pytestmark = pytest.mark.usefixtures("undrawn_figures", "no_figures")
 
 
 @pytest.fixture(scope="module")
 def no_figures() -> Iterator[None]:
-    """eval_seg's clean figures and its multiplier curves not built (the command still calls
-    them)."""
-    from cals_seg.visualization import plotting
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(eval_seg, "draw_clean_figures", lambda *args, **kwargs: None)
-        patch.setattr(plotting, "plot_multiplier_curves", lambda *args, **kwargs: None)
+    with figures_skipped():
         yield
 
 
