@@ -442,6 +442,17 @@ def test_eval_seg_fits_saves_and_evaluates_calibrators(tmp_path, capsys, monkeyp
     err = capsys.readouterr().err
     assert "dirichlet.pt was fitted for params=" in err and "max_iter" in err
     assert "selective.pt was fitted for params=" in err and "ts.pt was" not in err
+    # No parameters given: the defaults are what the records are compared with (dirichlet's
+    # max_iter 4 is not its default: refit, saying so; ts is loaded).
+    two = base[:base.index("--calibrators") + 1] + ["ts", "dirichlet"] \
+        + base[base.index("--calibrators") + 1 + len(names):]
+    assert load_tool("eval_seg").main(two) == 0
+    fourth = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert {n: fourth["calibrator_fits"][n]["loaded"] for n in ("ts", "dirichlet")} == {
+        "ts": True, "dirichlet": False}
+    err = capsys.readouterr().err
+    assert "dirichlet.pt was fitted for params=" in err and "ts.pt was" not in err
+    assert fourth["calibrator_fits"]["dirichlet"]["fitted_for"]["params"]["max_iter"] != 4
 
 
 def test_eval_seg_calibrator_params():
