@@ -11,7 +11,7 @@ import pytest
 
 from cals_seg.training.study import backfill_test_metrics
 
-from ._s15_d import networks_built_once, seeded_networks
+from ._commands_cheap import networks_built_once, seeded_networks
 from ._undrawn import children_undrawn
 from .conftest import TRAINED_NAME, copy_run, load_tool
 from .test_pipeline import ROOT
@@ -20,7 +20,7 @@ from .test_pipeline import ROOT
 # checks numbers, messages and which files are written, not how a figure looks.
 # So are the figures of the runs compare trains in subprocesses (tests/_undrawn). The
 # networks compare builds in this process (each run's data prepared, test metrics checked,
-# calibrators fitted) are built once (tests/_s15_d.py); the runs trained here are seeded.
+# calibrators fitted) are built once (tests/_commands_cheap.py); the runs trained here are seeded.
 pytestmark = pytest.mark.usefixtures("undrawn_figures", "undrawn_children", "networks_once")
 
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._s15_d import clean_figures_left_out, networks_built_once, seeded_networks
+from ._commands_cheap import clean_figures_left_out, networks_built_once, seeded_networks
 from .conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 CE = ROOT / "configs" / "synthetic_deeplabv3_ce.yaml"
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn), eval_seg's
 # clean ones not made, and a run's network built once for all the commands loading it
-# (tests/_s15_d.py): this file checks numbers, messages and which files are written.
+# (tests/_commands_cheap.py): this file checks numbers, messages and which files are written.
 pytestmark = [
     pytest.mark.filterwarnings(
         "ignore:.*temperature.json", "ignore:The validation NLL is minimal",

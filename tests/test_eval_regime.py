@@ -17,12 +17,12 @@ from torch import nn
 
 from cals_seg.commands import eval_seg, import_model
 
-from ._s15_e import figures_skipped
+from ._figures_skipped import figures_skipped
 
 K = 11
 # The cases check eval_seg's line and metrics.json, never its figures: those are not even built
-# here (tests/_s15_e.py: figures_skipped; building them undrawn was most of an evaluation's
-# time); anything else is saved undrawn.
+# here (tests/_figures_skipped.py: figures_skipped; building them undrawn was most of an
+# evaluation's time); anything else is saved undrawn.
 pytestmark = pytest.mark.usefixtures("undrawn_figures", "no_figures")
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ._s15_d import clean_figures_left_out, networks_built_once, seeded_networks
+from ._commands_cheap import clean_figures_left_out, networks_built_once, seeded_networks
 from .conftest import copy_run, load_tool, untrained_seg_run
 
 ROOT = Path(__file__).resolve().parents[1]
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn), eval_seg's
 # clean ones not made, and a run's network built once for all the commands loading it
-# (tests/_s15_d.py): this file checks numbers, messages and which fit files are written.
+# (tests/_commands_cheap.py): this file checks numbers, messages and which fit files are written.
 pytestmark = [
     pytest.mark.filterwarnings(
         "ignore:.*temperature.json", "ignore:The validation NLL is minimal",

@@ -16,7 +16,7 @@ from cals_seg.training.trainer import fit
 from cals_seg.utils.io import load_checkpoint
 from cals_seg.utils.precision import resolve_amp
 
-from ._s15_e import figures_skipped
+from ._figures_skipped import figures_skipped
 from .conftest import figures_undrawn, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]

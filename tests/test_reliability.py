@@ -51,7 +51,7 @@ from cals_seg.utils.paths import (
     read_lines,
 )
 
-from ._s15_e import figures_skipped
+from ._figures_skipped import figures_skipped
 from .conftest import copy_run, load_tool
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,8 +31,8 @@ import yaml
 from cals_seg.commands import compare, eval_seg, export, predict_seg, train_seg
 from cals_seg.runs.run import Run
 
+from ._checkpoints_once import checkpoints_read_once
 from ._networks import build_networks_once
-from ._s15_c import checkpoints_read_once
 from .conftest import SEG_SETUP, TRAINED_NAME, tiny_seg_sets
 
 pytestmark = pytest.mark.usefixtures("undrawn_figures", "no_clean_figures", "networks_once",
@@ -74,8 +74,8 @@ def networks_once():
 
 @pytest.fixture(scope="module", name="checkpoints_read_once")
 def _checkpoints_read_once():
-    """Each checkpoint file read once (:func:`tests._s15_c.read_once`): every case's copy of
-    the run hard-links the base run's checkpoints, which each command read again."""
+    """Each checkpoint file read once (:func:`tests._checkpoints_once.read_once`): every case's
+    copy of the run hard-links the base run's checkpoints, which each command read again."""
     with checkpoints_read_once():
         yield
 

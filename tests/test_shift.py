@@ -23,12 +23,12 @@ from cals_seg.data.corruptions import (
 )
 from cals_seg.errors import UserError
 
-from ._s15_d import clean_figures_left_out, networks_built_once, seeded_networks
+from ._commands_cheap import clean_figures_left_out, networks_built_once, seeded_networks
 from .conftest import untrained_seg_run
 
 # The library's figures are saved undrawn (tests/conftest.py: figures_undrawn), eval_seg's
 # clean ones not made, and a run's network built once for all the commands loading it
-# (tests/_s15_d.py): this file checks numbers, messages and which files are written.
+# (tests/_commands_cheap.py): this file checks numbers, messages and which files are written.
 pytestmark = pytest.mark.usefixtures("undrawn_figures", "cheaper_commands")
 
 

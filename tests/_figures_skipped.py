@@ -15,14 +15,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from ._s15_d import clean_figures_left_out
+from ._commands_cheap import clean_figures_left_out
 
 
 @contextlib.contextmanager
 def figures_skipped() -> Iterator[None]:
-    """Inside the block, ``eval_seg``'s clean figures (:func:`tests._s15_d.clean_figures_left_out`),
-    ``eval_cls``'s figures and the multiplier curves are not built: the commands still call the
-    functions, which return at once."""
+    """Inside the block, ``eval_seg``'s clean figures
+    (:func:`tests._commands_cheap.clean_figures_left_out`), ``eval_cls``'s figures and the
+    multiplier curves are not built: the commands still call the functions, which return at
+    once."""
     from cals_seg.commands import eval_cls
     from cals_seg.visualization import plotting
 
