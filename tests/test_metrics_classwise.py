@@ -116,3 +116,55 @@ def test_all_void_image_and_single_bin():
         valid = (target != VOID).reshape(2, -1).numpy()
         np.testing.assert_allclose(stats["cw_prob"].numpy(),
                                    _ref_sums(p, valid, n_bins).sum(axis=0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_above_is_the_float_comparison(dtype):
+    """``_above`` compares bit patterns as integers: the same answer as ``x > t`` on every
+    non-negative value, -0.0, subnormals and the values around each threshold."""
+    from cals_seg.metrics.calibration import _above
+    from cals_seg.metrics.functional import _edge_thresholds
+
+    g = torch.Generator().manual_seed(1)
+    tiny = torch.finfo(dtype).tiny
+    for n_bins in (2, 3, 10, 15, 100):
+        t = _edge_thresholds(n_bins, dtype)[0]
+        tt = torch.tensor(t, dtype=dtype)
+        near = torch.stack([tt, torch.nextafter(tt, torch.tensor(0.0, dtype=dtype)),
+                            torch.nextafter(tt, torch.tensor(2.0, dtype=dtype))])
+        fixed = torch.tensor([0.0, -0.0, tiny, tiny / 4, 1.0, 0.5, -1.0, -tiny], dtype=dtype)
+        x = torch.cat([near, fixed, torch.rand(499, generator=g, dtype=dtype),
+                       torch.rand(500, generator=g, dtype=dtype) * 2 * t])
+        got = _above(x.view(10, -1).t(), t)  # strided, 2-D
+        assert got.dtype == torch.uint8
+        assert torch.equal(got.bool(), x.view(10, -1).t() > t)
+
+
+@pytest.mark.parametrize("uncertain", [0.0, 0.1, 0.45, 0.55, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rest_sums_search_only_uncertain_positions(uncertain, dtype):
+    """Given each position's sum, only positions whose sum is above the first edge are searched
+    (when they are fewer than half): the same sums as the search of every value and as the
+    float64 loop, whatever the share of uncertain positions, with edge values among them."""
+    from cals_seg.metrics.calibration import _classwise_rest_sums
+
+    for n_bins in (2, 10, 15):
+        g = torch.Generator().manual_seed(n_bins + int(100 * uncertain))
+        n, k, m = 3, 6, 200
+        logits = torch.randn(n, k, m, generator=g, dtype=torch.float64)
+        confident = torch.rand(n, m, generator=g) >= uncertain
+        logits[:, 0][confident] += 40.0  # p_0 ~ 1, the other values tiny
+        q = torch.softmax(logits, dim=1).to(dtype)
+        q[:, 0] = 0.0  # the arg-max taken out, as the meter does
+        edges = torch.tensor(_edge_values(n_bins), dtype=dtype)  # on uncertain positions only
+        spots = (~confident).nonzero()[: len(edges)]
+        q[spots[:, 0], 1, spots[:, 1]] = edges[: len(spots)]
+        rest = q.sum(dim=1)
+        searched = torch.zeros((n, k, n_bins), dtype=torch.float64)
+        _classwise_rest_sums(q, n_bins, searched, rest)
+        every = torch.zeros((n, k, n_bins), dtype=torch.float64)
+        _classwise_rest_sums(q, n_bins, every)
+        np.testing.assert_allclose(searched.numpy(), every.numpy(), rtol=1e-13, atol=0)
+        searched[:, :, 0] -= searched[:, :, 1:].sum(dim=2)
+        expected = _ref_sums(q.double().numpy(), np.ones((n, m), dtype=bool), n_bins)
+        np.testing.assert_allclose(searched.numpy(), expected, rtol=1e-12, atol=1e-12)

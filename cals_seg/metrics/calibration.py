@@ -38,7 +38,22 @@ def _bincount(index: Tensor, size: int, weights: Tensor | None = None) -> Tensor
     return out if w is None else out.to(w.dtype)  # (empty input gives int64 even with weights)
 
 
-def _classwise_rest_sums(q: Tensor, n_bins: int, out: Tensor) -> None:
+def _above(x: Tensor, threshold: float) -> Tensor:
+    """``x > threshold`` as a uint8 tensor, for float32 / float64 ``x`` without NaN and a
+    ``threshold > 0`` of its dtype: compared as integers, since the bit patterns of
+    non-negative floats are ordered as their values (and a negative value, -0.0 included, is a
+    negative integer). Twice as fast on the CPU as the float comparison, and ``nonzero`` of
+    uint8 faster than of bool.
+
+    Shape:
+        - x: any shape (any strides); returns: the same shape, uint8 (0 or 1).
+    """
+    itype = torch.int32 if x.dtype == torch.float32 else torch.int64
+    bits = int(torch.tensor(threshold, dtype=x.dtype).view(itype))
+    return x.view(itype).gt(bits).view(torch.uint8)
+
+
+def _classwise_rest_sums(q: Tensor, n_bins: int, out: Tensor, rest: Tensor | None = None) -> None:
     """Add to ``out[i, k, b]`` the float64 sum of ``q[i, k, j]`` over the positions ``j`` with
     ``bin(q[i, k, j]) = b``, for ``b >= 1``; ``out[..., 0]`` gets the float64 total of ``q``
     (the caller subtracts the other bins from it at the end).
@@ -47,19 +62,34 @@ def _classwise_rest_sums(q: Tensor, n_bins: int, out: Tensor) -> None:
     largest value of its dtype not above ``1 / n`` (``bin_index``'s edges), and since the values
     of a position sum to at most 1, fewer than ``n`` of them are above it. Only those go through
     an ``index_add``; with the arg-max already taken out of ``q`` that is one or two per
-    position in practice.
+    position in practice. ``rest``, the float sum of each position's values, narrows the search:
+    a float sum of non-negative terms is at least its largest term (rounding is monotone), so a
+    position with ``rest <= t_1`` has every value in bin 0, and only the others are searched when
+    they are fewer than half (a trained network's confident pixels: most of them). The values
+    found are the same either way (added in another order).
 
     Shape:
         - q: ``(N, K, B)`` float32 / float64 (a block of positions, void positions set to 0;
-          the arg-max may be left in); out: ``(N, K, n_bins)`` float64, updated in place.
+          the arg-max may be left in); out: ``(N, K, n_bins)`` float64, updated in place;
+          rest: ``(N, B)``, ``q.sum(dim=1)``.
     """
     n, k, npos = q.shape
     out[:, :, 0] += q.sum(dim=2, dtype=torch.float64)
     if n_bins == 1:
         return
     t1 = _edge_thresholds(n_bins, q.dtype)[0]
+    if rest is not None:
+        image, pos = _above(rest, t1).nonzero(as_tuple=True)
+        if 2 * image.numel() < n * npos:  # (m, K): the values of the positions searched
+            values = q[image, :, pos]
+            which, cls = _above(values, t1).nonzero(as_tuple=True)
+            values = values[which, cls]
+            rows = image[which].mul_(k).add_(cls)  # i * K + k
+            cell = rows.mul_(n_bins).add_(bin_index(values, n_bins))
+            out.view(-1).index_add_(0, cell, values.to(torch.float64))
+            return
     flat = q.reshape(n * k, npos)
-    rows, cols = (flat > t1).nonzero(as_tuple=True)  # row = i * K + k
+    rows, cols = _above(flat, t1).nonzero(as_tuple=True)  # row = i * K + k
     values = flat[rows, cols]
     cell = rows.mul_(n_bins).add_(bin_index(values, n_bins))
     out.view(-1).index_add_(0, cell, values.to(torch.float64))
@@ -183,7 +213,7 @@ def _calibration_update(
             q[inv_n, :, inv_j] = 0.0
         rest = q.sum(dim=1)
         if rest_nkb is not None:
-            _classwise_rest_sums(q, n_bins, rest_nkb)
+            _classwise_rest_sums(q, n_bins, rest_nkb, rest)
         rest_sq = q.mul_(q).sum(dim=1)  # sum_{j != pred} p_j^2
         del p, q
         conf64, p_y64 = conf.to(f64), p_y.to(f64)
