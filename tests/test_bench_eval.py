@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,3 +51,29 @@ def test_bench_eval_quick_prints_every_row():
     # boundary_ts, lts) and 4 meters' memory
     assert len(targets) == 2 * (5 + 4), out
     assert all(math.isfinite(float(t[1])) for t in targets)
+
+
+def test_meter_floor_quick_prints_every_step():
+    """benchmarks/meter_floor.py --quick: every step's row, in softmaxes, and the bound."""
+    script = ROOT / "benchmarks" / "meter_floor.py"
+    threads = torch.get_num_threads()
+    buffer = io.StringIO()
+    try:
+        with mock.patch.object(sys, "argv", [str(script), "--quick", "--repeats", "2"]), \
+                contextlib.redirect_stdout(buffer):
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+                code = 0
+            except SystemExit as done:
+                code = done.code
+    finally:
+        torch.set_num_threads(threads)
+    out = buffer.getvalue()
+    assert code == 0, out
+    rows = {line.split("|")[1].strip(): line.strip("|").split("|") for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| step")}
+    steps = ["read", "softmax", "class-wise compare", "class-wise compaction", "class totals"]
+    for name in [*steps, "lower bound, eager (the five rows)"]:
+        assert name in rows and math.isfinite(float(rows[name][2])), (name, out)
+    total = sum(float(rows[name][1]) for name in steps)
+    assert float(rows["lower bound, eager (the five rows)"][1]) == pytest.approx(total, abs=0.01)
