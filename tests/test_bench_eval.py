@@ -20,12 +20,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_eval_quick_prints_every_row():
-    script = ROOT / "benchmarks" / "bench_eval.py"
-    threads = torch.get_num_threads()  # the script sets its own (--threads 1)
+def run_script(name: str, *args: str) -> str:
+    """The output of ``python benchmarks/<name> ARGS``, run in this process (its
+    ``__main__``), after checking that it exits with status 0."""
+    script = ROOT / "benchmarks" / name
+    threads = torch.get_num_threads()  # the scripts set their own (--threads 1)
     buffer = io.StringIO()
     try:
-        with mock.patch.object(sys, "argv", [str(script), "--quick"]), \
+        with mock.patch.object(sys, "argv", [str(script), *args]), \
                 contextlib.redirect_stdout(buffer):
             try:
                 runpy.run_path(str(script), run_name="__main__")
@@ -36,6 +38,11 @@ def test_bench_eval_quick_prints_every_row():
         torch.set_num_threads(threads)
     out = buffer.getvalue()
     assert code == 0, out
+    return out
+
+
+def test_bench_eval_quick_prints_every_row():
+    out = run_script("bench_eval.py", "--quick")
     rows = {line.split("|")[1].strip(): line for line in out.splitlines()
             if line.startswith("| ") and not line.startswith("| update")}
     for name in ("softmax", "CalibrationMeter", "SegmentationMeter", "BoundaryCalibrationMeter",
@@ -55,21 +62,7 @@ def test_bench_eval_quick_prints_every_row():
 
 def test_meter_floor_quick_prints_every_step():
     """benchmarks/meter_floor.py --quick: every step's row, in softmaxes, and the bound."""
-    script = ROOT / "benchmarks" / "meter_floor.py"
-    threads = torch.get_num_threads()
-    buffer = io.StringIO()
-    try:
-        with mock.patch.object(sys, "argv", [str(script), "--quick", "--repeats", "2"]), \
-                contextlib.redirect_stdout(buffer):
-            try:
-                runpy.run_path(str(script), run_name="__main__")
-                code = 0
-            except SystemExit as done:
-                code = done.code
-    finally:
-        torch.set_num_threads(threads)
-    out = buffer.getvalue()
-    assert code == 0, out
+    out = run_script("meter_floor.py", "--quick", "--repeats", "2")
     rows = {line.split("|")[1].strip(): line.strip("|").split("|") for line in out.splitlines()
             if line.startswith("| ") and not line.startswith("| step")}
     steps = ["read", "softmax", "class-wise compare", "class-wise compaction", "class totals"]
