@@ -5,7 +5,10 @@
 
 Each loss runs on the same ``(N, K, H, W)`` logits with a fraction of void (255) pixels. Time is
 the fastest of ``--repeats`` forward+backward passes after one warm-up, the losses taking turns
-in every round; ``F.cross_entropy`` is measured in the same run, and so is one copy of the
+in every round (the order reversed every other round); ``F.cross_entropy`` is measured in the
+same run, and "paired" is the median over the rounds of each loss's time over
+``F.cross_entropy``'s in the same round (steadier than the ratio of the fastest times on a
+machine whose speed drifts; use ``--repeats 15`` or more), and so is one copy of the
 logits (``logits.clone()``, the least a pass over them costs): "copies" is each time in copies,
 with the CPU (its model and the instruction set of torch's kernels) or the GPU named. "saved"
 is what the autograd graph keeps for backward besides the logits (measured with saved-tensor
@@ -33,6 +36,7 @@ import argparse
 import getpass
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,11 +134,13 @@ def sync(device: str) -> None:
 
 
 def time_all(names: list[str], logits, target, repeats: int, device: str,
-             fns: dict | None = None, first: dict | None = None) -> dict[str, float]:
+             fns: dict | None = None, first: dict | None = None,
+             rounds: list | None = None) -> dict[str, float]:
     """Fastest of ``repeats`` forward+backward passes per loss, the losses taking turns in each
     round so that a change of machine load affects every loss alike. The functions are left in
     ``fns`` when given (a compiled one is reused, not compiled again), the time of the first
-    call (a compiled function compiles there) in ``first``."""
+    call (a compiled function compiles there) in ``first``, each round's times in
+    ``rounds``."""
     fns = {} if fns is None else fns
     first = {} if first is None else first
     for name in names:
@@ -145,21 +151,34 @@ def time_all(names: list[str], logits, target, repeats: int, device: str,
         step(fns[name], logits, target)
         sync(device)
         first[name] = time.perf_counter() - t0
-    return _time_in_turns(names, fns, logits, target, repeats, device)
+    return _time_in_turns(names, fns, logits, target, repeats, device, rounds)
 
 
 def _time_in_turns(names: list[str], fns: dict, logits, target, repeats: int,
-                   device: str) -> dict[str, float]:
-    """Fastest of ``repeats`` passes of the already warmed-up ``fns[name]``, in turns."""
+                   device: str, rounds: list | None = None) -> dict[str, float]:
+    """Fastest of ``repeats`` passes of the already warmed-up ``fns[name]``, in turns (the
+    order reversed every other round); each round's ``{name: seconds}`` appended to
+    ``rounds``."""
     best = dict.fromkeys(names, float("inf"))
-    for _ in range(repeats):
-        for name in names:
+    for i in range(repeats):
+        times = {}
+        for name in names if i % 2 == 0 else names[::-1]:
             sync(device)
             t0 = CLOCK()
             step(fns[name], logits, target)
             sync(device)
-            best[name] = min(best[name], CLOCK() - t0)
+            times[name] = CLOCK() - t0
+            best[name] = min(best[name], times[name])
+        if rounds is not None:
+            rounds.append(times)
     return best
+
+
+def paired_ratio(rounds: list[dict[str, float]], name: str, ref: str) -> float:
+    """Median over the rounds of ``time[name] / time[ref]`` measured in the same round: a slow
+    drift of the machine's speed affects both, unlike the ratio of two fastest times."""
+    ratios = [r[name] / r[ref] for r in rounds if name in r and ref in r and r[ref] > 0]
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def saved_for_backward(name: str, logits: torch.Tensor, target: torch.Tensor,
@@ -260,7 +279,9 @@ def main() -> None:
     logits_mib = logits.numel() * logits.element_size() / 2**20
     fns: dict = {}
     first: dict = {}
-    times = time_all([COPY, *names], logits, target, args.repeats, args.device, fns, first)
+    rounds: list[dict[str, float]] = []
+    times = time_all([COPY, *names], logits, target, args.repeats, args.device, fns, first,
+                     rounds)
     saved = {name: saved_for_backward(name, logits, target) for name in names}
     mems = {}
     for name in names:
@@ -291,7 +312,7 @@ def main() -> None:
                 compiled.append(name)
             except Exception as err:  # noqa: BLE001 - reported, the eager rows stand
                 compiled_errors[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        best = _time_in_turns(compiled, fns, logits, target, args.repeats, args.device)
+        best = _time_in_turns(compiled, fns, logits, target, args.repeats, args.device, rounds)
         for name in compiled:
             times[name] = best[name]
             saved[name] = saved_for_backward(name, logits, target, fns[name])
@@ -311,19 +332,21 @@ def main() -> None:
         "peak = peak extra memory of one pass "
         f"({'max_memory_allocated' if cuda else 'fresh process, VmHWM'})"
     )
-    print("| loss | time (ms) | time / F.cross_entropy | copies | saved (MiB) | peak (MiB) "
-          "| peak / CE | compile (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| loss | time (ms) | time / F.cross_entropy | paired | copies | saved (MiB) "
+          "| peak (MiB) | peak / CE | compile (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     ce_t, ce_m = times["F.cross_entropy"], mems["F.cross_entropy"]
     ce_ct = times.get("F.cross_entropy" + COMPILED, float("nan"))
     copy_t = times[COPY]
-    print(f"| {COPY} | {copy_t * 1e3:.2f} | {copy_t / ce_t:.2f}x | 1.00 | | | | |")
+    print(f"| {COPY} | {copy_t * 1e3:.2f} | {copy_t / ce_t:.2f}x | "
+          f"{paired_ratio(rounds, COPY, 'F.cross_entropy'):.2f}x | 1.00 | | | | |")
     for name in names:
         is_compiled = name.endswith(COMPILED)
         ref = ce_ct if is_compiled else ce_t
+        paired = paired_ratio(rounds, name, "F.cross_entropy" + (COMPILED if is_compiled else ""))
         comp = f"{first[name] - times[name]:.1f}" if is_compiled else ""  # wall - clock
         print(
-            f"| {name} | {times[name] * 1e3:.2f} | {times[name] / ref:.2f}x | "
+            f"| {name} | {times[name] * 1e3:.2f} | {times[name] / ref:.2f}x | {paired:.2f}x | "
             f"{in_copies(times[name], copy_t)} | {saved[name]:.0f} | {mems[name]:.0f} | "
             f"{mems[name] / max(ce_m, 1e-9):.2f}x | {comp} |"
         )
