@@ -52,7 +52,7 @@ def test_bench_eval_quick_prints_every_row():
                  "ObjectSizeCalibrationMeter: analysis in the loader"):
         assert name in rows, (name, out)
     cells = [c.strip() for c in rows["CalibrationMeter"].strip("|").split("|")]
-    assert len(cells) == 5 and all(math.isfinite(float(c)) for c in cells[1:] if c != "n/a")
+    assert len(cells) == 7 and all(math.isfinite(float(c)) for c in cells[1:] if c != "n/a")
     targets = re.findall(r"^TARGET \| (.+?) \| (\S+) \| (<= \S+) \| (MET|NOT MET)$", out, re.M)
     # per shape: 5 time ratios (calibration meter, the two region meters given their groups,
     # boundary_ts, lts) and 4 meters' memory
