@@ -79,8 +79,10 @@ def _classwise_rest_sums(q: Tensor, n_bins: int, out: Tensor, rest: Tensor | Non
     if n_bins == 1:
         return
     t1 = _edge_thresholds(n_bins, q.dtype)[0]
-    image, pos = _above(rest, t1).nonzero(as_tuple=True) if rest is not None else (None, None)
-    if image is not None and 2 * image.numel() < n * npos:
+    uncertain = _above(rest, t1) if rest is not None else None
+    # counted first: the positions are listed only when the narrowed search is taken
+    if uncertain is not None and 2 * int(uncertain.sum(dtype=torch.int64)) < n * npos:
+        image, pos = uncertain.nonzero(as_tuple=True)
         searched = q[image, :, pos]  # (m, K): the values of the uncertain positions
         which, cls = _above(searched, t1).nonzero(as_tuple=True)
         values = searched[which, cls]
